@@ -1,0 +1,58 @@
+"""Backend registry: lazy probes, each importing its library only when asked (DESIGN.md).
+
+    get_backend("auto")  ->  cuda, then opencl (GPU/accelerator devices only), then cpu
+    COLIBRI_BACKEND overrides "auto"; an explicit name beats the environment.
+"""
+from __future__ import annotations
+
+import importlib
+
+from colibri_edge.errors import ColibriError, COLIBRI_ERR_UNAVAILABLE, COLIBRI_ERR_INVALID_ARGUMENT
+
+# name -> module path (relative to this package); each module has probe() and Backend
+_MODULES = {
+    "cuda": ".cuda.backend",
+    "opencl": ".opencl.backend",
+    "cpu": ".cpu.backend",
+    "reference": ".reference.backend",
+}
+AUTO_ORDER = ("cuda", "opencl", "cpu")
+NAMES = tuple(_MODULES)
+
+
+def _module(name):
+    if name not in _MODULES:
+        raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT,
+                           f"unknown backend {name!r}; choose one of auto, {', '.join(_MODULES)}")
+    try:
+        return importlib.import_module(_MODULES[name], __name__)
+    except ModuleNotFoundError as e:
+        raise ColibriError(COLIBRI_ERR_UNAVAILABLE, f"backend {name!r} is not built into this install ({e})")
+
+
+def probe(name: str, for_auto: bool = False):
+    """-> (ok, detail): detail lists devices when ok, or why the backend is missing."""
+    try:
+        mod = _module(name)
+        return mod.probe(for_auto=for_auto)
+    except ColibriError as e:
+        return False, e.message
+
+
+def create(name: str, **options):
+    """Instantiate a backend by name ('auto' resolves through the probes)."""
+    if name == "auto":
+        reasons = []
+        for cand in AUTO_ORDER:
+            ok, detail = probe(cand, for_auto=True)
+            if ok:
+                name = cand
+                break
+            reasons.append(f"{cand}: {detail}")
+        else:
+            raise ColibriError(COLIBRI_ERR_UNAVAILABLE, "no backend works here: " + "; ".join(reasons))
+    mod = _module(name)
+    ok, detail = mod.probe(for_auto=False)
+    if not ok:
+        raise ColibriError(COLIBRI_ERR_UNAVAILABLE, f"backend {name!r} is unavailable: {detail}")
+    return mod.Backend(**options)

@@ -1,0 +1,122 @@
+"""The NumPy reference backend: the oracle every other backend is tested against.
+
+Clarity beats speed here: each op is the math of its docstring in base.py, in float32, with
+weights widened at use (so the memmap stays lazy: an expert never routed to is never read).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from colibri_edge.dtypes import widen
+from colibri_edge import routing
+from ..base import Backend as BackendBase, Plan, Weight
+
+
+def probe(for_auto=False):
+    return True, "NumPy " + np.__version__
+
+
+def _f32(w):
+    return widen(w.data, w.dtype) if isinstance(w, Weight) else w
+
+
+class Backend(BackendBase):
+    name = "reference"
+    weight_dtypes = ("float32", "float16", "bfloat16")
+
+    def __init__(self, **options):
+        self.options = options
+
+    # memory
+    def alloc(self, shape, dtype=np.float32):
+        return np.zeros(shape, dtype=dtype)
+
+    def upload(self, host, dtype="float32"):
+        return Weight(host, dtype, tuple(host.shape))
+
+    def upload_into(self, dst, host):
+        dst[...] = host
+
+    def download(self, buf):
+        return np.array(buf)
+
+    # dense
+    def embed(self, out, table, ids):
+        out[...] = _f32(table)[ids] if not isinstance(table, Weight) else widen(table.data[ids], table.dtype)
+
+    def matmul(self, out, x, w, bias=None):
+        out[...] = x @ _f32(w).T
+        if bias is not None:
+            out += _f32(bias)
+
+    def rmsnorm(self, out, x, weight, eps):
+        var = np.mean(x * x, axis=-1, keepdims=True)
+        out[...] = x / np.sqrt(var + np.float32(eps)) * _f32(weight)
+
+    def rope(self, out, x, positions, theta):
+        D = x.shape[-1]
+        inv_freq = 1.0 / (theta ** (np.arange(0, D, 2, dtype=np.float32) / D))
+        ang = positions.astype(np.float32)[:, None] * inv_freq[None, :].astype(np.float32)   # [T, D/2]
+        cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+        x1, x2 = x[..., : D // 2].copy(), x[..., D // 2:].copy()
+        out[..., : D // 2] = x1 * cos - x2 * sin
+        out[..., D // 2:] = x2 * cos + x1 * sin
+
+    def add(self, out, a, b, gate=None):
+        if gate is None:
+            out[...] = a + b
+        else:
+            out[...] = a + b / (1.0 + np.exp(-gate))
+
+    # attention
+    def alloc_kv(self, num_layers, num_slots, kv_heads, head_dim):
+        return [(np.zeros((num_slots, kv_heads, head_dim), np.float32),
+                 np.zeros((num_slots, kv_heads, head_dim), np.float32)) for _ in range(num_layers)]
+
+    def kv_write(self, cache, layer, k, v, slots):
+        K, V = cache[layer]
+        K[slots] = k
+        V[slots] = v
+
+    def paged_attention(self, out, q, cache, layer, block_tables, seq_index, positions, block_size, scale):
+        K, V = cache[layer]
+        Hq, Hkv = q.shape[1], K.shape[1]
+        group = Hq // Hkv
+        for t in range(q.shape[0]):
+            n = int(positions[t]) + 1
+            j = np.arange(n)
+            slots = block_tables[seq_index[t], j // block_size] * block_size + j % block_size
+            k = np.repeat(K[slots], group, axis=1)       # [n, Hq, D]
+            v = np.repeat(V[slots], group, axis=1)
+            s = np.einsum("hd,nhd->hn", q[t], k) * np.float32(scale)
+            p = routing.softmax(s)
+            out[t] = np.einsum("hn,nhd->hd", p, v)
+
+    # MoE
+    def route(self, out_ids, out_w, logits, k, mode, normalize):
+        ids, w = routing.route(logits, k, mode, normalize)
+        out_ids[...] = ids
+        out_w[...] = w
+
+    def align(self, plan_bufs, ids, num_tokens, num_experts, top_k):
+        offsets, order, inverse = routing.align(ids, num_experts)
+        return Plan(offsets, order, inverse, np.diff(offsets), num_tokens, top_k)
+
+    def grouped_ffn(self, out, x, experts, plan, scratch):
+        k = plan.top_k
+        for e, n in enumerate(plan.counts):
+            if n == 0:
+                continue
+            a, b = plan.offsets[e], plan.offsets[e + 1]
+            tokens = plan.order[a:b] // k
+            ffn = experts[e]
+            xs = x[tokens]
+            g = xs @ _f32(ffn.gate).T
+            u = xs @ _f32(ffn.up).T
+            act = g / (1.0 + np.exp(-g)) * u                  # SwiGLU: silu(gate) * up
+            out[a:b] = act @ _f32(ffn.down).T
+
+    def combine(self, out, y, w, plan):
+        T, k = plan.num_tokens, plan.top_k
+        rows = y[plan.inverse[: T * k]].reshape(T, k, -1)
+        out += np.einsum("tk,tkh->th", w, rows)

@@ -1,0 +1,323 @@
+"""`colibri convert`: a Hugging Face MoE checkpoint (safetensors, possibly sharded) -> model directory.
+
+Streams tensor by tensor from memory-mapped shards, so peak memory is about one tensor (in float32)
+whatever the checkpoint's size. float32/float16/bfloat16 sources are read without torch.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+from tqdm import tqdm
+
+from .dtypes import WEIGHT_DTYPES, widen
+from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_MODEL_TYPE, invalid_model
+from .modeldir import SUPPORTED_MODEL_TYPES, ModelWriter, expected_tensors
+
+SAFETENSORS_DTYPES = {"F32": ("<f4", "float32"), "F16": ("<f2", "float16"), "BF16": ("<u2", "bfloat16")}
+COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                "generation_config.json", "chat_template.jinja", "chat_template.json")
+
+
+# ----------------------------------------------------------------------------------------------
+# reading safetensors shards lazily
+
+class SafetensorsIndex:
+    """name -> lazily read tensor, over one or many .safetensors shards.
+
+    The header of a shard is JSON after an 8-byte length (the format's spec); data is mapped, not
+    read, so a tensor's pages are touched only when it is converted. The `safetensors` package
+    cannot hand bfloat16 to NumPy, hence the mapping here.
+    """
+
+    def __init__(self, hf_dir: str):
+        self.entries = {}
+        index = os.path.join(hf_dir, "model.safetensors.index.json")
+        if os.path.exists(index):
+            try:
+                with open(index) as f:
+                    shards = sorted(set(json.load(f)["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError) as e:
+                raise invalid_model(index, "weight_map", f"unreadable shard index ({e})") from None
+        else:
+            shards = sorted(n for n in os.listdir(hf_dir) if n.endswith(".safetensors"))
+        if not shards:
+            raise invalid_model(hf_dir, "(files)", "no .safetensors weights found; save the model with "
+                                "save_pretrained(..., safe_serialization=True)")
+        for shard in shards:
+            self._add_shard(os.path.join(hf_dir, shard))
+
+    def _add_shard(self, path):
+        if not os.path.exists(path):
+            raise invalid_model(path, "(file)", "shard named in the index is missing")
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            try:
+                header = json.loads(f.read(n))
+            except json.JSONDecodeError as e:
+                raise invalid_model(path, "(header)", f"not a safetensors file ({e})") from None
+        data_start = 8 + n
+        mm = np.memmap(path, dtype=np.uint8, mode="r") if os.path.getsize(path) > data_start else None
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            if meta["dtype"] not in SAFETENSORS_DTYPES:
+                raise invalid_model(path, name, f"dtype {meta['dtype']} is not supported; "
+                                    "expected F32, F16 or BF16")
+            self.entries[name] = (mm, data_start + meta["data_offsets"][0], data_start + meta["data_offsets"][1],
+                                  meta["dtype"], tuple(meta["shape"]))
+
+    def __contains__(self, name):
+        return name in self.entries
+
+    def dtype(self, name) -> str:
+        return SAFETENSORS_DTYPES[self.entries[name][3]][1]
+
+    def shape(self, name):
+        return self.entries[name][4]
+
+    def float32(self, name, index=None) -> np.ndarray:
+        """The tensor (or its slice [index] along the first axis) widened to float32: one copy."""
+        mm, a, b, dt, shape = self.entries[name]
+        np_dt, ours = SAFETENSORS_DTYPES[dt]
+        raw = mm[a:b].view(np_dt).reshape(shape)
+        if index is not None:
+            raw = raw[index]
+        return np.array(widen(raw, ours), dtype=np.float32, copy=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# config translation
+
+def _get(hf, *names, default=None):
+    for n in names:
+        if hf.get(n) is not None:
+            return hf[n]
+    return default
+
+
+def _refuse(path, field, msg):
+    raise invalid_model(path, field, f"{msg}; Colibri does not implement it and will not guess")
+
+
+def translate_config(hf: dict, gen: dict, path: str = "config.json", dtype: str | None = None) -> dict:
+    """Hugging Face config.json (+ generation_config.json) -> Colibri config.json."""
+    mt = hf.get("model_type")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ColibriError(COLIBRI_ERR_INVALID_MODEL_TYPE,
+                           f"{path}: field 'model_type': {mt!r} is not supported; supported: "
+                           f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    H, nh = hf["hidden_size"], hf["num_attention_heads"]
+    nkv = _get(hf, "num_key_value_heads", default=nh)
+    L = hf["num_hidden_layers"]
+    max_pos = hf.get("max_position_embeddings", 4096)
+
+    # -- features we refuse rather than compute wrongly --
+    rope = hf.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        _refuse(path, "rope_parameters.rope_type", f"rope type {rope_type!r}")
+    if hf.get("rope_scaling"):
+        rs = hf["rope_scaling"]
+        if rs.get("rope_type", rs.get("type", "default")) != "default":
+            _refuse(path, "rope_scaling", f"rope scaling {rs!r}")
+    if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        _refuse(path, "partial_rotary_factor", "partial rotary embeddings")
+    if hf.get("clip_qkv") is not None:
+        _refuse(path, "clip_qkv", f"clipping q/k/v to {hf['clip_qkv']}")
+    if hf.get("hidden_act", "silu") != "silu":
+        _refuse(path, "hidden_act", f"activation {hf['hidden_act']!r} (only silu / SwiGLU)")
+    sw = hf.get("sliding_window")
+    uses_window = sw not in (None, 0) and sw < max_pos
+    if mt == "qwen2_moe":
+        uses_window = uses_window and hf.get("use_sliding_window", False) and \
+            "sliding_attention" in (hf.get("layer_types") or ["sliding_attention"])
+    if uses_window:
+        _refuse(path, "sliding_window", f"a sliding window of {sw} tokens, shorter than the context "
+                f"({max_pos})")
+    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf.get(field) is not None:
+            _refuse(path, field, "logit soft-capping")
+    if hf.get("mlp_bias"):
+        _refuse(path, "mlp_bias", "biases in the feed-forward")
+
+    rope_theta = _get(rope, "rope_theta", default=None) or _get(hf, "rope_theta", default=10000.0)
+
+    # -- layer plan --
+    if mt == "mixtral":
+        E = hf.get("num_local_experts", 8)
+        moe_inter = hf["intermediate_size"]
+        sparse = [True] * L
+    else:
+        E = _get(hf, "num_experts", "num_local_experts", default=0)
+        moe_inter = hf.get("moe_intermediate_size", hf["intermediate_size"]) if mt != "olmoe" else hf["intermediate_size"]
+        step = hf.get("decoder_sparse_step", 1) or 1
+        mlp_only = set(hf.get("mlp_only_layers") or [])
+        sparse = [(i not in mlp_only) and E > 0 and (i + 1) % step == 0 for i in range(L)]
+    shared_inter = hf.get("shared_expert_intermediate_size", 0) if mt == "qwen2_moe" else 0
+    top_k = hf.get("num_experts_per_tok", 2)
+    if E and not 1 <= top_k <= E:
+        raise invalid_model(path, "num_experts_per_tok", f"{top_k} is not in 1..{E}")
+    layers, start = [], 0
+    for i in range(L):
+        if sparse[i]:
+            layers.append({"layer_id": i, "type": "moe_shared" if shared_inter > 0 else "moe",
+                           "moe_expert_start": start, "moe_num_experts": E})
+            start += E
+        else:
+            layers.append({"layer_id": i, "type": "dense", "moe_expert_start": 0, "moe_num_experts": 0})
+
+    if mt == "qwen2_moe":
+        head_dim = _get(hf, "head_dim", default=H // nh)
+        bias, out_bias = hf.get("qkv_bias", True), False
+    elif mt == "mixtral":
+        head_dim = _get(hf, "head_dim", default=H // nh)
+        bias = out_bias = False
+    elif mt == "qwen3_moe":
+        head_dim = _get(hf, "head_dim", default=H // nh)
+        bias = out_bias = bool(hf.get("attention_bias", False))
+    else:  # olmoe: q/k norm sizes assume hidden/heads
+        head_dim = H // nh
+        bias = out_bias = bool(hf.get("attention_bias", False))
+
+    eos = _get(gen, "eos_token_id", default=None)
+    if eos is None:
+        eos = hf.get("eos_token_id")
+    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    eos = [e for e in eos if 0 <= e < hf["vocab_size"]]
+    bos = _get(gen, "bos_token_id", default=hf.get("bos_token_id"))
+
+    return {
+        "format_version": 1,
+        "model_type": mt,
+        "architectures": hf.get("architectures", []),
+        "num_hidden_layers": L,
+        "hidden_size": H,
+        "intermediate_size": hf["intermediate_size"],
+        "moe_intermediate_size": moe_inter,
+        "num_attention_heads": nh,
+        "num_key_value_heads": nkv,
+        "head_dim": head_dim,
+        "vocab_size": hf["vocab_size"],
+        "max_position_embeddings": max_pos,
+        "rope_theta": float(rope_theta),
+        "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "experts_per_layer": E,
+        "top_k": top_k,
+        "router_dtype": "float32",
+        "router_mode": "topk",
+        "norm_topk_prob": True if mt == "mixtral" else bool(hf.get("norm_topk_prob", False)),
+        "shared_expert_intermediate_size": shared_inter,
+        "shared_expert_gate": shared_inter > 0,
+        "attention_bias": bool(bias),
+        "attention_out_bias": bool(out_bias),
+        "qk_norm": {"qwen3_moe": "per_head", "olmoe": "full"}.get(mt, "none"),
+        "eos_token_ids": eos,
+        "bos_token_id": bos,
+        "weight_dtype": dtype,
+        "layers": layers,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# tensor names
+
+def _source_names(cfg: dict) -> dict:
+    """Colibri tensor name -> Hugging Face tensor name (non-expert tensors)."""
+    m = {"embed_tokens": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+    moe = "block_sparse_moe" if cfg["model_type"] == "mixtral" else "mlp"
+    for l in cfg["layers"]:
+        i = l["layer_id"]
+        p, s = f"layers.{i}.", f"model.layers.{i}."
+        m[p + "input_norm"] = s + "input_layernorm.weight"
+        m[p + "post_attention_norm"] = s + "post_attention_layernorm.weight"
+        for x in "qkvo":
+            m[p + f"attn.w{x}"] = s + f"self_attn.{x}_proj.weight"
+            m[p + f"attn.b{x}"] = s + f"self_attn.{x}_proj.bias"
+        m[p + "attn.q_norm"] = s + "self_attn.q_norm.weight"
+        m[p + "attn.k_norm"] = s + "self_attn.k_norm.weight"
+        for x in ("gate", "up", "down"):
+            m[p + f"mlp.{x}"] = s + f"mlp.{x}_proj.weight"
+            m[p + f"shared.{x}"] = s + f"mlp.shared_expert.{x}_proj.weight"
+        m[p + "shared.gate_logit"] = s + "mlp.shared_expert_gate.weight"
+        m[p + "router"] = s + f"{moe}.gate.weight"
+    return m
+
+
+def _expert_sources(src: SafetensorsIndex, cfg: dict, layer: int, j: int):
+    """-> callables giving gate [I,H], up [I,H], down [H,I] in float32 for expert j of a layer."""
+    s = f"model.layers.{layer}."
+    for moe in ("block_sparse_moe", "mlp"):
+        per = s + f"{moe}.experts.{j}."
+        if per + "w1.weight" in src:                      # Mixtral: w1 gate, w3 up, w2 down
+            return (lambda: src.float32(per + "w1.weight"), lambda: src.float32(per + "w3.weight"),
+                    lambda: src.float32(per + "w2.weight")), [per + n for n in ("w1.weight", "w3.weight", "w2.weight")]
+        if per + "gate_proj.weight" in src:
+            names = [per + f"{x}_proj.weight" for x in ("gate", "up", "down")]
+            return tuple((lambda n=n: src.float32(n)) for n in names), names
+        fused = s + f"{moe}.experts."
+        if fused + "gate_up_proj" in src:                 # transformers 5 fused layout [E, 2I, H], [E, H, I]
+            I = cfg["moe_intermediate_size"]
+            gu = lambda: src.float32(fused + "gate_up_proj", j)
+            return (lambda: gu()[:I].copy(), lambda: gu()[I:].copy(),
+                    lambda: src.float32(fused + "down_proj", j)), [fused + "gate_up_proj", fused + "down_proj"]
+    raise invalid_model(f"model.layers.{layer}", f"experts.{j}", "expert weights not found in the checkpoint")
+
+
+def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool = True) -> dict:
+    """Convert; returns the Colibri config written."""
+    if dtype is not None and dtype not in WEIGHT_DTYPES:
+        raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"--dtype {dtype!r}: use one of {', '.join(WEIGHT_DTYPES)}")
+    cpath = os.path.join(hf_dir, "config.json")
+    if not os.path.exists(cpath):
+        raise invalid_model(cpath, "(file)", "missing; HF_DIR must hold a save_pretrained checkpoint")
+    try:
+        hf = json.load(open(cpath))
+    except json.JSONDecodeError as e:
+        raise invalid_model(cpath, "(json)", f"not valid JSON ({e})") from None
+    gpath = os.path.join(hf_dir, "generation_config.json")
+    gen = json.load(open(gpath)) if os.path.exists(gpath) else {}
+    cfg = translate_config(hf, gen, cpath, dtype)
+    src = SafetensorsIndex(hf_dir)
+    if cfg["weight_dtype"] is None:   # keep the checkpoint's precision
+        cfg["weight_dtype"] = src.dtype("model.embed_tokens.weight") if "model.embed_tokens.weight" in src else "float32"
+    names = _source_names(cfg)
+    wanted = expected_tensors(cfg)
+    used = set()
+    w = ModelWriter(out_dir, cfg)
+    jobs = [("tensor", n) for n in wanted]
+    jobs += [("expert", (l["layer_id"], j)) for l in cfg["layers"] if l["type"] != "dense"
+             for j in range(l["moe_num_experts"])]
+    for kind, what in tqdm(jobs, desc="convert", unit="tensor", disable=not progress):
+        if kind == "tensor":
+            shape, tdtype = wanted[what]
+            hf_name = names[what]
+            if hf_name not in src:
+                raise invalid_model(os.path.join(hf_dir, "*.safetensors"), hf_name,
+                                    f"missing (needed for {what} by the config)")
+            arr = src.float32(hf_name)
+            if tuple(arr.shape) != tuple(shape):
+                raise invalid_model(os.path.join(hf_dir, "*.safetensors"), hf_name,
+                                    f"shape {list(arr.shape)}, config implies {list(shape)}")
+            w.add_tensor(what, arr, tdtype)
+            used.add(hf_name)
+        else:
+            getters, src_names = _expert_sources(src, cfg, *what)
+            w.add_expert(what[0], what[1], *(g() for g in getters), cfg["weight_dtype"])
+            used.update(src_names)
+    if cfg["tie_word_embeddings"]:
+        used.add("lm_head.weight")
+    leftover = sorted(n for n in src.entries if n not in used and not n.endswith("rotary_emb.inv_freq"))
+    if leftover:
+        w.finish()
+        raise invalid_model(os.path.join(hf_dir, "*.safetensors"), leftover[0],
+                            f"{len(leftover)} tensor(s) the engine would ignore (e.g. {leftover[:3]}); "
+                            "their feature is not implemented")
+    w.finish()
+    for name in COPIED_FILES:
+        if os.path.exists(os.path.join(hf_dir, name)):
+            shutil.copy(os.path.join(hf_dir, name), os.path.join(out_dir, name))
+    return w.config

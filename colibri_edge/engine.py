@@ -1,0 +1,351 @@
+"""The public Engine: open a model directory on a backend, then infer / generate / stream / chat.
+
+Thread safety: an Engine serialises its calls with a lock, so sharing one across threads is safe
+but runs one request at a time; for parallel work open one Engine per thread. Engines opened on
+the same model directory in one process share the read-only mapped weights (one memmap); each has
+its own KV pool, arena and counters.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import knobs, sampling
+from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_OUT_OF_MEMORY
+from .modeldir import ModelDir
+from .scheduler import Runner
+
+_MODEL_CACHE: "weakref.WeakValueDictionary[str, ModelDir]" = weakref.WeakValueDictionary()
+_MODEL_LOCK = threading.Lock()
+
+
+def open_model_dir(path: str) -> ModelDir:
+    """One ModelDir (and so one memmap) per directory per process."""
+    key = os.path.realpath(path)
+    with _MODEL_LOCK:
+        m = _MODEL_CACHE.get(key)
+        if m is None:
+            m = ModelDir(path)
+            _MODEL_CACHE[key] = m
+        return m
+
+
+@dataclass
+class Stats:
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+    decode_steps: int = 0
+    first_token_seconds: float = 0.0
+    step_tokens: list = field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, path, backend=None, max_seq_len=None, max_batch=8, kv_cache_tokens=None,
+                 prefill_chunk=256, kv_block_size=None, num_streams=None, router_warmup=None,
+                 disable_fp16=None, num_threads=None):
+        self.model = open_model_dir(path)
+        cfg = self.config = self.model.config
+        self.path = self.model.path
+        backend_name = knobs.resolve("COLIBRI_BACKEND", backend)
+        block = knobs.resolve("COLIBRI_KV_BLOCK_SIZE", kv_block_size)
+        self.options = {
+            "num_streams": knobs.resolve("COLIBRI_NUM_STREAMS", num_streams),
+            "disable_fp16": bool(knobs.resolve("COLIBRI_DISABLE_FP16", disable_fp16)),
+            "num_threads": knobs.resolve("COLIBRI_NUM_THREADS", num_threads),
+        }
+        warmup = knobs.resolve("COLIBRI_ROUTER_WARMUP", router_warmup)
+        max_seq_len = cfg["max_position_embeddings"] if max_seq_len is None else max_seq_len
+        for name, v in (("max_seq_len", max_seq_len), ("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
+            if not isinstance(v, (int, np.integer)) or v < 1:
+                raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{name}={v!r}: must be a positive integer")
+        if max_seq_len > cfg["max_position_embeddings"]:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"max_seq_len={max_seq_len} exceeds the model's "
+                               f"max_position_embeddings={cfg['max_position_embeddings']}")
+        if kv_cache_tokens is None:
+            kv_cache_tokens = min(max_seq_len * max_batch, max(4096, max_seq_len))
+        if not isinstance(kv_cache_tokens, (int, np.integer)) or kv_cache_tokens < 1:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"kv_cache_tokens={kv_cache_tokens!r}: must be positive")
+        from .backends import create
+        self.backend = create(backend_name, **self.options)
+        wd = cfg["weight_dtype"]
+        if wd not in self.backend.weight_dtypes:
+            from .errors import COLIBRI_ERR_UNAVAILABLE
+            raise ColibriError(COLIBRI_ERR_UNAVAILABLE, f"backend {self.backend.name!r} does not run {wd} weights "
+                               f"(it runs {', '.join(self.backend.weight_dtypes)}); re-convert with "
+                               f"`colibri convert --dtype ...` or pick another backend")
+        self.max_seq_len, self.max_batch = int(max_seq_len), int(max_batch)
+        self.prefill_chunk = int(prefill_chunk)
+        rows = max(self.prefill_chunk, self.max_batch)
+        self.runner = Runner(self.model, self.backend, rows, self.max_batch, self.max_seq_len,
+                             -(-int(kv_cache_tokens) // block), block)
+        self.stats = Stats()
+        self._lock = threading.RLock()
+        self._next_seq = 0
+        self._codec = None
+        self.closed = False
+        for _ in range(warmup):
+            self.infer(np.zeros(min(8, self.max_seq_len), dtype=np.int32))
+
+    @classmethod
+    def open(cls, path, backend=None, **kw) -> "Engine":
+        return cls(path, backend=backend, **kw)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        if not self.closed:
+            self.closed = True
+            self.backend.close()
+            self.runner = None
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _check_open(self):
+        if self.closed:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, "engine is closed; open a new one")
+
+    @property
+    def codec(self):
+        if self._codec is None:
+            if not os.path.exists(os.path.join(self.path, "tokenizer.json")):
+                raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{self.path} has no tokenizer.json: pass "
+                                   "token ids instead of text")
+            from .textio import TextCodec
+            self._codec = TextCodec(self.path, self.model.tokenizer_config)
+        return self._codec
+
+    @property
+    def eos_token_ids(self):
+        return list(self.config["eos_token_ids"])
+
+    def _check_ids(self, ids) -> np.ndarray:
+        arr = np.asarray(ids)
+        if arr.ndim != 1 or arr.size == 0:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, "empty input: give at least one token id")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"token ids must be integers, got {arr.dtype}")
+        V = self.config["vocab_size"]
+        if arr.min() < 0 or arr.max() >= V:
+            bad = int(arr[(arr < 0) | (arr >= V)][0])
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"token id {bad} is out of range [0, {V})")
+        if arr.size > self.max_seq_len:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"input of {arr.size} tokens is longer than "
+                               f"max_seq_len={self.max_seq_len}")
+        return arr.astype(np.int32)
+
+    def _new_seq(self):
+        self._next_seq += 1
+        return self.runner.new_sequence(self._next_seq)
+
+    def _prefill(self, seqs_and_ids, all_logits):
+        """Run prompts through the model in chunks of at most prefill_chunk tokens, several
+        sequences per step. -> per sequence: logits of every token [n,V] or of its last [V]."""
+        r = self.runner
+        out = [[] for _ in seqs_and_ids]
+        pending = [(i, seq, ids, 0) for i, (seq, ids) in enumerate(seqs_and_ids)]
+        t0 = time.perf_counter()
+        while pending:
+            entries, owners, room = [], [], self.prefill_chunk
+            rest = []
+            for i, seq, ids, done in pending:
+                if room == 0 or len(entries) == self.max_batch:
+                    rest.append((i, seq, ids, done))
+                    continue
+                n = min(room, len(ids) - done)
+                entries.append((seq, ids[done:done + n]))
+                owners.append((i, n))
+                room -= n
+                if done + n < len(ids):
+                    rest.append((i, seq, ids, done + n))
+            logits = r.step(entries, all_logits=all_logits)
+            row = 0
+            for i, n in owners:
+                take = n if all_logits else 1
+                out[i].append(self.backend.download(logits[row:row + take]))
+                row += take
+            pending = rest
+        self.stats.prefill_tokens += sum(len(ids) for _, ids in seqs_and_ids)
+        self.stats.prefill_seconds += time.perf_counter() - t0
+        if all_logits:
+            return [np.concatenate(o, axis=0) for o in out]
+        return [o[-1][0] for o in out]
+
+    # -- public API -------------------------------------------------------------------------
+    def infer(self, input_ids):
+        """int [seq] or [batch, seq] -> float32 logits [batch, seq, vocab] ([1, seq, vocab] for 1-D);
+        a list of 1-D arrays of different lengths -> a list of [len, vocab] arrays."""
+        with self._lock:
+            self._check_open()
+            as_list = isinstance(input_ids, (list, tuple)) and len(input_ids) > 0 and \
+                not np.isscalar(input_ids[0])
+            if as_list:
+                seqs = [self._check_ids(x) for x in input_ids]
+            else:
+                arr = np.asarray(input_ids)
+                if arr.ndim == 1:
+                    arr = arr[None]
+                if arr.ndim != 2 or arr.size == 0:
+                    raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT,
+                                       f"input_ids must be [seq] or [batch, seq] token ids, got shape {arr.shape}")
+                seqs = [self._check_ids(x) for x in arr]
+            results = []
+            for g in range(0, len(seqs), self.max_batch):
+                group = [(self._new_seq(), ids) for ids in seqs[g:g + self.max_batch]]
+                try:
+                    for seq, ids in group:
+                        self.runner.reserve(seq, len(ids))
+                    results += self._prefill(group, all_logits=True)
+                finally:
+                    for seq, _ in group:
+                        self.runner.free(seq)
+            return results if as_list else np.stack(results)
+
+    def _prompt_ids(self, prompt):
+        if isinstance(prompt, str):
+            ids = self.codec.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+            ids = self.codec.encode(self.codec.render_chat(list(prompt)), add_special_tokens=False)
+        else:
+            ids = prompt
+        return self._check_ids(ids)
+
+    def generate(self, prompt, max_new_tokens=32, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=None):
+        """prompt: token ids, a string (with a tokenizer) or chat messages [{"role","content"}].
+        Returns the generated token ids (including a final end-of-sequence id, as transformers does)."""
+        return self.generate_batch([prompt], max_new_tokens, temperature, top_p, top_k, seed, stop)[0]
+
+    def chat(self, messages, **kw):
+        """Messages rendered with the model's chat template; returns the reply's text."""
+        ids = self.generate(messages, **kw)
+        return self.codec.decode(ids)
+
+    def stream(self, prompt, max_new_tokens=32, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=None):
+        """Yields text pieces as they are generated; a piece never splits a UTF-8 character."""
+        from .textio import StreamDecoder
+        dec = StreamDecoder(self.codec)
+        for tok in self._generate_iter([prompt], max_new_tokens, temperature, top_p, top_k, seed, stop):
+            _, token, _ = tok
+            piece = dec.push(token)
+            if piece:
+                yield piece
+        tail = dec.flush()
+        if tail:
+            yield tail
+
+    def generate_batch(self, prompts, max_new_tokens=32, temperature=0.0, top_p=1.0, top_k=0, seed=None,
+                       stop=None, return_errors=False):
+        """Decode several sequences together; each is freed as it finishes. Returns a list of id lists.
+        A sequence that cannot continue (KV pool exhausted) fails alone: with return_errors its entry
+        is the ColibriError, otherwise the first such error is raised after the others finish."""
+        outs = [[] for _ in prompts]
+        errors = [None] * len(prompts)
+        for i, token, err in self._generate_iter(prompts, max_new_tokens, temperature, top_p, top_k, seed, stop):
+            if err is not None:
+                errors[i] = err
+            else:
+                outs[i].append(token)
+        if not return_errors:
+            for e in errors:
+                if e is not None:
+                    raise e
+            return outs
+        return [e if e is not None else o for o, e in zip(outs, errors)]
+
+    def _generate_iter(self, prompts, max_new_tokens, temperature, top_p, top_k, seed, stop):
+        """Yields (index, token, None) per generated token, or (index, None, error) when a sequence fails."""
+        sampling.check_params(temperature, top_p, top_k)
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"max_new_tokens={max_new_tokens!r}: must be >= 0")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if stops:
+            self.codec  # stop strings need the tokenizer
+        with self._lock:
+            self._check_open()
+            prompt_ids = [self._prompt_ids(p) for p in prompts]
+            rng = np.random.default_rng(seed)
+            eos = set(self.eos_token_ids)
+            live = {}          # index -> dict(seq, last, produced, text)
+            waiting = list(range(len(prompts)))
+            try:
+                while waiting or live:
+                    # admit new sequences while there is room
+                    admitted = []
+                    while waiting and len(live) + len(admitted) < self.max_batch:
+                        i = waiting.pop(0)
+                        seq = self._new_seq()
+                        try:
+                            self.runner.reserve(seq, len(prompt_ids[i]))
+                        except ColibriError as e:
+                            self.runner.free(seq)
+                            yield i, None, e
+                            continue
+                        admitted.append((i, seq))
+                    if admitted:
+                        t_first = time.perf_counter()
+                        lasts = self._prefill([(seq, prompt_ids[i]) for i, seq in admitted], all_logits=False)
+                        self.stats.first_token_seconds = time.perf_counter() - t_first
+                        for (i, seq), logits in zip(admitted, lasts):
+                            live[i] = {"seq": seq, "produced": [], "logits": logits}
+                    # choose next tokens for every live sequence
+                    finished = []
+                    for i, st in live.items():
+                        if len(st["produced"]) >= max_new_tokens:
+                            finished.append(i)
+                            continue
+                        tok = sampling.sample(st["logits"], temperature, top_p, top_k, rng)
+                        st["produced"].append(tok)
+                        yield i, tok, None
+                        done = tok in eos or len(st["produced"]) >= max_new_tokens
+                        done = done or st["seq"].cached + 1 > self.max_seq_len
+                        if stops and not done:
+                            tail = self.codec.decode(st["produced"][-64:])
+                            done = any(s in tail for s in stops)
+                        if done:
+                            finished.append(i)
+                    for i in finished:
+                        self.runner.free(live.pop(i)["seq"])
+                    if not live:
+                        continue
+                    # one decode step: one new token per live sequence
+                    entries, owners = [], []
+                    for i, st in list(live.items()):
+                        try:
+                            self.runner.reserve(st["seq"], 1)
+                        except ColibriError as e:
+                            self.runner.free(live.pop(i)["seq"])
+                            yield i, None, e
+                            continue
+                        entries.append((st["seq"], st["produced"][-1:]))
+                        owners.append(i)
+                    if not entries:
+                        continue
+                    t0 = time.perf_counter()
+                    logits = self.runner.step(entries)
+                    for row, i in enumerate(owners):
+                        live[i]["logits"] = self.backend.download(logits[row])
+                    self.stats.decode_seconds += time.perf_counter() - t0
+                    self.stats.decode_tokens += len(entries)
+                    self.stats.decode_steps += 1
+            finally:
+                for st in live.values():
+                    self.runner.free(st["seq"])
+
+    # -- introspection ----------------------------------------------------------------------
+    @property
+    def expert_counts(self) -> np.ndarray:
+        """Tokens routed to each expert so far: [num_layers, experts_per_layer]."""
+        return self.runner.expert_counts.copy()
+
+    @property
+    def kv_free_blocks(self) -> int:
+        return self.runner.pool.free_blocks

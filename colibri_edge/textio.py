@@ -1,0 +1,64 @@
+"""Tokenizer, chat template and incremental detokenisation (never a split UTF-8 character)."""
+from __future__ import annotations
+
+import os
+
+from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
+
+
+class TextCodec:
+    def __init__(self, model_dir: str, tokenizer_config: dict):
+        from tokenizers import Tokenizer
+        self.tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+        self.config = tokenizer_config or {}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list:
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages, add_generation_prompt=True) -> str:
+        """Render with the chat template of tokenizer_config.json, as transformers'
+        apply_chat_template does (sandboxed Jinja2, trim_blocks, lstrip_blocks)."""
+        template = self.config.get("chat_template")
+        if isinstance(template, list):       # named templates: take "default"
+            template = {t["name"]: t["template"] for t in template}.get("default")
+        if not template:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, "this model has no chat_template in "
+                               "tokenizer_config.json; pass a plain prompt instead of messages")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from jinja2 import ext
+
+        def raise_exception(msg):
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"chat template: {msg}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[ext.loopcontrols])
+        env.globals["raise_exception"] = raise_exception
+        special = {k: (v if isinstance(v, str) else (v or {}).get("content"))
+                   for k, v in self.config.items() if k.endswith("_token")}
+        return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                **special)
+
+
+class StreamDecoder:
+    """Turns a growing list of ids into text pieces. A piece is released only when the decoded
+    text does not end in U+FFFD, i.e. when no UTF-8 character is still incomplete."""
+
+    def __init__(self, codec: TextCodec):
+        self.codec, self.ids, self.prefix, self.read = codec, [], 0, 0
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix_text = self.codec.decode(self.ids[self.prefix:self.read])
+        full = self.codec.decode(self.ids[self.prefix:])
+        if full.endswith("\ufffd") or len(full) <= len(prefix_text):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return full[len(prefix_text):]
+
+    def flush(self) -> str:
+        prefix_text = self.codec.decode(self.ids[self.prefix:self.read])
+        full = self.codec.decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return full[len(prefix_text):]

@@ -1,0 +1,101 @@
+"""Tiny random Hugging Face MoE models, built from a config and saved with save_pretrained
+(no hub): the whole-model oracle for every backend."""
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+# name -> (model_type, config overrides). Shapes vary on purpose: head_dim != hidden/heads,
+# grouped KV heads, top-k 1/2/3, dense layers mixed in, shared experts, norm_topk_prob both ways.
+CASES = {
+    "mixtral": ("mixtral", dict(hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=24, num_local_experts=4, num_experts_per_tok=2,
+                                vocab_size=97, max_position_embeddings=256, rope_theta=10000.0)),
+    "mixtral_top1_tied": ("mixtral", dict(hidden_size=48, intermediate_size=40, num_hidden_layers=2,
+                                          num_attention_heads=6, num_key_value_heads=6, num_local_experts=3,
+                                          num_experts_per_tok=1, vocab_size=80, tie_word_embeddings=True,
+                                          max_position_embeddings=256)),
+    "qwen2_moe": ("qwen2_moe", dict(hidden_size=64, intermediate_size=72, moe_intermediate_size=32,
+                                    shared_expert_intermediate_size=56, num_hidden_layers=4, num_attention_heads=4,
+                                    num_key_value_heads=2, num_experts=6, num_experts_per_tok=3, decoder_sparse_step=2,
+                                    mlp_only_layers=[3], norm_topk_prob=False, vocab_size=101,
+                                    max_position_embeddings=256)),
+    "qwen2_moe_norm": ("qwen2_moe", dict(hidden_size=32, intermediate_size=40, moe_intermediate_size=24,
+                                         shared_expert_intermediate_size=40, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, num_experts=5,
+                                         num_experts_per_tok=2, norm_topk_prob=True, vocab_size=90,
+                                         max_position_embeddings=256)),
+    "qwen3_moe": ("qwen3_moe", dict(hidden_size=48, intermediate_size=64, moe_intermediate_size=24,
+                                    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1, head_dim=20,
+                                    num_experts=6, num_experts_per_tok=2, mlp_only_layers=[1], norm_topk_prob=True,
+                                    vocab_size=96, max_position_embeddings=256)),
+    "olmoe": ("olmoe", dict(hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                            vocab_size=99, max_position_embeddings=256, eos_token_id=3, pad_token_id=1,
+                            bos_token_id=None)),
+}
+MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+
+
+def config_for(model_type: str, **overrides):
+    import transformers
+    cls = {"mixtral": transformers.MixtralConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
+           "qwen3_moe": transformers.Qwen3MoeConfig, "olmoe": transformers.OlmoeConfig}[model_type]
+    return cls(**overrides)
+
+
+def build_hf(path: str, case: str, dtype: str = "float32", seed: int = 0, **overrides):
+    """Save a random model of `case` to `path`; weights scaled so logits are O(1), not ~0."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    model_type, cfg_kw = CASES[case]
+    cfg = config_for(model_type, **{**cfg_kw, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:            # norms and biases
+                p.copy_(1.0 + 0.2 * torch.randn_like(p) if name.endswith("norm.weight") else 0.3 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
+        if "lm_head" in dict(model.named_parameters()) and not cfg.tie_word_embeddings:
+            model.lm_head.weight.mul_(3.0)
+    model = model.to(getattr(torch, dtype))
+    eos = cfg_kw.get("eos_token_id", 2)
+    model.generation_config = GenerationConfig(eos_token_id=eos, bos_token_id=cfg_kw.get("bos_token_id", 1))
+    model.save_pretrained(path)
+    return path
+
+
+def hf_logits(path: str, ids: np.ndarray) -> np.ndarray:
+    """transformers' float32 logits for int ids [batch, seq] (weights upcast from the saved dtype)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    with torch.no_grad():
+        return model(torch.as_tensor(np.asarray(ids), dtype=torch.long)).logits.float().numpy()
+
+
+def hf_greedy(path: str, ids, n: int) -> list:
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(torch.as_tensor([list(ids)]), max_new_tokens=n, do_sample=False,
+                             eos_token_id=None, pad_token_id=0, min_new_tokens=n)
+    return out[0, len(ids):].tolist()
+
+
+def convert_case(tmp, case, dtype="float32", out_dtype=None, **overrides) -> str:
+    from colibri_edge.convert import convert
+    hf = os.path.join(tmp, f"hf_{case}_{dtype}")
+    if not os.path.exists(os.path.join(hf, "config.json")):
+        build_hf(hf, case, dtype, **overrides)
+    out = os.path.join(tmp, f"col_{case}_{dtype}_{out_dtype}")
+    if not os.path.exists(os.path.join(out, "config.json")):
+        convert(hf, out, dtype=out_dtype, progress=False)
+    return hf, out
