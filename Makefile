@@ -1,0 +1,46 @@
+# Colibri Edge — every set-up step lives here, so a fresh machine needs only Python 3.11, gcc and pip.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+export PIP_DISABLE_PIP_VERSION_CHECK = 1
+
+.PHONY: demo test test-fast bench toolchains gpu-check clean help
+
+help:
+	@echo "make demo   - create .venv, install, run the embedded default model"
+	@echo "make test   - install test dependencies, run toolchain checks and the test suite"
+	@echo "make bench  - benchmarks against llama.cpp and transformers (installs llama-cpp-python)"
+
+$(VENV)/.base: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e .
+	touch $@
+
+# torch is pinned to the CPU build on the CI disk (see pyproject.toml [test])
+$(VENV)/.test: $(VENV)/.base
+	$(PIP) install -q -e '.[test,opencl,cuda]'
+	touch $@
+
+demo: $(VENV)/.base
+	$(VENV)/bin/colibri run
+
+test: $(VENV)/.test
+	$(MAKE) toolchains
+	$(PY) -m pytest -q -ra
+
+test-fast: $(VENV)/.test
+	$(PY) -m pytest -q -ra -x -m "not slow"
+
+toolchains: $(VENV)/.test
+	$(MAKE) -C toolchains all PY=$(abspath $(PY))
+
+bench: $(VENV)/.test
+	$(MAKE) -C benchmarks all PY=$(abspath $(PY))
+
+gpu-check:
+	bash toolchains/cuda/gpu-check.sh
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache
