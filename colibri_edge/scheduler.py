@@ -218,7 +218,8 @@ class Runner:
             be.matmul(a["router"][:T], hbuf, lw["router"])
             be.route(ids, w, a["router"][:T], kk, cfg["router_mode"], cfg["norm_topk_prob"])
             plan = be.align(self.plan_bufs, ids, T, E, kk)
-            self.expert_counts[li] += plan.counts
+            if plan.counts is not None:    # None: a GPU backend keeping counts on the device
+                self.expert_counts[li] += plan.counts
             for obs in self.observers:
                 obs(li, ids, w)
             be.grouped_ffn(a["y"][:T * kk], hbuf, lw["experts"], plan, a["scratch"][:T * kk])

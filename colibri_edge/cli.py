@@ -1,0 +1,140 @@
+"""`colibri` (also `python -m colibri_edge`): run, convert, inspect, backends."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+from .errors import ColibriError
+
+
+def _cmd_convert(a):
+    from .convert import convert
+    cfg = convert(a.hf_dir, a.out_dir, dtype=a.dtype, progress=not a.quiet)
+    print(f"wrote {a.out_dir}: {cfg['model_type']}, {cfg['num_hidden_layers']} layers, "
+          f"{cfg['experts_per_layer']} experts/layer, top-{cfg['top_k']}, {cfg['weight_dtype']}")
+    return 0
+
+
+def _cmd_inspect(a):
+    from .modeldir import ModelDir
+    from .planning import human, summary
+    m = ModelDir(a.model)
+    cfg = m.config
+    s = summary(m, a.context, a.max_batch)
+    print(f"{m.path}: valid (format {cfg['format_version']})")
+    print(f"  model_type {cfg['model_type']}, hidden {cfg['hidden_size']}, heads {cfg['num_attention_heads']}"
+          f"/{cfg['num_key_value_heads']} kv, head_dim {cfg['head_dim']}, vocab {cfg['vocab_size']}, "
+          f"weights {cfg['weight_dtype']}")
+    print(f"  router {cfg['router_mode']} top-{cfg['top_k']} of {cfg['experts_per_layer']}"
+          f"{', renormalised' if cfg['norm_topk_prob'] else ''}, qk_norm {cfg['qk_norm']}")
+    print("  layer plan:")
+    for l in cfg["layers"]:
+        extra = "" if l["type"] == "dense" else f" experts {l['moe_expert_start']}..{l['moe_expert_start'] + l['moe_num_experts'] - 1}"
+        print(f"    {l['layer_id']:3d} {l['type']:<10}{extra}")
+    print(f"  experts: {s['num_experts']} x {human(s['bytes_per_expert'])} = {human(s['expert_bytes'])}")
+    print(f"  non-expert weights: {human(s['non_expert_bytes'])}")
+    print(f"  weight bytes read per decoded token: {human(s['bytes_per_decoded_token'])}")
+    print(f"  memory at context {a.context} x batch {a.max_batch}: weights {human(s['non_expert_bytes'])} + experts "
+          f"{human(s['expert_bytes'])} + KV cache {human(s['kv_cache_bytes'])} + scratch "
+          f"{human(s['scratch_bytes'])} = {human(s['total_bytes'])}")
+    return 0
+
+
+def _cmd_backends(a):
+    from .backends import NAMES, probe
+    for name in NAMES:
+        ok, detail = probe(name)
+        print(f"{name:<10} {'present' if ok else 'missing'}: {detail}")
+    return 0
+
+
+def _default_model():
+    from .demo import ensure_default_model
+    return ensure_default_model()
+
+
+def _cmd_run(a):
+    from .engine import Engine
+    model = a.model
+    if model is None:
+        model, note = _default_model()
+        print(f"[colibri] no --model given: using the embedded default model ({note})", file=sys.stderr)
+    with Engine.open(model, backend=a.backend, max_seq_len=a.max_seq_len) as eng:
+        prompt = a.prompt
+        if a.chat:
+            prompt = [{"role": "user", "content": a.prompt}]
+        elif a.ids:
+            prompt = [int(t) for t in a.prompt.split()]
+        kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                  seed=a.seed)
+        t0 = time.perf_counter()
+        if a.ids or not os.path.exists(os.path.join(eng.path, "tokenizer.json")):
+            ids = eng.generate(prompt if a.ids else [int(t) for t in prompt.split()], **kw)
+            print(" ".join(map(str, ids)))
+        else:
+            if not a.chat:
+                print(a.prompt, end="", flush=True)
+            for piece in eng.stream(prompt, **kw):
+                print(piece, end="", flush=True)
+            print()
+        st = eng.stats
+        pre = st.prefill_tokens / st.prefill_seconds if st.prefill_seconds else 0
+        dec = st.decode_tokens / st.decode_seconds if st.decode_seconds else 0
+        print(f"\n[colibri] backend {eng.backend.name}: prefill {st.prefill_tokens} tok at {pre:.1f} tok/s, "
+              f"decode {st.decode_tokens} tok at {dec:.1f} tok/s, wall {time.perf_counter() - t0:.2f}s",
+              file=sys.stderr)
+        counts = eng.expert_counts
+        print("[colibri] experts fired per layer (tokens routed to each expert):", file=sys.stderr)
+        for l in eng.config["layers"]:
+            if l["type"] != "dense":
+                row = counts[l["layer_id"]]
+                print(f"  layer {l['layer_id']:2d}: " + " ".join(f"{int(c):3d}" for c in row), file=sys.stderr)
+    return 0
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="colibri", description="Colibri Edge: MoE inference on edge hardware")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("convert", help="Hugging Face safetensors checkpoint -> Colibri model directory")
+    c.add_argument("hf_dir")
+    c.add_argument("out_dir")
+    c.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                   help="weight type (default: the checkpoint's)")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.set_defaults(fn=_cmd_convert)
+    i = sub.add_parser("inspect", help="validate a model directory and print its plan and memory needs")
+    i.add_argument("model")
+    i.add_argument("--context", type=int, default=4096, help="context length for the memory estimate")
+    i.add_argument("--max-batch", type=int, default=1)
+    i.set_defaults(fn=_cmd_inspect)
+    b = sub.add_parser("backends", help="which backends are present, with devices, and why others are missing")
+    b.set_defaults(fn=_cmd_backends)
+    r = sub.add_parser("run", help="generate text, then print speed and which experts fired")
+    r.add_argument("--model", default=None, help="model directory (default: the embedded demo model)")
+    r.add_argument("--prompt", default="The meaning of life is")
+    r.add_argument("--chat", action="store_true", help="render the prompt with the model's chat template")
+    r.add_argument("--ids", action="store_true", help="the prompt is space-separated token ids")
+    r.add_argument("--max-new-tokens", type=int, default=48)
+    r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--top-p", type=float, default=1.0)
+    r.add_argument("--top-k", type=int, default=0)
+    r.add_argument("--seed", type=int, default=None)
+    r.add_argument("--backend", default=None, help="auto, cpu, opencl, cuda, reference (default: COLIBRI_BACKEND or auto)")
+    r.add_argument("--max-seq-len", type=int, default=None)
+    r.set_defaults(fn=_cmd_run)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except ColibriError as e:
+        print(f"colibri: error: {e}", file=sys.stderr)
+        return abs(e.code) or 1
+    except BrokenPipeError:
+        return 0

@@ -1,0 +1,180 @@
+"""The converter: sharded checkpoints, dtypes, rope_theta in both places, generation_config,
+refusals of unsupported types and features, and bounded peak memory."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from colibri_edge import ColibriError, Engine, COLIBRI_ERR_INVALID_MODEL, COLIBRI_ERR_INVALID_MODEL_TYPE
+from colibri_edge.convert import convert, translate_config
+from hf_models import build_hf, hf_logits
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _hf_config(case_dir):
+    return json.load(open(os.path.join(case_dir, "config.json")))
+
+
+@pytest.fixture(scope="module")
+def mixtral_hf(tmp_path_factory):
+    return build_hf(str(tmp_path_factory.mktemp("hf") / "mixtral"), "mixtral")
+
+
+def test_sharded_checkpoint(tmp_path):
+    import torch  # noqa: F401
+    from transformers import AutoModelForCausalLM
+    src = build_hf(str(tmp_path / "one"), "olmoe")
+    model = AutoModelForCausalLM.from_pretrained(src)
+    sharded = str(tmp_path / "sharded")
+    model.save_pretrained(sharded, max_shard_size="40KB")
+    assert os.path.exists(os.path.join(sharded, "model.safetensors.index.json"))
+    assert len([f for f in os.listdir(sharded) if f.endswith(".safetensors")]) > 3
+    convert(sharded, str(tmp_path / "out"), progress=False)
+    ids = np.arange(11)[None] % 99
+    with Engine.open(str(tmp_path / "out"), backend="reference") as e:
+        got = e.infer(ids)
+    want = hf_logits(src, ids)
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_convert_to_half_types(mixtral_hf, tmp_path, dtype):
+    cfg = convert(mixtral_hf, str(tmp_path / dtype), dtype=dtype, progress=False)
+    assert cfg["weight_dtype"] == dtype
+    ids = np.arange(9)[None]
+    with Engine.open(str(tmp_path / dtype), backend="reference") as e:
+        got = e.infer(ids)
+    want = hf_logits(mixtral_hf, ids)
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert 0 < err < (2e-2 if dtype == "bfloat16" else 3e-3), err   # rounded, but close
+
+
+def test_rope_theta_top_level_and_in_rope_parameters():
+    base = dict(model_type="mixtral", hidden_size=32, intermediate_size=16, num_hidden_layers=1,
+                num_attention_heads=4, vocab_size=10, num_local_experts=2, num_experts_per_tok=1)
+    assert translate_config({**base, "rope_theta": 1234.0}, {})["rope_theta"] == 1234.0
+    assert translate_config({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 777.0}},
+                            {})["rope_theta"] == 777.0
+
+
+def test_generation_config_eos(mixtral_hf, tmp_path):
+    gp = os.path.join(mixtral_hf, "generation_config.json")
+    g = json.load(open(gp))
+    g["eos_token_id"] = [2, 5]
+    alt = tmp_path / "hf"
+    import shutil
+    shutil.copytree(mixtral_hf, alt)
+    json.dump(g, open(alt / "generation_config.json", "w"))
+    cfg = convert(str(alt), str(tmp_path / "out"), progress=False)
+    assert cfg["eos_token_ids"] == [2, 5]
+    assert os.path.exists(tmp_path / "out" / "generation_config.json")
+
+
+def test_unknown_model_type(mixtral_hf, tmp_path):
+    import shutil
+    alt = tmp_path / "hf"
+    shutil.copytree(mixtral_hf, alt)
+    c = _hf_config(alt)
+    c["model_type"] = "llama"
+    json.dump(c, open(alt / "config.json", "w"))
+    with pytest.raises(ColibriError) as ei:
+        convert(str(alt), str(tmp_path / "out"), progress=False)
+    assert ei.value.code == COLIBRI_ERR_INVALID_MODEL_TYPE
+    for t in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "'llama'"):
+        assert t in str(ei.value)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}),
+    ("rope_scaling", {"type": "linear", "factor": 2.0}),
+    ("sliding_window", 16),
+    ("clip_qkv", 8.0),
+    ("hidden_act", "gelu"),
+])
+def test_unsupported_feature_named(mixtral_hf, tmp_path, field, value):
+    import shutil
+    alt = tmp_path / "hf"
+    shutil.copytree(mixtral_hf, alt)
+    c = _hf_config(alt)
+    c[field] = value
+    json.dump(c, open(alt / "config.json", "w"))
+    with pytest.raises(ColibriError) as ei:
+        convert(str(alt), str(tmp_path / "out"), progress=False)
+    assert ei.value.code == COLIBRI_ERR_INVALID_MODEL
+    assert field.split(".")[0] in str(ei.value) and "config.json" in str(ei.value)
+
+
+def test_unknown_tensor_refused(mixtral_hf, tmp_path):
+    """A tensor the engine would ignore means an unimplemented feature: refuse, don't drop it."""
+    import shutil
+    from safetensors.numpy import load_file, save_file
+    alt = tmp_path / "hf"
+    shutil.copytree(mixtral_hf, alt)
+    t = load_file(str(alt / "model.safetensors"))
+    t["model.layers.0.self_attn.o_proj.bias"] = np.zeros(64, np.float32)
+    save_file(t, str(alt / "model.safetensors"))
+    with pytest.raises(ColibriError) as ei:
+        convert(str(alt), str(tmp_path / "out"), progress=False)
+    assert "o_proj.bias" in str(ei.value)
+
+
+def _write_big_mixtral(path, H=256, I=1024, E=16, L=2, V=512):
+    """A Mixtral checkpoint written tensor by tensor (never whole in memory)."""
+    from safetensors.numpy import save_file
+    os.makedirs(path, exist_ok=True)
+    rng = np.random.default_rng(0)
+    cfg = dict(model_type="mixtral", architectures=["MixtralForCausalLM"], hidden_size=H, intermediate_size=I,
+               num_hidden_layers=L, num_attention_heads=4, num_key_value_heads=4, vocab_size=V,
+               num_local_experts=E, num_experts_per_tok=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+               rope_theta=1e6, tie_word_embeddings=False, hidden_act="silu")
+    json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
+    weight_map = {}
+    shard = 0
+
+    def put(tensors):
+        nonlocal shard
+        name = f"model-{shard:05d}.safetensors"
+        save_file(tensors, os.path.join(path, name))
+        weight_map.update({k: name for k in tensors})
+        shard += 1
+
+    put({"model.embed_tokens.weight": rng.standard_normal((V, H), np.float32),
+         "lm_head.weight": rng.standard_normal((V, H), np.float32),
+         "model.norm.weight": np.ones(H, np.float32)})
+    for l in range(L):
+        p = f"model.layers.{l}."
+        put({p + "input_layernorm.weight": np.ones(H, np.float32),
+             p + "post_attention_layernorm.weight": np.ones(H, np.float32),
+             **{p + f"self_attn.{x}_proj.weight": rng.standard_normal((H, H), np.float32) for x in "qkvo"},
+             p + "block_sparse_moe.gate.weight": rng.standard_normal((E, H), np.float32)})
+        for e in range(E):
+            q = p + f"block_sparse_moe.experts.{e}."
+            put({q + "w1.weight": rng.standard_normal((I, H), np.float32),
+                 q + "w3.weight": rng.standard_normal((I, H), np.float32),
+                 q + "w2.weight": rng.standard_normal((H, I), np.float32)})
+    json.dump({"metadata": {}, "weight_map": weight_map}, open(os.path.join(path, "model.safetensors.index.json"), "w"))
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+
+
+def test_converter_peak_memory_is_bounded(tmp_path):
+    """Streaming: the converter's peak allocation stays near one tensor, far below the checkpoint."""
+    size = _write_big_mixtral(str(tmp_path / "hf"))
+    script = (
+        "import tracemalloc, sys, json; tracemalloc.start();"
+        "from colibri_edge.convert import convert, SafetensorsIndex;"
+        f"SafetensorsIndex({str(tmp_path / 'hf')!r});"   # warms lazy imports, so only conversion is measured
+        "tracemalloc.reset_peak(); base = tracemalloc.get_traced_memory()[0];"
+        f"convert({str(tmp_path / 'hf')!r}, {str(tmp_path / 'out')!r}, progress=False);"
+        "print(json.dumps(tracemalloc.get_traced_memory()[1] - base))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, check=True)
+    peak = int(out.stdout.strip().splitlines()[-1])
+    bound = 8 * 2 ** 20                 # largest tensor is 1 MiB; experts are 3 MiB
+    assert size > 10 * bound, size
+    assert peak < bound, f"peak {peak / 2**20:.1f} MiB for a {size / 2**20:.0f} MiB checkpoint"
+    # and the result is whole: the model directory validates
+    with Engine.open(str(tmp_path / "out"), backend="reference", max_seq_len=8) as e:
+        assert e.infer(np.arange(4)).shape == (1, 4, 512)
