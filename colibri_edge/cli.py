@@ -35,7 +35,8 @@ def _cmd_inspect(a):
     for l in cfg["layers"]:
         extra = "" if l["type"] == "dense" else f" experts {l['moe_expert_start']}..{l['moe_expert_start'] + l['moe_num_experts'] - 1}"
         print(f"    {l['layer_id']:3d} {l['type']:<10}{extra}")
-    print(f"  experts: {s['num_experts']} x {human(s['bytes_per_expert'])} = {human(s['expert_bytes'])}")
+    print(f"  experts: {s['num_experts']} x {human(s['bytes_per_expert'])} (bytes per expert: {s['bytes_per_expert']})"
+          f" = {human(s['expert_bytes'])}")
     print(f"  non-expert weights: {human(s['non_expert_bytes'])}")
     print(f"  weight bytes read per decoded token: {human(s['bytes_per_decoded_token'])}")
     print(f"  memory at context {a.context} x batch {a.max_batch}: weights {human(s['non_expert_bytes'])} + experts "

@@ -86,6 +86,8 @@ class Engine:
         self.runner = Runner(self.model, self.backend, rows, self.max_batch, self.max_seq_len,
                              -(-int(kv_cache_tokens) // block), block)
         self.stats = Stats()
+        # end-of-sequence ids (generation_config.json); the engine's own copy, so it may be changed
+        self.eos_token_ids = list(cfg["eos_token_ids"])
         self._lock = threading.RLock()
         self._next_seq = 0
         self._codec = None
@@ -124,9 +126,6 @@ class Engine:
             self._codec = TextCodec(self.path, self.model.tokenizer_config)
         return self._codec
 
-    @property
-    def eos_token_ids(self):
-        return list(self.config["eos_token_ids"])
 
     def _check_ids(self, ids) -> np.ndarray:
         arr = np.asarray(ids)
@@ -219,21 +218,25 @@ class Engine:
             ids = prompt
         return self._check_ids(ids)
 
-    def generate(self, prompt, max_new_tokens=32, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=None):
+    def generate(self, prompt, max_new_tokens=32, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=None,
+                 ignore_eos=False):
         """prompt: token ids, a string (with a tokenizer) or chat messages [{"role","content"}].
-        Returns the generated token ids (including a final end-of-sequence id, as transformers does)."""
-        return self.generate_batch([prompt], max_new_tokens, temperature, top_p, top_k, seed, stop)[0]
+        Returns the generated token ids (including a final end-of-sequence id, as transformers does).
+        ignore_eos (as vLLM's) generates exactly max_new_tokens."""
+        return self.generate_batch([prompt], max_new_tokens, temperature, top_p, top_k, seed, stop,
+                                   ignore_eos=ignore_eos)[0]
 
     def chat(self, messages, **kw):
         """Messages rendered with the model's chat template; returns the reply's text."""
         ids = self.generate(messages, **kw)
         return self.codec.decode(ids)
 
-    def stream(self, prompt, max_new_tokens=32, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=None):
+    def stream(self, prompt, max_new_tokens=32, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=None,
+               ignore_eos=False):
         """Yields text pieces as they are generated; a piece never splits a UTF-8 character."""
         from .textio import StreamDecoder
         dec = StreamDecoder(self.codec)
-        for tok in self._generate_iter([prompt], max_new_tokens, temperature, top_p, top_k, seed, stop):
+        for tok in self._generate_iter([prompt], max_new_tokens, temperature, top_p, top_k, seed, stop, ignore_eos):
             _, token, _ = tok
             piece = dec.push(token)
             if piece:
@@ -243,13 +246,14 @@ class Engine:
             yield tail
 
     def generate_batch(self, prompts, max_new_tokens=32, temperature=0.0, top_p=1.0, top_k=0, seed=None,
-                       stop=None, return_errors=False):
+                       stop=None, return_errors=False, ignore_eos=False):
         """Decode several sequences together; each is freed as it finishes. Returns a list of id lists.
         A sequence that cannot continue (KV pool exhausted) fails alone: with return_errors its entry
         is the ColibriError, otherwise the first such error is raised after the others finish."""
         outs = [[] for _ in prompts]
         errors = [None] * len(prompts)
-        for i, token, err in self._generate_iter(prompts, max_new_tokens, temperature, top_p, top_k, seed, stop):
+        for i, token, err in self._generate_iter(prompts, max_new_tokens, temperature, top_p, top_k, seed, stop,
+                                                 ignore_eos):
             if err is not None:
                 errors[i] = err
             else:
@@ -261,7 +265,7 @@ class Engine:
             return outs
         return [e if e is not None else o for o, e in zip(outs, errors)]
 
-    def _generate_iter(self, prompts, max_new_tokens, temperature, top_p, top_k, seed, stop):
+    def _generate_iter(self, prompts, max_new_tokens, temperature, top_p, top_k, seed, stop, ignore_eos=False):
         """Yields (index, token, None) per generated token, or (index, None, error) when a sequence fails."""
         sampling.check_params(temperature, top_p, top_k)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
@@ -273,7 +277,7 @@ class Engine:
             self._check_open()
             prompt_ids = [self._prompt_ids(p) for p in prompts]
             rng = np.random.default_rng(seed)
-            eos = set(self.eos_token_ids)
+            eos = set() if ignore_eos else set(self.eos_token_ids)
             live = {}          # index -> dict(seq, last, produced, text)
             waiting = list(range(len(prompts)))
             try:

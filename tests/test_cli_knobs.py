@@ -1,0 +1,108 @@
+"""The CLI (`colibri` == `python -m colibri_edge`) and the runtime knobs."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from colibri_edge import Engine, ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_UNAVAILABLE
+from colibri_edge import knobs
+from hf_models import convert_case
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cli(*args, env=None):
+    e = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-m", "colibri_edge", *args], capture_output=True, text=True,
+                          cwd=ROOT, env=e, timeout=600)
+
+
+def test_convert_and_inspect(model_cache, tmp_path):
+    hf, _ = convert_case(model_cache, "qwen2_moe")
+    out = cli("convert", hf, str(tmp_path / "m"), "--dtype", "float16")
+    assert out.returncode == 0, out.stderr
+    assert "convert" in out.stderr          # the progress bar
+    r = cli("inspect", str(tmp_path / "m"), "--context", "128")
+    assert r.returncode == 0, r.stderr
+    for words in ("valid", "moe_shared", "dense", "bytes per", "read per decoded token", "KV cache", "scratch",
+                  "context 128"):
+        assert words in r.stdout, (words, r.stdout)
+    # the figures come from the files: 6 experts of gate+up+down [32,64] float16
+    assert "6 x 12.0 KiB" in r.stdout
+
+
+def test_inspect_bad_model_exit_code(tmp_path):
+    r = cli("inspect", str(tmp_path))
+    assert r.returncode == 2 and "COLIBRI_ERR_INVALID_MODEL" in r.stderr and "config.json" in r.stderr
+
+
+def test_backends_lists_each_with_reason():
+    r = cli("backends")
+    assert r.returncode == 0
+    lines = r.stdout.splitlines()
+    for name in ("cuda", "opencl", "cpu", "reference"):
+        assert any(l.startswith(name) for l in lines), r.stdout
+    assert all(": " in l and ("present" in l or "missing" in l) for l in lines)
+
+
+def test_run_default_model_streams_and_reports():
+    r = cli("run", "--max-new-tokens", "8", "--backend", "reference")
+    assert r.returncode == 0, r.stderr
+    assert "default model" in r.stderr
+    assert "tok/s" in r.stderr and "experts fired" in r.stderr and "layer  0" in r.stderr
+
+
+def test_run_with_ids(model_cache):
+    _, col = convert_case(model_cache, "mixtral")
+    r = cli("run", "--model", col, "--prompt", "1 2 3", "--ids", "--max-new-tokens", "4", "--backend", "reference")
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout.split()) == 4 or 2 in [int(t) for t in r.stdout.split()]
+
+
+@pytest.mark.parametrize("name,value", [("COLIBRI_KV_BLOCK_SIZE", "0"), ("COLIBRI_KV_BLOCK_SIZE", "big"),
+                                        ("COLIBRI_NUM_STREAMS", "-2"), ("COLIBRI_DISABLE_FP16", "2"),
+                                        ("COLIBRI_BACKEND", "tpu"), ("COLIBRI_ROUTER_WARMUP", "x")])
+def test_bad_knob_is_an_error_at_start(model_cache, monkeypatch, name, value):
+    _, col = convert_case(model_cache, "mixtral")
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ColibriError) as ei:
+        Engine.open(col)
+    assert ei.value.code == COLIBRI_ERR_INVALID_ARGUMENT and name in ei.value.message
+
+
+def test_explicit_argument_beats_environment(model_cache, monkeypatch):
+    _, col = convert_case(model_cache, "mixtral")
+    monkeypatch.setenv("COLIBRI_KV_BLOCK_SIZE", "5")
+    monkeypatch.setenv("COLIBRI_BACKEND", "reference")
+    with Engine.open(col) as e:
+        assert e.runner.block_size == 5 and e.backend.name == "reference"
+    with Engine.open(col, kv_block_size=3, backend="reference") as e:
+        assert e.runner.block_size == 3
+    assert knobs.resolve("COLIBRI_KV_BLOCK_SIZE") == 5
+
+
+def test_auto_picks_a_working_backend_and_never_pocl(model_cache, monkeypatch):
+    from colibri_edge.backends import probe
+    monkeypatch.delenv("COLIBRI_BACKEND", raising=False)
+    _, col = convert_case(model_cache, "mixtral")
+    with Engine.open(col) as e:
+        name = e.backend.name
+    gpu = [b for b in ("cuda", "opencl") if probe(b, for_auto=True)[0]]
+    assert name == (gpu[0] if gpu else "cpu")
+
+
+def test_unknown_backend(model_cache):
+    _, col = convert_case(model_cache, "mixtral")
+    with pytest.raises(ColibriError) as ei:
+        Engine.open(col, backend="metal")
+    assert ei.value.code == COLIBRI_ERR_INVALID_ARGUMENT
+
+
+def test_engines_share_mapped_weights(model_cache):
+    _, col = convert_case(model_cache, "mixtral")
+    with Engine.open(col, backend="reference") as a, Engine.open(col, backend="reference") as b:
+        assert a.model is b.model and a.model.mmap is b.model.mmap
+        assert a.runner.kv is not b.runner.kv
+        assert np.array_equal(a.infer([1, 2, 3]), b.infer([1, 2, 3]))

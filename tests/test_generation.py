@@ -1,0 +1,187 @@
+"""Generation on every backend: greedy parity with transformers through the paged KV cache,
+batching, per-sequence failure, bad input, streaming text, stop strings and chat templates."""
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from colibri_edge import (Engine, ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_OUT_OF_MEMORY)
+from hf_models import CASES, MODEL_TYPES, build_hf, convert_case, hf_greedy
+
+N_NEW = 32
+
+
+def _case_for(model_type):
+    return model_type
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("block", [1, 7, 16])
+def test_greedy_matches_transformers(backend_name, model_type, block, model_cache):
+    hf, col = convert_case(model_cache, model_type)
+    prompt = [5, 17, 3, 42, 8, 11, 29]
+    key = os.path.join(model_cache, f"greedy_{model_type}.json")
+    if not os.path.exists(key):
+        json.dump(hf_greedy(hf, prompt, N_NEW), open(key, "w"))
+    want = json.load(open(key))
+    with Engine.open(col, backend=backend_name, kv_block_size=block, max_seq_len=128, kv_cache_tokens=20 * block + 128,
+                     disable_fp16=1) as eng:
+        # fragment the pool first: hold every other block-run of other sequences
+        held = []
+        for i in range(6):
+            s = eng.runner.new_sequence(1000 + i)
+            eng.runner.reserve(s, 2 * block + 1)
+            held.append(s)
+        for s in held[::2]:
+            eng.runner.free(s)
+        got = eng.generate(prompt, max_new_tokens=N_NEW, ignore_eos=True)   # the oracle ran without EOS
+        for s in held[1::2]:
+            eng.runner.free(s)
+        assert eng.kv_free_blocks == eng.runner.pool.num_blocks    # everything returned
+    assert got == want
+
+
+def test_batch_equals_solo_and_one_token_per_sequence_per_step(backend_name, model_cache):
+    _, col = convert_case(model_cache, "qwen2_moe")
+    prompts = [[3, 4, 5], [9, 8, 7, 6, 5, 4, 3, 2, 1], [50, 60], [1, 2, 3, 4, 5, 6]]
+    with Engine.open(col, backend=backend_name, max_batch=4, max_seq_len=64, disable_fp16=1) as eng:
+        solo = [eng.generate(p, max_new_tokens=12, ignore_eos=True) for p in prompts]
+        eng.runner.step_tokens.clear()
+        batch = eng.generate_batch(prompts, max_new_tokens=12, ignore_eos=True)
+        steps = list(eng.runner.step_tokens)
+    assert batch == solo
+    # one prefill step with every prompt, then 11 decode steps of one token per live sequence
+    assert steps[0] == sum(map(len, prompts))
+    assert steps[1:] == [len(prompts)] * 11
+
+
+def test_batch_sequences_finish_at_different_times(backend_name, model_cache):
+    _, col = convert_case(model_cache, "mixtral")
+    prompts = [[3, 4, 5], [9, 8, 7, 6], [50, 60]]
+    with Engine.open(col, backend=backend_name, max_batch=2, max_seq_len=64, disable_fp16=1) as eng:
+        solo = [eng.generate(p, max_new_tokens=n, ignore_eos=True) for p, n in zip(prompts, (4, 9, 6))]
+        # more prompts than max_batch: the third is admitted when the first finishes and is freed
+        outs = [eng.generate_batch(prompts, max_new_tokens=9, ignore_eos=True)]
+        assert eng.kv_free_blocks == eng.runner.pool.num_blocks
+    assert [o[:len(s)] for o, s in zip(outs[0], solo)] == solo
+
+
+def test_kv_pool_exhaustion_fails_only_that_sequence(backend_name, model_cache):
+    _, col = convert_case(model_cache, "olmoe")
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12], list(range(20, 40))]
+    with Engine.open(col, backend=backend_name, max_batch=3, max_seq_len=64, kv_block_size=4,
+                     kv_cache_tokens=40, disable_fp16=1) as eng:
+        solo = [eng.generate(p, max_new_tokens=12, ignore_eos=True) for p in prompts]
+        res = eng.generate_batch(prompts, max_new_tokens=12, return_errors=True, ignore_eos=True)
+        assert eng.kv_free_blocks == eng.runner.pool.num_blocks
+    failed = [i for i, r in enumerate(res) if isinstance(r, ColibriError)]
+    assert failed, "the pool was sized so that one sequence cannot finish"
+    for i, r in enumerate(res):
+        if i in failed:
+            assert r.code == COLIBRI_ERR_OUT_OF_MEMORY and "kv_cache_tokens" in r.message
+        else:
+            assert r == solo[i]
+    with pytest.raises(ColibriError) as ei:     # without return_errors the error is raised
+        with Engine.open(col, backend=backend_name, max_batch=3, kv_block_size=4, kv_cache_tokens=40) as eng:
+                eng.generate_batch(prompts, max_new_tokens=12, ignore_eos=True)
+    assert ei.value.code == COLIBRI_ERR_OUT_OF_MEMORY
+
+
+def test_bad_input(backend_name, model_cache):
+    _, col = convert_case(model_cache, "mixtral")
+    with Engine.open(col, backend=backend_name, max_seq_len=16) as eng:
+        for bad in ([], [[]], [1, 2, 97], [-1, 3], list(range(17)), np.zeros((2, 0), int), [0.5, 1.0]):
+            with pytest.raises(ColibriError) as ei:
+                eng.infer(bad)
+            assert ei.value.code == COLIBRI_ERR_INVALID_ARGUMENT, bad
+        with pytest.raises(ColibriError) as ei:
+            eng.generate([1, 2, 3], max_new_tokens=2, temperature=-1)
+        assert ei.value.code == COLIBRI_ERR_INVALID_ARGUMENT
+        with pytest.raises(ColibriError) as ei:
+            eng.generate("text needs a tokenizer", max_new_tokens=2, ignore_eos=True)
+        assert ei.value.code == COLIBRI_ERR_INVALID_ARGUMENT and "tokenizer" in ei.value.message
+        # the failures left nothing behind: the engine still works and the pool is whole
+        assert eng.infer([1, 2, 3]).shape == (1, 3, 97)
+        assert eng.kv_free_blocks == eng.runner.pool.num_blocks
+
+
+def test_sampling_is_seeded(backend_name, model_cache):
+    _, col = convert_case(model_cache, "qwen3_moe")
+    with Engine.open(col, backend=backend_name, max_seq_len=64) as eng:
+        a = eng.generate([1, 2, 3], max_new_tokens=10, temperature=0.9, top_p=0.9, top_k=20, seed=11, ignore_eos=True)
+        b = eng.generate([1, 2, 3], max_new_tokens=10, temperature=0.9, top_p=0.9, top_k=20, seed=11, ignore_eos=True)
+        c = eng.generate([1, 2, 3], max_new_tokens=10, temperature=5.0, seed=12, ignore_eos=True)
+    assert a == b and len(a) == 10 and c != a
+
+
+# ---- text: a byte-level tokenizer so multi-byte characters span several tokens -----------------
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory):
+    from colibri_edge.demo import byte_level_tokenizer
+    from colibri_edge.convert import convert
+    tmp = tmp_path_factory.mktemp("text")
+    tok = byte_level_tokenizer()
+    V = tok.get_vocab_size()
+    eos = tok.token_to_id("<|endoftext|>")
+    hf = build_hf(str(tmp / "hf"), "mixtral", vocab_size=V, eos_token_id=eos)
+    tok.save(str(tmp / "hf" / "tokenizer.json"))
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    json.dump({"chat_template": template, "eos_token": "<|endoftext|>", "tokenizer_class": "PreTrainedTokenizerFast"},
+              open(tmp / "hf" / "tokenizer_config.json", "w"))
+    cfg = json.load(open(tmp / "hf" / "generation_config.json"))
+    cfg["eos_token_id"] = eos
+    json.dump(cfg, open(tmp / "hf" / "generation_config.json", "w"))
+    out = str(tmp / "col")
+    convert(hf, out, progress=False)
+    return hf, out, eos
+
+
+def test_stream_never_splits_utf8(backend_name, text_model):
+    _, col, _ = text_model
+    text = "héllo 世界 🐦 colibrí ✓"
+    with Engine.open(col, backend=backend_name, max_seq_len=256) as eng:
+        ids = eng.codec.encode(text)
+        assert len(ids) == len(text.encode("utf-8"))       # one token per byte: characters span tokens
+        from colibri_edge.textio import StreamDecoder
+        dec = StreamDecoder(eng.codec)
+        pieces = [dec.push(t) for t in ids] + [dec.flush()]
+        assert "".join(pieces) == text
+        assert all("\ufffd" not in p for p in pieces)
+        assert sum(1 for p in pieces if p) < len(ids)       # multi-byte characters waited for their bytes
+        # and generation streams whole characters too (random weights emit arbitrary bytes)
+        streamed = list(eng.stream("世界", max_new_tokens=40, temperature=1.0, seed=3))
+        ids_again = eng.generate("世界", max_new_tokens=40, temperature=1.0, seed=3)
+    for p in streamed[:-1]:
+        p.encode("utf-8")                                    # every piece is valid text
+        assert not p.endswith("\ufffd") or p.count("\ufffd") == len(p)
+    assert "".join(streamed) == eng.codec.decode(ids_again)
+
+
+def test_eos_and_stop_strings_end_generation(backend_name, text_model):
+    _, col, eos = text_model
+    with Engine.open(col, backend=backend_name, max_seq_len=256) as eng:
+        free = eng.generate("ab", max_new_tokens=30, temperature=0, ignore_eos=True)
+        eng.eos_token_ids = [free[4]]
+        stopped = eng.generate("ab", max_new_tokens=30)
+        assert stopped == free[:free.index(free[4]) + 1]       # ends at (and includes) the EOS id
+        eng.eos_token_ids = [eos]
+        text = eng.codec.decode(free)
+        stop = text[3:5] if len(text) >= 5 else text[-1:]
+        ids = eng.generate("ab", max_new_tokens=30, stop=[stop], ignore_eos=True)
+        assert stop in eng.codec.decode(ids) and len(ids) < len(free)
+        assert eng.codec.decode(ids[:-1]).find(stop) == -1     # stopped at the first occurrence
+
+
+def test_chat_template_matches_transformers(text_model):
+    from transformers import AutoTokenizer
+    hf, col, _ = text_model
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo 🐦"}]
+    want = AutoTokenizer.from_pretrained(hf).apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    with Engine.open(col, backend="reference") as eng:
+        assert eng.codec.render_chat(msgs) == want
+        reply = eng.chat(msgs, max_new_tokens=5, ignore_eos=True)
+    assert isinstance(reply, str)
