@@ -38,6 +38,8 @@ class Plan:
         order   [T*k]  sorted position -> assignment a = t*k + j (token t's j-th choice)
         inverse [T*k]  assignment a -> sorted position
         counts  host copy of offsets' differences, so the host can skip idle experts
+        active  host ids of the experts grouped_ffn runs (ascending), or None for every expert
+                with tokens; the slot pool runs a layer in waves by narrowing it
     """
     offsets: object
     order: object
@@ -45,6 +47,10 @@ class Plan:
     counts: np.ndarray
     num_tokens: int
     top_k: int
+    active: object = None
+
+    def experts_to_run(self):
+        return self.active if self.active is not None else np.flatnonzero(self.counts)
 
 
 class Backend:
@@ -126,8 +132,21 @@ class Backend:
         g, u, d = split_expert_blob(blob, hidden, inter, dtype)
         return FFN(self.upload(g, dtype), self.upload(u, dtype), self.upload(d, dtype))
 
+    # -- expert slots (colibri_edge.slots): defaults for backends whose memory is host memory --
+    def alloc_slots(self, num_slots: int, blob_bytes: int):
+        """N expert slots of one blob each, allocated once."""
+        return np.zeros((num_slots, blob_bytes), np.uint8)
+
+    def load_slot(self, slots, slot: int, blob: np.ndarray):
+        """Copy one expert's blob (from the memmap) into a slot. May run on a prefetch thread."""
+        slots[slot] = blob
+
+    def slot_ffn(self, slots, slot: int, hidden: int, inter: int, dtype: str) -> FFN:
+        """The FFN whose weights are views into a slot: kernels read the slot, nothing else."""
+        return self.upload_expert(slots[slot], hidden, inter, dtype)
+
     def grouped_ffn(self, out, x, experts, plan: Plan, scratch):
-        """For each expert e with tokens: out[sorted rows of e] = experts[e](x[their tokens]).
+        """For each expert e in plan.experts_to_run(): out[sorted rows of e] = experts[e](x[its tokens]).
         out [T*k,H] in plan order, x [T,H]; scratch [T*k, 2*I] for gate/up activations.
         Each chosen expert's weights are read once per step, however many tokens chose it."""
         raise NotImplementedError

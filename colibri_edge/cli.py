@@ -64,7 +64,8 @@ def _cmd_run(a):
     if model is None:
         model, note = _default_model()
         print(f"[colibri] no --model given: using the embedded default model ({note})", file=sys.stderr)
-    with Engine.open(model, backend=a.backend, max_seq_len=a.max_seq_len) as eng:
+    with Engine.open(model, backend=a.backend, max_seq_len=a.max_seq_len, expert_slots=a.expert_slots,
+                     slot_policy=a.slot_policy) as eng:
         prompt = a.prompt
         if a.chat:
             prompt = [{"role": "user", "content": a.prompt}]
@@ -94,6 +95,95 @@ def _cmd_run(a):
             if l["type"] != "dense":
                 row = counts[l["layer_id"]]
                 print(f"  layer {l['layer_id']:2d}: " + " ".join(f"{int(c):3d}" for c in row), file=sys.stderr)
+        if a.stats:
+            ss = eng.slot_stats
+            if ss is None:
+                print("[colibri] slot pool: off (every expert resident); use --expert-slots N", file=sys.stderr)
+            else:
+                print("[colibri] slot pool: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                                                         for k, v in ss.items()), file=sys.stderr)
+    return 0
+
+
+def _cmd_trace(a):
+    from .engine import Engine
+    lines = [l.strip() for l in open(a.prompts, encoding="utf-8") if l.strip()]
+    if not lines:
+        raise ColibriError(-1, f"{a.prompts}: no prompts (one a line)")
+    with Engine.open(a.model, backend=a.backend) as eng:
+        prompts = [[int(t) for t in l.split()] for l in lines] if a.ids else lines
+        tr = eng.trace(prompts, max_new_tokens=a.max_new_tokens, ignore_eos=a.max_new_tokens > 0)
+    tr.save(a.out)
+    print(f"wrote {a.out}: {tr.expert_ids.shape[0]} tokens, {tr.num_steps} steps, "
+          f"{len(tr.layer_ids)} MoE layers, top-{tr.expert_ids.shape[2]}")
+    return 0
+
+
+def _cmd_simulate(a):
+    import json as _json
+    from .simulate import estimate, load_profile, plot_sweep, replay, sweep_points
+    from .trace import Trace
+    tr = Trace.load(a.trace)
+    prof = load_profile(a.device) if a.device else None
+    policies = a.policy.split(",")
+    slot_list = sweep_points(tr) if a.sweep else [a.slots]
+    if not a.sweep and a.slots is None:
+        raise ColibriError(-1, "give --slots N (or --sweep)")
+    rows = []
+    for pol in policies:
+        for n in slot_list:
+            r = replay(tr, n, pol)
+            if prof:
+                r.update(estimate(r, tr, prof, a.context))
+            rows.append(r)
+    if a.json:
+        print(_json.dumps(rows[0] if len(rows) == 1 else rows, indent=1))
+    else:
+        print(f"{'policy':<9}{'slots':>6}{'hits':>9}{'misses':>9}{'hit rate':>10}{'moved':>12}"
+              + (f"{'ms/token':>10}{'fits':>6}" if prof else ""))
+        from .planning import human
+        for r in rows:
+            print(f"{r['policy']:<9}{r['slots']:>6}{r['hits']:>9}{r['misses']:>9}{r['hit_rate']:>10.3f}"
+                  f"{human(r['bytes_moved']):>12}" + (f"{r['est_ms_per_token']:>10.2f}{'yes' if r['fits'] else 'NO':>6}"
+                                                      if prof else ""))
+        if prof:
+            print(f"device: {prof.get('name')}; context {a.context}")
+    if a.plot:
+        plot_sweep(rows, a.plot, os.path.basename(a.trace))
+        print(f"wrote {a.plot}")
+    return 0
+
+
+def _cmd_stats(a):
+    import json as _json
+    from .trace import Trace, routing_stats
+    tr = Trace.load(a.trace)
+    st = routing_stats(tr)
+    if a.json:
+        print(_json.dumps(st, indent=1))
+    else:
+        print(f"{st['tokens']} tokens, top-{st['top_k']} of {st['experts_per_layer']} experts")
+        print(f"{'layer':>5}  {'imbalance':>9}  {'entropy':>13}  {'reuse':>6}  load")
+        for l in st["layers"]:
+            print(f"{l['layer']:>5}  {l['imbalance']:>9.2f}  {l['entropy_bits']:>5.2f}/{l['max_entropy_bits']:<5.2f}bit"
+                  f"  {l['consecutive_reuse']:>6.2f}  {' '.join(str(x) for x in l['load'])}")
+            co = np.array(l["coactivation"])
+            i, j = np.unravel_index(np.argmax(co), co.shape)
+            print(f"       most co-activated pair: experts {i} and {j} ({co[i, j]} tokens)")
+    if a.plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        loads = np.array([l["load"] for l in st["layers"]], dtype=float)
+        fig, ax = plt.subplots(figsize=(1 + 0.45 * loads.shape[1], 1 + 0.4 * loads.shape[0]))
+        im = ax.imshow(loads / loads.sum(axis=1, keepdims=True), aspect="auto", cmap="viridis")
+        ax.set_xlabel("expert")
+        ax.set_ylabel("MoE layer")
+        ax.set_yticks(range(len(st["layers"])), [l["layer"] for l in st["layers"]])
+        fig.colorbar(im, label="share of routed tokens")
+        fig.tight_layout()
+        fig.savefig(a.plot, dpi=120)
+        print(f"wrote {a.plot}")
     return 0
 
 
@@ -126,7 +216,34 @@ def build_parser():
     r.add_argument("--seed", type=int, default=None)
     r.add_argument("--backend", default=None, help="auto, cpu, opencl, cuda, reference (default: COLIBRI_BACKEND or auto)")
     r.add_argument("--max-seq-len", type=int, default=None)
+    r.add_argument("--expert-slots", type=int, default=None, help="keep at most N experts resident (slot pool)")
+    r.add_argument("--slot-policy", default=None, choices=["lru", "lfu", "prefetch"])
+    r.add_argument("--stats", action="store_true", help="print the slot pool's counters")
     r.set_defaults(fn=_cmd_run)
+    t = sub.add_parser("trace", help="record which experts every token chose, to an .npz")
+    t.add_argument("--model", required=True)
+    t.add_argument("--prompts", required=True, help="a file, one prompt a line")
+    t.add_argument("--ids", action="store_true", help="prompts are space-separated token ids")
+    t.add_argument("--out", required=True)
+    t.add_argument("--max-new-tokens", type=int, default=0, help="also trace generation")
+    t.add_argument("--backend", default=None)
+    t.set_defaults(fn=_cmd_trace)
+    sm = sub.add_parser("simulate", help="replay a trace through the expert slot pool; estimate a device")
+    sm.add_argument("--trace", required=True)
+    sm.add_argument("--slots", type=int, default=None)
+    sm.add_argument("--policy", default="lru", help="lru, lfu, belady, prefetch (comma-separated to compare)")
+    sm.add_argument("--device", default=None, help="profile name (rk3588, mali-g78-phone, jetson-orin, "
+                    "a100-pcie4) or a JSON file")
+    sm.add_argument("--context", type=int, default=4096, help="context length for the memory fit")
+    sm.add_argument("--sweep", action="store_true", help="hit rate over slot counts")
+    sm.add_argument("--plot", default=None, help="write the sweep as a PNG")
+    sm.add_argument("--json", action="store_true")
+    sm.set_defaults(fn=_cmd_simulate)
+    st = sub.add_parser("stats", help="routing statistics of a trace")
+    st.add_argument("trace")
+    st.add_argument("--json", action="store_true")
+    st.add_argument("--plot", default=None, help="write a load heatmap PNG")
+    st.set_defaults(fn=_cmd_stats)
     return p
 
 

@@ -49,7 +49,7 @@ class Stats:
 class Engine:
     def __init__(self, path, backend=None, max_seq_len=None, max_batch=8, kv_cache_tokens=None,
                  prefill_chunk=256, kv_block_size=None, num_streams=None, router_warmup=None,
-                 disable_fp16=None, num_threads=None):
+                 disable_fp16=None, num_threads=None, expert_slots=None, slot_policy=None):
         self.model = open_model_dir(path)
         cfg = self.config = self.model.config
         self.path = self.model.path
@@ -83,8 +83,11 @@ class Engine:
         self.max_seq_len, self.max_batch = int(max_seq_len), int(max_batch)
         self.prefill_chunk = int(prefill_chunk)
         rows = max(self.prefill_chunk, self.max_batch)
+        slots = knobs.resolve("COLIBRI_EXPERT_SLOTS", expert_slots)
+        policy = knobs.resolve("COLIBRI_SLOT_POLICY", slot_policy)
         self.runner = Runner(self.model, self.backend, rows, self.max_batch, self.max_seq_len,
-                             -(-int(kv_cache_tokens) // block), block)
+                             -(-int(kv_cache_tokens) // block), block,
+                             expert_slots=slots or None, slot_policy=policy)
         self.stats = Stats()
         # end-of-sequence ids (generation_config.json); the engine's own copy, so it may be changed
         self.eos_token_ids = list(cfg["eos_token_ids"])
@@ -108,6 +111,8 @@ class Engine:
     def close(self):
         if not self.closed:
             self.closed = True
+            if self.runner.slot_pool is not None:
+                self.runner.slot_pool.close()
             self.backend.close()
             self.runner = None
 
@@ -349,6 +354,46 @@ class Engine:
     def expert_counts(self) -> np.ndarray:
         """Tokens routed to each expert so far: [num_layers, experts_per_layer]."""
         return self.runner.expert_counts.copy()
+
+    @property
+    def slot_stats(self) -> dict | None:
+        """Expert slot pool counters (hits, misses, prefetch_hits, bytes_loaded, evictions, hit_rate),
+        or None when every expert is resident."""
+        pool = self.runner.slot_pool
+        return None if pool is None else {**pool.counters.as_dict(), "slots": pool.cache.n,
+                                          "policy": pool.cache.policy, "resident_bytes": pool.resident_bytes()}
+
+    def trace_meta(self) -> dict:
+        from .planning import kv_bytes, summary
+        c, s = self.config, summary(self.model, 1)
+        return {"model": self.path, "model_type": c["model_type"], "backend": self.backend.name,
+                "top_k": self.runner.top_k, "experts_per_layer": c["experts_per_layer"],
+                "bytes_per_expert": s["bytes_per_expert"], "num_hidden_layers": c["num_hidden_layers"],
+                "non_expert_bytes": s["non_expert_bytes"], "expert_bytes": s["expert_bytes"],
+                "bytes_per_decoded_token": s["bytes_per_decoded_token"], "kv_bytes_per_token": kv_bytes(c, 1),
+                "scratch_bytes": s["scratch_bytes"]}
+
+    def trace(self, prompts, max_new_tokens=0, **gen):
+        """Run prompts (token id lists or strings) and return the routing Trace of every step
+        (prefill, and decode when max_new_tokens > 0)."""
+        from .trace import TraceRecorder
+        with self._lock:
+            self.runner.trace = rec = TraceRecorder(self.runner, self.trace_meta())
+            try:
+                if max_new_tokens > 0:
+                    self.generate_batch(list(prompts), max_new_tokens=max_new_tokens, **gen)
+                else:
+                    for p in prompts:
+                        ids = self._prompt_ids(p)
+                        seq = self._new_seq()
+                        try:
+                            self.runner.reserve(seq, len(ids))
+                            self._prefill([(seq, ids)], all_logits=False)
+                        finally:
+                            self.runner.free(seq)
+            finally:
+                self.runner.trace = None
+            return rec.trace()
 
     @property
     def kv_free_blocks(self) -> int:

@@ -14,6 +14,8 @@ KNOBS = {
     "COLIBRI_ROUTER_WARMUP": (0, "a non-negative integer"),
     "COLIBRI_DISABLE_FP16": (0, "0 or 1"),
     "COLIBRI_NUM_THREADS": (0, "a positive integer (0: all available cores)"),
+    "COLIBRI_EXPERT_SLOTS": (0, "a positive integer (0: every expert resident, no slot pool)"),
+    "COLIBRI_SLOT_POLICY": ("lru", "one of lru, lfu, prefetch"),
 }
 
 
@@ -21,6 +23,10 @@ def _parse(name, raw):
     default, what = KNOBS[name]
     if name == "COLIBRI_BACKEND":
         if raw not in ("auto", "cpu", "opencl", "cuda", "reference"):
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{name}={raw!r}: expected {what}")
+        return raw
+    if name == "COLIBRI_SLOT_POLICY":
+        if raw not in ("lru", "lfu", "prefetch"):
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{name}={raw!r}: expected {what}")
         return raw
     try:

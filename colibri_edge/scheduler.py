@@ -51,7 +51,8 @@ class Runner:
     """Owns the weights on the backend, the arena and the KV cache; runs steps."""
 
     def __init__(self, model: ModelDir, backend, max_rows: int, max_batch: int,
-                 max_seq_len: int, num_kv_blocks: int, block_size: int):
+                 max_seq_len: int, num_kv_blocks: int, block_size: int,
+                 expert_slots: int | None = None, slot_policy: str = "lru"):
         self.model, self.be, self.cfg = model, backend, model.config
         cfg = self.cfg
         self.max_rows, self.max_batch, self.max_seq_len = max_rows, max_batch, max_seq_len
@@ -60,6 +61,10 @@ class Runner:
         self.max_blocks = -(-max_seq_len // block_size)
         self.top_k = cfg["experts_per_layer"] if cfg["router_mode"] == "gated" else cfg["top_k"]
         self.scale = cfg["head_dim"] ** -0.5
+        self.slot_pool = None
+        if expert_slots is not None:
+            from .slots import SlotPool
+            self.slot_pool = SlotPool(backend, model, expert_slots, slot_policy)
         self._upload_weights()
         self._alloc_arena()
         self.kv = backend.alloc_kv(cfg["num_hidden_layers"], num_kv_blocks * block_size,
@@ -68,7 +73,10 @@ class Runner:
         self.expert_counts = np.zeros((L, E), dtype=np.int64)   # tokens routed, per layer and expert
         self.steps = 0
         self.step_tokens = []            # tokens computed in each step (bounded window)
-        self.observers = []              # callables(layer, ids[T,k], weights[T,k]) for traces
+        self.observers = []              # callables(layer, ids[T,k], weights[T,k])
+        self.trace = None                # a trace.TraceRecorder while tracing
+        moe = [l["layer_id"] for l in cfg["layers"] if l["type"] != "dense"]
+        self.next_moe = {a: b for a, b in zip(moe, moe[1:])}
 
     # -- setup ------------------------------------------------------------------------------
     def _upload_weights(self):
@@ -91,10 +99,12 @@ class Runner:
             lw["type"] = layer["type"]
             if layer["type"] == "dense":
                 lw["mlp"] = FFN(w(p + "mlp.gate"), w(p + "mlp.up"), w(p + "mlp.down"))
-            else:
+            elif self.slot_pool is None:
                 H, I, wd = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["weight_dtype"]
                 lw["experts"] = [be.upload_expert(m.expert_blob(i, j), H, I, wd)
                                  for j in range(layer["moe_num_experts"])]
+            else:                                  # experts live in the slot pool only
+                lw["experts"] = [None] * layer["moe_num_experts"]
             if layer["type"] == "moe_shared":
                 lw["shared"] = FFN(w(p + "shared.gate"), w(p + "shared.up"), w(p + "shared.down"))
             self.layers.append(lw)
@@ -112,7 +122,8 @@ class Runner:
             "attn": be.alloc((R, nh, hd), f32), "router": be.alloc((R, E), f32),
             "ids": be.alloc((R, k), i32), "w": be.alloc((R, k), f32), "gate_logit": be.alloc((R, 1), f32),
             "y": be.alloc((R * k, H), f32), "scratch": be.alloc((R * k, 2 * inter), f32),
-            "zeros": be.alloc((R, 1), i32), "logits": be.alloc((R, V), f32), "sel": be.alloc((R, H), f32),
+            "zeros": be.alloc((R, 1), i32), "pred_router": be.alloc((R, E), f32),
+            "pred_ids": be.alloc((R, k), i32), "pred_w": be.alloc((R, k), f32), "logits": be.alloc((R, V), f32), "sel": be.alloc((R, H), f32),
             "tok": be.alloc((R,), i32), "pos": be.alloc((R,), i32), "seq": be.alloc((R,), i32),
             "slots": be.alloc((R,), i32), "rows": be.alloc((R,), i32),
             "tables": be.alloc((self.max_batch, self.max_blocks), i32),
@@ -169,10 +180,15 @@ class Runner:
             seq.cached += n
             t += n
         S = len(entries)
+        if self.trace is not None:
+            self.trace.begin_step(np.repeat([seq.seq_id for seq, _ in entries], [len(t) for _, t in entries]),
+                                  h["pos"][:T])
         for n in ("tok", "pos", "seq", "slots", "rows"):
             be.upload_into(a[n][:T if n != "rows" else nrows], h[n][:T if n != "rows" else nrows])
         be.upload_into(a["tables"][:S], h["tables"][:S])
         self._forward(T, nrows)
+        if self.trace is not None:
+            self.trace.end_step()
         self.steps += 1
         self.step_tokens.append(T)
         if len(self.step_tokens) > 4096:
@@ -222,8 +238,21 @@ class Runner:
                 self.expert_counts[li] += plan.counts
             for obs in self.observers:
                 obs(li, ids, w)
-            be.grouped_ffn(a["y"][:T * kk], hbuf, lw["experts"], plan, a["scratch"][:T * kk])
-            be.combine(x, a["y"][:T * kk], w, plan)
+            if self.trace is not None:
+                self.trace.record(li, be.download(ids), be.download(w))
+            pool, prefetch = self.slot_pool, None
+            if self.trace is not None or (pool is not None and pool.cache.policy == "prefetch"):
+                nxt, pred = self._predict_next(li, hbuf, T)
+                if nxt is not None and self.trace is not None:
+                    self.trace.record_prediction(nxt, pred)
+                if nxt is not None and pool is not None and pool.cache.policy == "prefetch":
+                    prefetch = (nxt, np.unique(pred))
+            y = a["y"][:T * kk]
+            if pool is None:
+                be.grouped_ffn(y, hbuf, lw["experts"], plan, a["scratch"][:T * kk])
+            else:
+                self._grouped_ffn_from_slots(li, lw, plan, y, hbuf, T, prefetch)
+            be.combine(x, y, w, plan)
             if lw["type"] == "moe_shared":
                 if dense_plan is None:
                     dense_plan = be.align(self.dense_plan_bufs, a["zeros"][:T], T, 1, 1)
@@ -237,3 +266,25 @@ class Runner:
         be.embed(sel, x, a["rows"][:nrows])            # gather the rows whose logits are wanted
         be.rmsnorm(sel, sel, self.final_norm, eps)
         be.matmul(a["logits"][:nrows], sel, self.lm_head)
+
+    def _predict_next(self, li, hbuf, T):
+        """Layer L+1's router applied to layer L's hidden state: the experts it will likely want."""
+        nxt = self.next_moe.get(li)
+        if nxt is None:
+            return None, None
+        be, a, kk = self.be, self.a, self.top_k
+        be.matmul(a["pred_router"][:T], hbuf, self.layers[nxt]["router"])
+        be.route(a["pred_ids"][:T], a["pred_w"][:T], a["pred_router"][:T], kk, self.cfg["router_mode"],
+                 self.cfg["norm_topk_prob"])
+        return nxt, be.download(a["pred_ids"][:T])
+
+    def _grouped_ffn_from_slots(self, li, lw, plan, y, hbuf, T, prefetch):
+        """Run the layer's experts from the slot pool, wave by wave (a wave = what fits in the slots)."""
+        import dataclasses
+        active = np.asarray(plan.experts_to_run())
+        experts = list(lw["experts"])
+        for wave in self.slot_pool.waves(li, active, prefetch):
+            for e, ffn in wave:
+                experts[e] = ffn
+            sub = dataclasses.replace(plan, active=np.array([e for e, _ in wave], dtype=np.int64))
+            self.be.grouped_ffn(y, hbuf, experts, sub, self.a["scratch"][:T * self.top_k])

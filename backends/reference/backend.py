@@ -104,9 +104,7 @@ class Backend(BackendBase):
 
     def grouped_ffn(self, out, x, experts, plan, scratch):
         k = plan.top_k
-        for e, n in enumerate(plan.counts):
-            if n == 0:
-                continue
+        for e in plan.experts_to_run():
             a, b = plan.offsets[e], plan.offsets[e + 1]
             tokens = plan.order[a:b] // k
             ffn = experts[e]

@@ -1,0 +1,109 @@
+"""`colibri simulate`: replay a routing trace through the engine's own slot-pool decisions
+(slots.SlotCache.access_layer), in the engine's order: step by step, MoE layers in order, within a
+layer the union of the step's experts in ascending id. lru and lfu give exactly the counters the
+engine reports for the same trace and slot count; belady (offline optimum for demand loading) bounds
+them; prefetch uses the trace's predicted_ids (layer L+1's router on layer L's hidden state).
+
+With a device profile it estimates the time per token and whether the model fits:
+    ms/token = bytes read per token / (bandwidth x efficiency) + demand-miss bytes per token / miss bandwidth
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
+from .slots import POLICIES, SlotCache
+from .trace import Trace
+
+PROFILE_DIR = os.path.join(os.path.dirname(__file__), "profiles")
+
+
+def _layer_accesses(tr: Trace):
+    """Yields (step tokens, j, layer, experts ascending, prefetch or None) in engine order."""
+    L = len(tr.layer_ids)
+    for _, idx in tr.steps():
+        for j in range(L):
+            experts = np.unique(tr.expert_ids[idx, j].astype(np.int64))
+            prefetch = None
+            if j + 1 < L:
+                pred = tr.predicted_ids[idx, j + 1].astype(np.int64)
+                if (pred >= 0).all():
+                    prefetch = (int(tr.layer_ids[j + 1]), np.unique(pred))
+            yield j, int(tr.layer_ids[j]), experts, prefetch
+
+
+def replay(tr: Trace, slots: int, policy: str) -> dict:
+    if policy not in POLICIES:
+        raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"--policy {policy!r}: use one of {', '.join(POLICIES)}")
+    blob = int(tr.meta["bytes_per_expert"])
+    cache = SlotCache(slots, policy, blob)
+    if policy == "belady":
+        cache.set_future([(layer, int(e)) for _, layer, experts, _ in _layer_accesses(tr) for e in experts])
+    for _, layer, experts, prefetch in _layer_accesses(tr):
+        cache.access_layer(layer, experts, prefetch if policy == "prefetch" else None)
+    c = cache.c.as_dict()
+    return {"policy": policy, "slots": slots, "hits": c["hits"], "misses": c["misses"], "hit_rate": c["hit_rate"],
+            "prefetch_hits": c["prefetch_hits"], "prefetches": c["prefetches"], "evictions": c["evictions"],
+            "bytes_moved": c["bytes_loaded"], "stall_misses": c["misses"], "tokens": int(tr.expert_ids.shape[0])}
+
+
+def load_profile(name_or_path: str) -> dict:
+    path = name_or_path if os.path.exists(name_or_path) else os.path.join(PROFILE_DIR, name_or_path + ".json")
+    if not os.path.exists(path):
+        names = sorted(f[:-5] for f in os.listdir(PROFILE_DIR) if f.endswith(".json"))
+        raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"device profile {name_or_path!r} not found; shipped: "
+                           f"{', '.join(names)}, or pass a JSON file with memory_bytes, memory_bandwidth_gbs, "
+                           "miss_bandwidth_gbs")
+    try:
+        prof = json.load(open(path))
+        for f in ("memory_bytes", "memory_bandwidth_gbs", "miss_bandwidth_gbs"):
+            float(prof[f])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{path}: bad device profile ({e})") from None
+    return prof
+
+
+def estimate(result: dict, tr: Trace, prof: dict, context: int) -> dict:
+    m = tr.meta
+    eff = float(prof.get("bandwidth_efficiency", 1.0))
+    tokens = max(result["tokens"], 1)
+    read_s = m["bytes_per_decoded_token"] / (prof["memory_bandwidth_gbs"] * 1e9 * eff)
+    miss_s = result["misses"] * m["bytes_per_expert"] / tokens / (prof["miss_bandwidth_gbs"] * 1e9)
+    need = m["non_expert_bytes"] + result["slots"] * m["bytes_per_expert"] + context * m["kv_bytes_per_token"] \
+        + m.get("scratch_bytes", 0)
+    return {"device": prof.get("name", "custom"), "est_ms_per_token": 1e3 * (read_s + miss_s),
+            "est_read_ms": 1e3 * read_s, "est_miss_ms": 1e3 * miss_s, "memory_needed_bytes": int(need),
+            "device_memory_bytes": int(prof["memory_bytes"]), "fits": bool(need <= prof["memory_bytes"]),
+            "context": context}
+
+
+def sweep_points(tr: Trace):
+    total = len(tr.layer_ids) * int(tr.meta["experts_per_layer"])
+    k = int(tr.meta["top_k"])
+    pts = sorted({max(1, k), *np.linspace(max(1, k), total, 12).astype(int).tolist(), total})
+    return pts
+
+
+def plot_sweep(rows, path, title):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, "--plot needs matplotlib: pip install matplotlib") from None
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for pol in sorted({r["policy"] for r in rows}):
+        pts = [r for r in rows if r["policy"] == pol]
+        ax.plot([r["slots"] for r in pts], [r["hit_rate"] for r in pts], marker="o", label=pol)
+    ax.set_xlabel("expert slots")
+    ax.set_ylabel("hit rate")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,230 @@
+"""The expert slot pool (DESIGN.md, "Memory"): N expert slots shared by all layers, keyed by
+(layer, expert). The kernels read expert weights from the slots only.
+
+Two halves, so the simulator replays a trace through exactly the engine's decisions:
+  SlotCache  policy and accounting only (no data): which slot each access gets, what it evicts,
+             hits / misses / prefetch hits / bytes / evictions.  `colibri simulate` runs it alone.
+  SlotPool   SlotCache + the data movement on a backend (copy a blob into a slot, asynchronously
+             for prefetch).
+
+Access order, in both: step by step, within a step the MoE layers in order, within a layer the union
+of the step's experts in ascending id. A layer's experts stay pinned while it runs; when it needs
+more experts than there are slots it runs in waves of at most N experts.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
+
+POLICIES = ("lru", "lfu", "prefetch", "belady")
+ENGINE_POLICIES = ("lru", "lfu", "prefetch")
+
+
+@dataclass
+class Counters:
+    hits: int = 0
+    misses: int = 0            # demand misses: the step waits for the load (they stall)
+    prefetch_hits: int = 0     # hits on an expert that prefetch brought in
+    bytes_loaded: int = 0
+    evictions: int = 0
+    prefetches: int = 0        # loads issued by prefetch
+
+    def as_dict(self):
+        d = dict(self.__dict__)
+        total = self.hits + self.misses
+        d["hit_rate"] = self.hits / total if total else 1.0
+        return d
+
+
+class SlotCache:
+    """Policy and accounting for N slots. Keys are (layer, expert) tuples.
+
+    lru: evict the least recently used; lfu: the least frequently used (ties: least recent);
+    prefetch: lru plus `prefetch()`; belady: evict the key whose next use is farthest (needs the
+    future: `set_future(keys)` with the whole access sequence; offline, for the simulator)."""
+
+    def __init__(self, num_slots: int, policy: str, blob_bytes: int):
+        if policy not in POLICIES:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"slot policy {policy!r}: use one of {', '.join(POLICIES)}")
+        if num_slots < 1:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"expert_slots={num_slots}: must be at least 1")
+        self.n, self.policy, self.blob_bytes = num_slots, policy, blob_bytes
+        self.where: dict = {}                        # key -> slot
+        self.key_of = [None] * num_slots             # slot -> key
+        self.recency: OrderedDict = OrderedDict()    # key -> None, least recent first
+        self.freq: dict = {}
+        self.prefetched: set = set()                 # resident because prefetch loaded them, not yet used
+        self.c = Counters()
+        self._future = None                          # belady: key -> sorted positions of its uses
+        self._t = 0                                  # belady: index into the access sequence
+
+    # -- belady ---------------------------------------------------------------------------------
+    def set_future(self, keys):
+        self._future = {}
+        for i, k in enumerate(keys):
+            self._future.setdefault(k, []).append(i)
+        self._ptr = {k: 0 for k in self._future}
+
+    def _next_use(self, key):
+        uses, p = self._future.get(key, []), self._ptr.get(key, 0)
+        while p < len(uses) and uses[p] < self._t:
+            p += 1
+        self._ptr[key] = p
+        return uses[p] if p < len(uses) else float("inf")
+
+    # -- core -----------------------------------------------------------------------------------
+    def _victim(self, pinned):
+        free = [s for s, k in enumerate(self.key_of) if k is None]
+        if free:
+            return free[0]
+        cands = [k for k in self.recency if k not in pinned]   # least recent first
+        if not cands:
+            return None
+        if self.policy == "lfu":
+            key = min(cands, key=lambda k: self.freq.get(k, 0))   # min keeps the least recent on ties
+        elif self.policy == "belady":
+            key = max(cands, key=self._next_use)                 # max keeps the least recent on ties
+        else:
+            key = cands[0]
+        return self.where[key]
+
+    def _install(self, key, slot):
+        old = self.key_of[slot]
+        if old is not None:
+            del self.where[old]
+            self.recency.pop(old, None)
+            self.prefetched.discard(old)
+            self.c.evictions += 1
+        self.key_of[slot] = key
+        self.where[key] = slot
+        self.recency[key] = None
+        self.c.bytes_loaded += self.blob_bytes
+
+    def _touch(self, key):
+        self.recency.move_to_end(key)
+        self.freq[key] = self.freq.get(key, 0) + 1
+
+    def plan_layer(self, layer: int, experts):
+        """Experts of one layer (ascending) -> waves: lists of (expert, slot, hit). Every expert of a
+        wave is resident together; misses of a wave must be loaded before it runs."""
+        waves, wave, pinned = [], [], set()
+        for e in experts:
+            key = (layer, int(e))
+            if key in self.where:
+                self.c.hits += 1
+                if key in self.prefetched:
+                    self.c.prefetch_hits += 1
+                    self.prefetched.discard(key)
+                slot, hit = self.where[key], True
+            else:
+                slot = self._victim(pinned)
+                if slot is None:                  # every slot holds this wave: run it, start another
+                    waves.append(wave)
+                    wave, pinned = [], set()
+                    slot = self._victim(pinned)
+                self.c.misses += 1
+                self._install(key, slot)
+                hit = False
+            self._touch(key)
+            self._t += 1
+            pinned.add(key)
+            wave.append((int(e), slot, hit))
+        if wave:
+            waves.append(wave)
+        return waves
+
+    def prefetch(self, layer: int, experts, pinned_layer: int):
+        """Bring `layer`'s likely experts in, never evicting experts of `pinned_layer` (running).
+        -> list of (expert, slot) to load."""
+        pinned = {k for k in self.where if k[0] == pinned_layer}
+        loads = []
+        for e in experts:
+            key = (layer, int(e))
+            if key in self.where:
+                continue
+            slot = self._victim(pinned | {(layer, int(x)) for x in experts})
+            if slot is None:
+                break
+            self._install(key, slot)
+            self.recency.move_to_end(key)
+            self.prefetched.add(key)
+            self.c.prefetches += 1
+            loads.append((int(e), slot))
+        return loads
+
+    def access_layer(self, layer: int, experts, prefetch=None):
+        """One MoE layer of one step, the unit both the engine and the simulator replay:
+        demand accesses for `experts` (ascending), then, when the layer fits in one wave, prefetch of
+        prefetch=(next_layer, likely experts). -> (waves, prefetch loads)."""
+        waves = self.plan_layer(layer, experts)
+        loads = self.prefetch(prefetch[0], prefetch[1], layer) if prefetch is not None and len(waves) == 1 else []
+        return waves, loads
+
+    @property
+    def resident(self):
+        return dict(self.where)
+
+
+class SlotPool:
+    """SlotCache + data: N slots of one expert blob each in the backend's memory."""
+
+    def __init__(self, backend, model, num_slots: int, policy: str):
+        from .modeldir import expert_blob_bytes
+        cfg = model.config
+        if policy not in ENGINE_POLICIES:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"slot policy {policy!r}: the engine runs "
+                               f"{', '.join(ENGINE_POLICIES)} (belady needs the future: use `colibri simulate`)")
+        self.be, self.model = backend, model
+        self.H, self.I, self.dtype = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["weight_dtype"]
+        self.blob_bytes = expert_blob_bytes(self.H, self.I, self.dtype)
+        self.cache = SlotCache(num_slots, policy, self.blob_bytes)
+        self.buf = backend.alloc_slots(num_slots, self.blob_bytes)
+        self.ffn = [backend.slot_ffn(self.buf, s, self.H, self.I, self.dtype) for s in range(num_slots)]
+        self._pending: dict = {}                    # slot -> Future of a prefetch copy
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="colibri-prefetch") \
+            if policy == "prefetch" else None
+        self._lock = threading.Lock()
+
+    @property
+    def counters(self) -> Counters:
+        return self.cache.c
+
+    def _load(self, layer, e, slot):
+        self.be.load_slot(self.buf, slot, self.model.expert_blob(layer, e))
+
+    def _wait(self, slot):
+        fut = self._pending.pop(slot, None)
+        if fut is not None:
+            fut.result()
+
+    def waves(self, layer, experts, prefetch=None):
+        """Yields waves, each a list of (expert, FFN in its slot), after loading the wave's misses.
+        A generator: a later wave may reuse an earlier wave's slots, so run each before the next.
+        prefetch=(next_layer, likely experts): loaded on the prefetch thread while this layer runs
+        (only when the layer fits in one wave: then no slot of this layer is touched)."""
+        plan, loads = self.cache.access_layer(layer, experts, prefetch)
+        for i, wave in enumerate(plan):
+            for e, slot, hit in wave:
+                self._wait(slot)                    # a prefetch into this slot must land first
+                if not hit:
+                    self._load(layer, e, slot)
+            if i == 0:
+                for e, slot in loads:               # overlap the next layer's loads with this one
+                    self._wait(slot)
+                    self._pending[slot] = self._pool.submit(self._load, prefetch[0], e, slot)
+            yield [(e, self.ffn[slot]) for e, slot, _ in wave]
+
+    def resident_bytes(self) -> int:
+        return sum(k is not None for k in self.cache.key_of) * self.blob_bytes
+
+    def close(self):
+        for s in list(self._pending):
+            self._wait(s)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)

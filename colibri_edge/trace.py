@@ -1,0 +1,133 @@
+"""Routing traces: which experts each token chose, in every MoE layer, step by step.
+
+File (.npz):
+  expert_ids  int16   [tokens, moe_layers, top_k]
+  weights     float32 [tokens, moe_layers, top_k]
+  seq_ids, positions, step_ids  int32 [tokens]   (a step is one forward call: a prefill chunk or a decode step)
+  layer_ids   int32   [moe_layers]
+  predicted_ids int16 [tokens, moe_layers, top_k]  layer j's experts as predicted by applying its router
+              to the hidden state of MoE layer j-1 (-1 for the first): what the prefetch policy uses
+  meta        JSON string: model, backend, top_k, experts_per_layer, bytes_per_expert
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
+
+
+@dataclass
+class Trace:
+    expert_ids: np.ndarray
+    weights: np.ndarray
+    seq_ids: np.ndarray
+    positions: np.ndarray
+    step_ids: np.ndarray
+    layer_ids: np.ndarray
+    predicted_ids: np.ndarray
+    meta: dict
+
+    def save(self, path):
+        np.savez_compressed(path, expert_ids=self.expert_ids, weights=self.weights, seq_ids=self.seq_ids,
+                            positions=self.positions, step_ids=self.step_ids, layer_ids=self.layer_ids,
+                            predicted_ids=self.predicted_ids, meta=np.array(json.dumps(self.meta)))
+
+    @classmethod
+    def load(cls, path) -> "Trace":
+        try:
+            z = np.load(path, allow_pickle=False)
+            meta = json.loads(str(z["meta"]))
+            pred = z["predicted_ids"] if "predicted_ids" in z.files else np.full_like(z["expert_ids"], -1)
+            return cls(z["expert_ids"], z["weights"], z["seq_ids"], z["positions"], z["step_ids"],
+                       z["layer_ids"], pred, meta)
+        except (OSError, KeyError, ValueError) as e:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{path}: not a Colibri routing trace ({e}); "
+                               "make one with `colibri trace`") from None
+
+    @property
+    def num_steps(self):
+        return int(self.step_ids.max()) + 1 if self.step_ids.size else 0
+
+    def steps(self):
+        """Yields (step, token index array) in order."""
+        if not self.step_ids.size:
+            return
+        bounds = np.flatnonzero(np.diff(self.step_ids)) + 1
+        for idx in np.split(np.arange(self.step_ids.size), bounds):
+            yield int(self.step_ids[idx[0]]), idx
+
+
+class TraceRecorder:
+    """Attached to a Runner: collects the routing of every step."""
+
+    def __init__(self, runner, meta):
+        self.runner, self.meta = runner, meta
+        self.moe_layers = [l["layer_id"] for l in runner.cfg["layers"] if l["type"] != "dense"]
+        self._col = {l: j for j, l in enumerate(self.moe_layers)}
+        self.chunks = []
+        self._step = 0
+        self._cur = None
+
+    def begin_step(self, seq_ids, positions):
+        T, k = len(seq_ids), self.runner.top_k
+        L = len(self.moe_layers)
+        self._cur = {"ids": np.full((T, L, k), -1, np.int16), "w": np.zeros((T, L, k), np.float32),
+                     "pred": np.full((T, L, k), -1, np.int16), "seq": np.asarray(seq_ids, np.int32).copy(),
+                     "pos": np.asarray(positions, np.int32).copy()}
+
+    def record(self, layer, ids, weights):
+        j = self._col[layer]
+        self._cur["ids"][:, j] = ids
+        self._cur["w"][:, j] = weights
+
+    def record_prediction(self, layer, ids):
+        self._cur["pred"][:, self._col[layer]] = ids
+
+    def end_step(self):
+        c = self._cur
+        c["step"] = np.full(len(c["seq"]), self._step, np.int32)
+        self.chunks.append(c)
+        self._step += 1
+        self._cur = None
+
+    def trace(self) -> Trace:
+        L, k = len(self.moe_layers), self.runner.top_k
+        cat = lambda key, shape, dt: np.concatenate([c[key] for c in self.chunks]) if self.chunks else np.zeros(shape, dt)
+        return Trace(cat("ids", (0, L, k), np.int16), cat("w", (0, L, k), np.float32), cat("seq", (0,), np.int32),
+                     cat("pos", (0,), np.int32), cat("step", (0,), np.int32), np.array(self.moe_layers, np.int32),
+                     cat("pred", (0, L, k), np.int16), dict(self.meta))
+
+
+# ------------------------------------------------------------------------------------------------
+# statistics (`colibri stats`)
+
+def routing_stats(tr: Trace) -> dict:
+    """Per MoE layer: expert load, imbalance (max/mean), routing entropy (bits; uniform = log2 E),
+    pair co-activation and how often consecutive tokens of a sequence reuse an expert."""
+    E = int(tr.meta["experts_per_layer"])
+    T, L, k = tr.expert_ids.shape
+    layers = []
+    order = np.lexsort((tr.positions, tr.seq_ids))
+    seq_sorted = tr.seq_ids[order]
+    same_seq = seq_sorted[1:] == seq_sorted[:-1]
+    for j in range(L):
+        ids = tr.expert_ids[:, j, :].astype(np.int64)
+        load = np.bincount(ids.reshape(-1), minlength=E)
+        p = load / max(load.sum(), 1)
+        nz = p[p > 0]
+        onehot = np.zeros((T, E), np.int64)
+        np.put_along_axis(onehot, ids, 1, axis=1)
+        co = onehot.T @ onehot
+        np.fill_diagonal(co, 0)
+        a, b = onehot[order][:-1][same_seq], onehot[order][1:][same_seq]
+        reuse = float((a & b).any(axis=1).mean()) if len(a) else 0.0
+        layers.append({
+            "layer": int(tr.layer_ids[j]), "load": load.tolist(),
+            "imbalance": float(load.max() / load.mean()) if load.mean() > 0 else 0.0,
+            "entropy_bits": float(-(nz * np.log2(nz)).sum()), "max_entropy_bits": float(np.log2(E)),
+            "coactivation": co.tolist(), "consecutive_reuse": reuse,
+        })
+    return {"tokens": int(T), "top_k": int(k), "experts_per_layer": E, "layers": layers}
