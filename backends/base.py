@@ -73,6 +73,11 @@ class Backend:
     def download(self, buf) -> np.ndarray:
         raise NotImplementedError
 
+    def host_view(self, buf) -> np.ndarray:
+        """Read-only host access to a small buffer (logits): no copy when the buffer already is host
+        memory, which keeps the decode loop allocation-free on CPU backends."""
+        return buf if isinstance(buf, np.ndarray) else self.download(buf)
+
     def synchronize(self):
         pass
 

@@ -283,14 +283,39 @@ class Engine:
             prompt_ids = [self._prompt_ids(p) for p in prompts]
             rng = np.random.default_rng(seed)
             eos = set() if ignore_eos else set(self.eos_token_ids)
-            live = {}          # index -> dict(seq, last, produced, text)
+            live = {}          # index -> {"seq", "produced", "logits" (ready to sample, or None)}
             waiting = list(range(len(prompts)))
+
+            def choose(i, st):
+                """Sample sequence i's next token; -> (token, done)."""
+                tok = sampling.sample(st["logits"], temperature, top_p, top_k, rng)
+                st["logits"] = None
+                st["produced"].append(tok)
+                done = tok in eos or len(st["produced"]) >= max_new_tokens
+                done = done or st["seq"].cached + 1 > self.max_seq_len
+                if stops and not done:
+                    tail = self.codec.decode(st["produced"][-64:])
+                    done = any(s in tail for s in stops)
+                return tok, done
+
             try:
                 while waiting or live:
-                    # admit new sequences while there is room
+                    # 1. sample every live sequence from the last decode step's logits, which are a
+                    #    view into the arena: it must happen before any other step overwrites them
+                    finished = []
+                    for i, st in live.items():
+                        tok, done = choose(i, st)
+                        yield i, tok, None
+                        if done:
+                            finished.append(i)
+                    for i in finished:
+                        self.runner.free(live.pop(i)["seq"])
+                    # 2. admit waiting sequences while there is room; prefill them together
                     admitted = []
                     while waiting and len(live) + len(admitted) < self.max_batch:
                         i = waiting.pop(0)
+                        if max_new_tokens == 0:
+                            continue
                         seq = self._new_seq()
                         try:
                             self.runner.reserve(seq, len(prompt_ids[i]))
@@ -304,28 +329,14 @@ class Engine:
                         lasts = self._prefill([(seq, prompt_ids[i]) for i, seq in admitted], all_logits=False)
                         self.stats.first_token_seconds = time.perf_counter() - t_first
                         for (i, seq), logits in zip(admitted, lasts):
-                            live[i] = {"seq": seq, "produced": [], "logits": logits}
-                    # choose next tokens for every live sequence
-                    finished = []
-                    for i, st in live.items():
-                        if len(st["produced"]) >= max_new_tokens:
-                            finished.append(i)
-                            continue
-                        tok = sampling.sample(st["logits"], temperature, top_p, top_k, rng)
-                        st["produced"].append(tok)
-                        yield i, tok, None
-                        done = tok in eos or len(st["produced"]) >= max_new_tokens
-                        done = done or st["seq"].cached + 1 > self.max_seq_len
-                        if stops and not done:
-                            tail = self.codec.decode(st["produced"][-64:])
-                            done = any(s in tail for s in stops)
-                        if done:
-                            finished.append(i)
-                    for i in finished:
-                        self.runner.free(live.pop(i)["seq"])
+                            st = live[i] = {"seq": seq, "produced": [], "logits": logits}
+                            tok, done = choose(i, st)
+                            yield i, tok, None
+                            if done:
+                                self.runner.free(live.pop(i)["seq"])
                     if not live:
                         continue
-                    # one decode step: one new token per live sequence
+                    # 3. one decode step: one new token per live sequence
                     entries, owners = [], []
                     for i, st in list(live.items()):
                         try:
@@ -341,7 +352,7 @@ class Engine:
                     t0 = time.perf_counter()
                     logits = self.runner.step(entries)
                     for row, i in enumerate(owners):
-                        live[i]["logits"] = self.backend.download(logits[row])
+                        live[i]["logits"] = self.backend.host_view(logits[row])
                     self.stats.decode_seconds += time.perf_counter() - t0
                     self.stats.decode_tokens += len(entries)
                     self.stats.decode_steps += 1
