@@ -1,0 +1,187 @@
+"""The cpu backend: Numba kernels (kernels.py) over NumPy buffers, on any x86-64 or ARM64 CPU.
+
+Memory is host memory. Weights stay the read-only memmap views given to `upload`, only re-viewed
+as their stored bits (float16 -> uint16, bfloat16 -> int16; see kernels.py), so pages of experts
+never routed to are never read. Every op writes into the buffer it is given and allocates nothing;
+the one piece of scratch of its own, the MoE plan, comes from `alloc_plan`, once.
+
+Threads: COLIBRI_NUM_THREADS arrives as `num_threads` (0 = every thread Numba started, by default
+one per core) and sizes Numba's pool with numba.set_num_threads. That setting is per calling
+thread, so it is applied again when another thread runs a step. BLAS is never called: Numba's pool
+is the only one to govern.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from colibri_edge.dtypes import STORAGE
+from colibri_edge.errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
+from ..base import Backend as BackendBase, Plan, Weight
+
+# weight type -> element type of the view the kernels read (the type picks the widening)
+KERNEL_VIEW = {"float32": np.dtype(np.float32), "float16": np.dtype(np.uint16), "bfloat16": np.dtype(np.int16)}
+
+_thread_state = threading.local()     # the thread count set on this thread, if any
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith(("model name", "hardware", "cpu model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def probe(for_auto=False):
+    """-> (ok, detail): the CPU, its cores and Numba's version, or why Numba cannot be used."""
+    try:
+        import numba
+    except Exception as e:             # not installed, or built against another NumPy
+        return False, f"numba is not importable ({type(e).__name__}: {e}); pip install numba"
+    return True, f"{_cpu_name()} ({platform.machine()}), {os.cpu_count()} cores, numba {numba.__version__}"
+
+
+@dataclass
+class CpuPlan(Plan):
+    """A Plan plus the experts that have tokens (ascending), so grouped_ffn visits only those."""
+    active: object = None
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    v = a.view()
+    v.flags.writeable = False          # one array type for memmapped and in-memory weights alike
+    return v
+
+
+class Backend(BackendBase):
+    name = "cpu"
+    weight_dtypes = ("float32", "float16", "bfloat16")
+
+    def __init__(self, num_threads=0, **options):
+        import numba
+        from . import kernels
+        self.numba, self.k, self.options = numba, kernels, options
+        pool = numba.config.NUMBA_NUM_THREADS
+        num_threads = int(num_threads or 0)
+        if num_threads < 0 or num_threads > pool:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT,
+                               f"COLIBRI_NUM_THREADS={num_threads}: Numba started {pool} threads; use 0..{pool} "
+                               f"(or set NUMBA_NUM_THREADS={num_threads} before starting)")
+        self.num_threads = num_threads or pool
+        self.no_bias = _readonly(np.zeros(0, np.float32))
+
+    def _use_threads(self):
+        if getattr(_thread_state, "n", None) != self.num_threads:
+            self.numba.set_num_threads(self.num_threads)
+            _thread_state.n = self.num_threads
+
+    def describe(self) -> str:
+        return f"cpu: {probe()[1]}, {self.num_threads} threads"
+
+    # -- memory ------------------------------------------------------------------------------
+    def alloc(self, shape, dtype=np.float32):
+        return np.zeros(shape, dtype=dtype)
+
+    def upload(self, host, dtype="float32"):
+        if dtype not in KERNEL_VIEW:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"cpu backend: unknown weight dtype {dtype!r}")
+        arr = np.asarray(host)
+        if arr.dtype.itemsize != STORAGE[dtype].itemsize:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT,
+                               f"cpu backend: {arr.dtype} data cannot hold {dtype} weights")
+        if not arr.flags.c_contiguous:     # model tensors always are; this copies only odd inputs
+            arr = np.ascontiguousarray(arr)
+        return Weight(_readonly(arr.view(KERNEL_VIEW[dtype])), dtype, tuple(arr.shape))
+
+    def upload_into(self, dst, host):
+        dst[...] = host
+
+    def download(self, buf):
+        return np.array(buf)
+
+    # -- dense -------------------------------------------------------------------------------
+    def embed(self, out, table, ids):
+        self.k.embed(out, table.data if isinstance(table, Weight) else table, ids)
+
+    def matmul(self, out, x, w, bias=None):
+        self._use_threads()
+        self.k.matmul(out, x, w.data, self.no_bias if bias is None else bias.data, bias is not None)
+
+    def rmsnorm(self, out, x, weight, eps):
+        self.k.rmsnorm(out, x, weight.data, float(eps))
+
+    def rope(self, out, x, positions, theta):
+        self.k.rope(out, x, positions, float(theta))
+
+    def add(self, out, a, b, gate=None):
+        if gate is None:
+            self.k.add(out, a, b)
+        else:
+            self.k.gated_add(out, a, b, gate)
+
+    # -- attention ---------------------------------------------------------------------------
+    def alloc_kv(self, num_layers, num_slots, kv_heads, head_dim):
+        return [(np.zeros((num_slots, kv_heads, head_dim), np.float32),
+                 np.zeros((num_slots, kv_heads, head_dim), np.float32)) for _ in range(num_layers)]
+
+    def kv_write(self, cache, layer, k, v, slots):
+        k_cache, v_cache = cache[layer]
+        self.k.kv_write(k_cache, v_cache, k, v, slots)
+
+    def paged_attention(self, out, q, cache, layer, block_tables, seq_index, positions, block_size, scale):
+        k_cache, v_cache = cache[layer]
+        self._use_threads()
+        self.k.paged_attention(out, q, k_cache, v_cache, block_tables, seq_index, positions,
+                               int(block_size), float(scale))
+
+    # -- MoE ---------------------------------------------------------------------------------
+    def route(self, out_ids, out_w, logits, k, mode, normalize):
+        if mode not in ("topk", "gated"):
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"router_mode {mode!r}: cpu runs topk and gated")
+        self.k.route(out_ids, out_w, logits, mode == "gated", bool(normalize))
+
+    def alloc_plan(self, max_assignments, num_experts):
+        """Plan buffers for up to max_assignments (T*k) rows and num_experts experts, filled by align."""
+        i32 = np.int32
+        return {"offsets": np.zeros(num_experts + 1, i32), "order": np.zeros(max_assignments, i32),
+                "inverse": np.zeros(max_assignments, i32), "counts": np.zeros(num_experts, i32),
+                "active": np.zeros(num_experts, i32)}
+
+    def align(self, plan_bufs, ids, num_tokens, num_experts, top_k):
+        A = num_tokens * top_k
+        if plan_bufs is None:              # a caller without alloc_plan (not the decode loop)
+            plan_bufs = self.alloc_plan(A, num_experts)
+        b = plan_bufs
+        if A > b["order"].shape[0] or num_experts > b["counts"].shape[0]:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"plan of {A} rows / {num_experts} experts exceeds "
+                               f"alloc_plan({b['order'].shape[0]}, {b['counts'].shape[0]})")
+        order, inverse, counts = b["order"][:A], b["inverse"][:A], b["counts"][:num_experts]
+        offsets, active = b["offsets"][:num_experts + 1], b["active"][:num_experts]
+        n_active = self.k.align(offsets, order, inverse, counts, active, ids.reshape(-1)[:A])
+        return CpuPlan(offsets, order, inverse, counts, num_tokens, top_k, active[:n_active])
+
+    def grouped_ffn(self, out, x, experts, plan, scratch):
+        """Per active expert: gate/up + SwiGLU into scratch (its rows, packed [n, I]), then down into
+        out's rows. Two parallel passes per expert, each reading that expert's weights once."""
+        self._use_threads()
+        active = plan.active if isinstance(plan, CpuPlan) else np.flatnonzero(plan.counts)
+        width = scratch.shape[1]
+        flat = scratch.reshape(-1)         # scratch is C-contiguous: rows start.. hold act [n, I]
+        for e in active.tolist():
+            start, n = int(plan.offsets[e]), int(plan.counts[e])
+            ffn = experts[e]
+            inter = ffn.gate.shape[0]
+            act = flat[start * width:start * width + n * inter].reshape(n, inter)
+            self.k.swiglu_gate_up(act, x, plan.order, start, plan.top_k, ffn.gate.data, ffn.up.data)
+            self.k.matmul(out[start:start + n], act, ffn.down.data, self.no_bias, False)
+
+    def combine(self, out, y, w, plan):
+        self.k.combine(out, y, w, plan.inverse)
