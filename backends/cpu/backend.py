@@ -15,8 +15,6 @@ from __future__ import annotations
 import os
 import platform
 import threading
-from dataclasses import dataclass
-
 import numpy as np
 
 from colibri_edge.dtypes import STORAGE
@@ -49,12 +47,6 @@ def probe(for_auto=False):
     return True, f"{_cpu_name()} ({platform.machine()}), {os.cpu_count()} cores, numba {numba.__version__}"
 
 
-@dataclass
-class CpuPlan(Plan):
-    """A Plan plus the experts that have tokens (ascending), so grouped_ffn visits only those."""
-    active: object = None
-
-
 def _readonly(a: np.ndarray) -> np.ndarray:
     v = a.view()
     v.flags.writeable = False          # one array type for memmapped and in-memory weights alike
@@ -77,6 +69,36 @@ class Backend(BackendBase):
                                f"(or set NUMBA_NUM_THREADS={num_threads} before starting)")
         self.num_threads = num_threads or pool
         self.no_bias = _readonly(np.zeros(0, np.float32))
+        self._warm_up()
+
+    def _warm_up(self):
+        """Run every op once on tiny buffers of the types the scheduler passes, each weight type
+        included: Numba compiles lazily (or loads its disk cache lazily), and this puts that time
+        and memory at backend creation, never inside a request."""
+        T, H, I, E, k, D, B = 2, 8, 4, 3, 2, 4, 2
+        f32, i32 = np.float32, np.int32
+        x, y, h = self.alloc((T, H)), self.alloc((T * k, H)), self.alloc((T * k, 2 * I))
+        ids, pos = self.alloc((T, k), i32), self.alloc((T,), i32)
+        norm = self.upload(np.ones(H, f32))
+        for wd in self.weight_dtypes:
+            w = self.upload(np.zeros((H, H), STORAGE[wd]), wd)
+            ffn = self.upload_expert(np.zeros(3 * H * I * STORAGE[wd].itemsize, np.uint8), H, I, wd)
+            self.embed(x, w, pos)
+            self.matmul(x, x, w)
+            self.route(ids, self.alloc((T, k)), self.alloc((T, E)), k, "topk", True)
+            plan = self.align(self.alloc_plan(T * k, E), ids, T, E, k)
+            self.grouped_ffn(y, x, [ffn] * E, plan, h)
+        self.embed(x, y, pos)
+        self.matmul(x, x, self.upload(np.zeros((H, H), f32)), norm)
+        self.rmsnorm(x, x, norm, 1e-6)
+        self.add(x, x, x)
+        self.add(x, x, x, gate=self.alloc((T, 1)))
+        self.combine(x, y, self.alloc((T, k)), plan)
+        q, kv = self.alloc((T, 2, D)), self.alloc((T, 1, D))
+        self.rope(q, q, pos, 10000.0)
+        cache = self.alloc_kv(1, 2 * B, 1, D)
+        self.kv_write(cache, 0, kv, kv, pos)
+        self.paged_attention(q.copy(), q, cache, 0, self.alloc((1, 2), i32), pos, pos, B, 0.5)
 
     def _use_threads(self):
         if getattr(_thread_state, "n", None) != self.num_threads:
@@ -166,16 +188,16 @@ class Backend(BackendBase):
         order, inverse, counts = b["order"][:A], b["inverse"][:A], b["counts"][:num_experts]
         offsets, active = b["offsets"][:num_experts + 1], b["active"][:num_experts]
         n_active = self.k.align(offsets, order, inverse, counts, active, ids.reshape(-1)[:A])
-        return CpuPlan(offsets, order, inverse, counts, num_tokens, top_k, active[:n_active])
+        return Plan(offsets, order, inverse, counts, num_tokens, top_k, active[:n_active])
 
     def grouped_ffn(self, out, x, experts, plan, scratch):
         """Per active expert: gate/up + SwiGLU into scratch (its rows, packed [n, I]), then down into
         out's rows. Two parallel passes per expert, each reading that expert's weights once."""
         self._use_threads()
-        active = plan.active if isinstance(plan, CpuPlan) else np.flatnonzero(plan.counts)
         width = scratch.shape[1]
         flat = scratch.reshape(-1)         # scratch is C-contiguous: rows start.. hold act [n, I]
-        for e in active.tolist():
+        for e in plan.experts_to_run():    # align's active list, or a slot-pool wave of it
+            e = int(e)
             start, n = int(plan.offsets[e]), int(plan.counts[e])
             ffn = experts[e]
             inter = ffn.gate.shape[0]
