@@ -111,6 +111,40 @@ def dot4(w, n, xr):
     return a0, a1, a2, a3
 
 
+@njit(fastmath=REDUCE, error_model="numpy", inline="always")
+def dot4x2(w, n, xa, xb):
+    """dot4 for two tokens at once: each widened weight vector feeds two FMAs (prefill GEMM)."""
+    w0, w1, w2, w3 = w[n], w[n + 1], w[n + 2], w[n + 3]
+    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = F0
+    for k in range(xa.shape[0]):
+        xk, yk = xa[k], xb[k]
+        v0, v1, v2, v3 = widen(w0[k]), widen(w1[k]), widen(w2[k]), widen(w3[k])
+        a0 += v0 * xk
+        a1 += v1 * xk
+        a2 += v2 * xk
+        a3 += v3 * xk
+        b0 += v0 * yk
+        b1 += v1 * yk
+        b2 += v2 * yk
+        b3 += v3 * yk
+    return a0, a1, a2, a3, b0, b1, b2, b3
+
+
+@njit(inline="always")
+def store4(out, t, n, a0, a1, a2, a3):
+    """out[t, n:n+4] = (a0, a1, a2, a3)"""
+    out[t, n] = a0
+    out[t, n + 1] = a1
+    out[t, n + 2] = a2
+    out[t, n + 3] = a3
+
+
+@njit(error_model="numpy", inline="always")
+def silu_mul(g, u):
+    """silu(g) * u = g / (1 + exp(-g)) * u   (SwiGLU)"""
+    return g / (F1 + np.exp(-g)) * u
+
+
 @njit(inline="always")
 def prefetch_rows(w, n0, n1):
     """Prefetch rows n0..n1-1 of the C-contiguous weight w [N,K] (clipped to N), one hint per
@@ -128,8 +162,9 @@ def matmul(out, x, w, bias, has_bias):
     """out[T,N] = x[T,K] @ w[N,K]^T (+ bias[N])        w: weight [N,K], bias: float32 [N] or empty
 
     Parallel over blocks of ROWS output rows. A block's weight rows are read from memory once
-    and stay in L1 while every token uses them, so a step streams each weight once whatever T
-    (decode, T=1, is a GEMV bound by that stream). No BLAS: f16/bf16 weights would need a widened
+    and stay in L1 while every token uses them (two tokens per pass, so each widened weight vector
+    feeds two FMAs), so a step streams each weight once whatever T; decode (T=1) is a GEMV bound
+    by that stream. No BLAS: f16/bf16 weights would need a widened
     copy, and one kernel keeps one thread pool (Numba's) for COLIBRI_NUM_THREADS to govern."""
     T = x.shape[0]
     N = w.shape[0]
@@ -137,22 +172,21 @@ def matmul(out, x, w, bias, has_bias):
         n0 = blk * ROWS
         prefetch_rows(w, n0 + AHEAD * ROWS, n0 + (AHEAD + 1) * ROWS)
         if n0 + ROWS <= N:
-            for t in range(T):
-                a0, a1, a2, a3 = dot4(w, n0, x[t])
-                if has_bias:
-                    a0 += bias[n0]
-                    a1 += bias[n0 + 1]
-                    a2 += bias[n0 + 2]
-                    a3 += bias[n0 + 3]
-                out[t, n0] = a0
-                out[t, n0 + 1] = a1
-                out[t, n0 + 2] = a2
-                out[t, n0 + 3] = a3
+            for t in range(0, T - 1, 2):
+                a0, a1, a2, a3, b0, b1, b2, b3 = dot4x2(w, n0, x[t], x[t + 1])
+                store4(out, t, n0, a0, a1, a2, a3)
+                store4(out, t + 1, n0, b0, b1, b2, b3)
+            if T % 2:
+                a0, a1, a2, a3 = dot4(w, n0, x[T - 1])
+                store4(out, T - 1, n0, a0, a1, a2, a3)
         else:
             for n in range(n0, N):
                 for t in range(T):
-                    acc = dot1(w, n, x[t])
-                    out[t, n] = acc + bias[n] if has_bias else acc
+                    out[t, n] = dot1(w, n, x[t])
+        if has_bias:
+            for t in range(T):
+                for n in range(n0, min(n0 + ROWS, N)):
+                    out[t, n] += bias[n]
 
 
 @njit(cache=True, error_model="numpy")
@@ -353,19 +387,23 @@ def swiglu_gate_up(act, x, order, start, top_k, gate, up):
         i0 = blk * ROWS
         prefetch_rows(gate, i0 + AHEAD * ROWS, i0 + (AHEAD + 1) * ROWS)
         prefetch_rows(up, i0 + AHEAD * ROWS, i0 + (AHEAD + 1) * ROWS)
-        for r in range(R):
-            xr = x[order[start + r] // top_k]
-            if i0 + ROWS <= I:
+        if i0 + ROWS <= I:
+            for r in range(0, R - 1, 2):
+                xa, xb = x[order[start + r] // top_k], x[order[start + r + 1] // top_k]
+                g0, g1, g2, g3, h0, h1, h2, h3 = dot4x2(gate, i0, xa, xb)
+                u0, u1, u2, u3, v0, v1, v2, v3 = dot4x2(up, i0, xa, xb)
+                store4(act, r, i0, silu_mul(g0, u0), silu_mul(g1, u1), silu_mul(g2, u2), silu_mul(g3, u3))
+                store4(act, r + 1, i0, silu_mul(h0, v0), silu_mul(h1, v1), silu_mul(h2, v2), silu_mul(h3, v3))
+            if R % 2:
+                xr = x[order[start + R - 1] // top_k]
                 g0, g1, g2, g3 = dot4(gate, i0, xr)
                 u0, u1, u2, u3 = dot4(up, i0, xr)
-                act[r, i0] = g0 / (F1 + np.exp(-g0)) * u0
-                act[r, i0 + 1] = g1 / (F1 + np.exp(-g1)) * u1
-                act[r, i0 + 2] = g2 / (F1 + np.exp(-g2)) * u2
-                act[r, i0 + 3] = g3 / (F1 + np.exp(-g3)) * u3
-            else:
+                store4(act, R - 1, i0, silu_mul(g0, u0), silu_mul(g1, u1), silu_mul(g2, u2), silu_mul(g3, u3))
+        else:
+            for r in range(R):
+                xr = x[order[start + r] // top_k]
                 for i in range(i0, I):
-                    g = dot1(gate, i, xr)
-                    act[r, i] = g / (F1 + np.exp(-g)) * dot1(up, i, xr)
+                    act[r, i] = silu_mul(dot1(gate, i, xr), dot1(up, i, xr))
 
 
 @njit(cache=True, error_model="numpy")
