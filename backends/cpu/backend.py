@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import platform
 import threading
+
 import numpy as np
 
 from colibri_edge.dtypes import STORAGE
@@ -77,19 +78,19 @@ class Backend(BackendBase):
         and memory at backend creation, never inside a request."""
         T, H, I, E, k, D, B = 2, 8, 4, 3, 2, 4, 2
         f32, i32 = np.float32, np.int32
-        x, y, h = self.alloc((T, H)), self.alloc((T * k, H)), self.alloc((T * k, 2 * I))
+        x, o, y, h = self.alloc((T, H)), self.alloc((T, H)), self.alloc((T * k, H)), self.alloc((T * k, 2 * I))
         ids, pos = self.alloc((T, k), i32), self.alloc((T,), i32)
         norm = self.upload(np.ones(H, f32))
         for wd in self.weight_dtypes:
             w = self.upload(np.zeros((H, H), STORAGE[wd]), wd)
             ffn = self.upload_expert(np.zeros(3 * H * I * STORAGE[wd].itemsize, np.uint8), H, I, wd)
             self.embed(x, w, pos)
-            self.matmul(x, x, w)
+            self.matmul(o, x, w)
             self.route(ids, self.alloc((T, k)), self.alloc((T, E)), k, "topk", True)
             plan = self.align(self.alloc_plan(T * k, E), ids, T, E, k)
             self.grouped_ffn(y, x, [ffn] * E, plan, h)
         self.embed(x, y, pos)
-        self.matmul(x, x, self.upload(np.zeros((H, H), f32)), norm)
+        self.matmul(o, x, self.upload(np.zeros((H, H), f32)), norm)
         self.rmsnorm(x, x, norm, 1e-6)
         self.add(x, x, x)
         self.add(x, x, x, gate=self.alloc((T, 1)))
