@@ -1,0 +1,110 @@
+/* Colibri Edge OpenCL kernels: shared definitions (prepended to every .cl file by the host).
+ *
+ * OpenCL C 1.2 only: no doubles, nothing from 2.x. Every kernel takes its output first. A buffer
+ * argument is a pair (pointer, element offset) so that the host's leading-dimension views
+ * (`buf[:T]`, `buf[a:b]`) need no sub-buffers (whose offsets would have to be aligned to
+ * CL_DEVICE_MEM_BASE_ADDR_ALIGN):
+ *     ARG(float, out)   ->  __global float* out_b, const int out_o
+ *     BIND(float, out)  ->  __global float* out = out_b + out_o;
+ *
+ * Compile-time switches (set by the host, see backend.py):
+ *   WF16=1               matrices are stored as IEEE half and read with vload_half (no fp16
+ *                        arithmetic: a `half*` pointer is legal in OpenCL C 1.2 without cl_khr_fp16)
+ *   WBF16=1              matrices are stored as bfloat16 (ushort, the top half of a float32):
+ *                        widened in-register, as_float(bits << 16)
+ *   COLIBRI_HALF_MATH=1  only when the device reports cl_khr_fp16 and COLIBRI_DISABLE_FP16 is unset:
+ *                        weight x activation products in half, accumulation in float
+ */
+#ifndef WF16
+#define WF16 0
+#endif
+#ifndef WBF16
+#define WBF16 0
+#endif
+#if WF16 && WBF16
+#error "WF16 and WBF16 are exclusive"
+#endif
+#ifndef COLIBRI_HALF_MATH
+#define COLIBRI_HALF_MATH 0
+#endif
+#if COLIBRI_HALF_MATH && !WF16
+#error "COLIBRI_HALF_MATH needs WF16 (half arithmetic is only used on half weights)"
+#endif
+#if COLIBRI_HALF_MATH
+#pragma OPENCL EXTENSION cl_khr_fp16 : enable
+#endif
+
+#define ARG(T, n) __global T* n##_b, const int n##_o
+#define CARG(T, n) __global const T* n##_b, const int n##_o
+#define BIND(T, n) __global T* n = n##_b + n##_o
+#define CBIND(T, n) __global const T* n = n##_b + n##_o
+
+#if WF16
+#define WTYPE half
+#define LDW(p, i) vload_half((i), (p))
+#elif WBF16
+#define WTYPE ushort
+#define LDW(p, i) as_float((uint)(p)[i] << 16)
+#else
+#define WTYPE float
+#define LDW(p, i) ((p)[i])
+#endif
+
+#if WF16
+#define LDW4(p, i) vload_half4(0, (p) + (i))
+#elif WBF16
+#define LDW4(p, i) as_float4(convert_uint4(vload4(0, (p) + (i))) << 16)
+#else
+#define LDW4(p, i) vload4(0, (p) + (i))
+#endif
+
+#if COLIBRI_HALF_MATH
+/* w . x with half products and float accumulation (2x the arithmetic rate on Mali) */
+inline float hdot4(const half4 w, const float4 x)
+{
+    const half4 pr = w * convert_half4(x);
+    return ((float)pr.x + (float)pr.y) + ((float)pr.z + (float)pr.w);
+}
+#define WVEC4 half4
+#define WLOAD4(p, i) vload4(0, (p) + (i))
+#define WDOT4(wv, xv) hdot4((wv), (xv))
+#else
+#define WVEC4 float4
+#define WLOAD4(p, i) LDW4((p), (i))
+#define WDOT4(wv, xv) dot((wv), (xv))
+#endif
+
+/* sum_k w[k] * x[k], k < K */
+inline float dotw(__global const WTYPE* w, __global const float* x, const int K)
+{
+    float acc = 0.0f;
+    int k = 0;
+    for (; k + 4 <= K; k += 4)
+        acc += WDOT4(WLOAD4(w, k), vload4(0, x + k));
+    for (; k < K; ++k)
+        acc += LDW(w, k) * x[k];
+    return acc;
+}
+
+/* the same weight row against four activation rows: each weight is loaded once */
+inline float4 dotw4(__global const WTYPE* w, __global const float* x0, __global const float* x1,
+                    __global const float* x2, __global const float* x3, const int K)
+{
+    float4 acc = (float4)(0.0f);
+    int k = 0;
+    for (; k + 4 <= K; k += 4) {
+        const WVEC4 wv = WLOAD4(w, k);
+        acc.x += WDOT4(wv, vload4(0, x0 + k));
+        acc.y += WDOT4(wv, vload4(0, x1 + k));
+        acc.z += WDOT4(wv, vload4(0, x2 + k));
+        acc.w += WDOT4(wv, vload4(0, x3 + k));
+    }
+    for (; k < K; ++k) {
+        const float wk = LDW(w, k);
+        acc.x += wk * x0[k];
+        acc.y += wk * x1[k];
+        acc.z += wk * x2[k];
+        acc.w += wk * x3[k];
+    }
+    return acc;
+}

@@ -1,0 +1,124 @@
+/* Dense kernels: embed (row gather), matmul / GEMV, rmsnorm, rope, add.
+ * Built per matrix type: float32, half (WF16=1) and bfloat16 (WBF16=1); see common.cl. */
+
+/* out[t, h] = table[ids[t], h]          out [T,H], table [V,H] (storage type), ids [T]
+ * global (H, T) */
+__kernel void embed(ARG(float, out), CARG(WTYPE, table), CARG(int, ids), const int T, const int H)
+{
+    const int h = get_global_id(0), t = get_global_id(1);
+    if (h >= H || t >= T)
+        return;
+    BIND(float, out); CBIND(WTYPE, table); CBIND(int, ids);
+    out[(size_t)t * H + h] = LDW(table, (size_t)ids[t] * H + h);
+}
+
+/* out[t, n] = sum_k x[t, k] * w[n, k]  (+ bias[n])
+ *     out [T,N] (row stride ldo), x [T,K] (row stride ldx), w [N,K] (storage type), bias [N] fp32
+ * One work-item per output (GEMV: one weight row each, read along K with 4-wide vector loads,
+ * the pattern Mali's load/store unit prefers; no local memory, no barriers). global (N, T) */
+__kernel void matmul1(ARG(float, out), const int ldo, CARG(float, x), const int ldx, CARG(WTYPE, w),
+                      CARG(float, bias), const int has_bias, const int T, const int K, const int N)
+{
+    const int n = get_global_id(0), t = get_global_id(1);
+    if (n >= N || t >= T)
+        return;
+    BIND(float, out); CBIND(float, x); CBIND(WTYPE, w); CBIND(float, bias);
+    float acc = dotw(w + (size_t)n * K, x + (size_t)t * ldx, K);
+    if (has_bias)
+        acc += bias[n];
+    out[(size_t)t * ldo + n] = acc;
+}
+
+/* The same for blocks of four tokens: each weight row is read once per four tokens.
+ * Rows past T are clamped to T-1 (valid memory, result discarded). global (N, ceil(T/4)) */
+__kernel void matmul4(ARG(float, out), const int ldo, CARG(float, x), const int ldx, CARG(WTYPE, w),
+                      CARG(float, bias), const int has_bias, const int T, const int K, const int N)
+{
+    const int n = get_global_id(0), t0 = 4 * get_global_id(1);
+    if (n >= N || t0 >= T)
+        return;
+    BIND(float, out); CBIND(float, x); CBIND(WTYPE, w); CBIND(float, bias);
+    const int t1 = min(t0 + 1, T - 1), t2 = min(t0 + 2, T - 1), t3 = min(t0 + 3, T - 1);
+    float4 acc = dotw4(w + (size_t)n * K, x + (size_t)t0 * ldx, x + (size_t)t1 * ldx,
+                       x + (size_t)t2 * ldx, x + (size_t)t3 * ldx, K);
+    if (has_bias)
+        acc += (float4)(bias[n]);
+    out[(size_t)t0 * ldo + n] = acc.x;
+    if (t0 + 1 < T) out[(size_t)(t0 + 1) * ldo + n] = acc.y;
+    if (t0 + 2 < T) out[(size_t)(t0 + 2) * ldo + n] = acc.z;
+    if (t0 + 3 < T) out[(size_t)(t0 + 3) * ldo + n] = acc.w;
+}
+
+/* out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * weight[:]      out, x [R,D], weight [D] fp32
+ * One work-group per row; local size L a power of two; part: L floats of local memory.
+ * In place (out == x) is safe: each element is read and written by the same work-item. */
+__kernel void rmsnorm(ARG(float, out), CARG(float, x), CARG(float, weight), const int D, const float eps,
+                      __local float* part)
+{
+    const int r = get_group_id(0), l = get_local_id(0), L = get_local_size(0);
+    BIND(float, out); CBIND(float, x); CBIND(float, weight);
+    __global const float* xr = x + (size_t)r * D;
+    __global float* outr = out + (size_t)r * D;
+    float s = 0.0f;
+    for (int i = l; i < D; i += L)
+        s += xr[i] * xr[i];
+    part[l] = s;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int o = L / 2; o > 0; o >>= 1) {
+        if (l < o)
+            part[l] += part[l + o];
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    const float rms = sqrt(part[0] / (float)D + eps);
+    for (int i = l; i < D; i += L)
+        outr[i] = xr[i] / rms * weight[i];
+}
+
+/* Rotary embedding, rotate-half convention, x and out [T, heads, D], positions [T]:
+ *   out[..., i]       = x_i cos(p f_i) - x_{i+D/2} sin(p f_i)
+ *   out[..., i + D/2] = x_{i+D/2} cos(p f_i) + x_i sin(p f_i),     f_i = theta^(-2i/D), i < D/2
+ * inv_freq [D/2] holds f_i, computed once on the host in fp32 (as the reference does), so the
+ * angle p * f_i is one correctly rounded fp32 product on every backend. global (D/2, T*heads) */
+__kernel void rope(ARG(float, out), CARG(float, x), CARG(int, positions), CARG(float, inv_freq),
+                   const int T, const int heads, const int D)
+{
+    const int i = get_global_id(0), row = get_global_id(1);
+    const int half_d = D / 2;
+    if (i >= half_d || row >= T * heads)
+        return;
+    BIND(float, out); CBIND(float, x); CBIND(int, positions); CBIND(float, inv_freq);
+    const int t = row / heads;
+    const float ang = (float)positions[t] * inv_freq[i];
+    const float c = cos(ang), s = sin(ang);
+    const size_t base = (size_t)row * D;
+    const float x1 = x[base + i], x2 = x[base + i + half_d];
+    out[base + i] = x1 * c - x2 * s;
+    out[base + i + half_d] = x2 * c + x1 * s;
+}
+
+/* out[t, h] = a[t, h] + b[t, h]                                     (has_gate == 0)
+ * out[t, h] = a[t, h] + b[t, h] / (1 + exp(-gate[t]))  (sigmoid gate; Qwen2-MoE shared expert)
+ * out, a, b [T,H]; gate [T,1]. global (n = T*H) */
+__kernel void add(ARG(float, out), CARG(float, a), CARG(float, b), CARG(float, gate), const int has_gate,
+                  const int n, const int H)
+{
+    const int i = get_global_id(0);
+    if (i >= n)
+        return;
+    BIND(float, out); CBIND(float, a); CBIND(float, b); CBIND(float, gate);
+    if (has_gate)
+        out[i] = a[i] + b[i] / (1.0f + exp(-gate[i / H]));
+    else
+        out[i] = a[i] + b[i];
+}
+
+/* out[i] = 0 for i < n, any 4-byte element type (arena and KV cache zero-fill: a kernel rather than
+ * clEnqueueFillBuffer, so Oclgrind's uninitialized-value tracking sees the buffers written). global (n) */
+__kernel void zero(ARG(uint, out), const int n)
+{
+    const int i = get_global_id(0);
+    if (i >= n)
+        return;
+    BIND(uint, out);
+    out[i] = 0u;
+}

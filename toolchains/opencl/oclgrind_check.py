@@ -1,0 +1,202 @@
+"""Run OpenCL work under Oclgrind and fail on what it finds.
+
+Oclgrind exits 0 even when it reports errors, so this reads its log instead: any out-of-bounds
+access ("Invalid read/write"), data race, uninitialized value or any other diagnostic fails.
+
+    python oclgrind_check.py models            micro models: prefill + decode, every kernel variant
+    python oclgrind_check.py run -- CMD ...    any command (the test's planted out-of-bounds kernel)
+
+The command runs as `oclgrind --data-races --uninitialized --log LOG CMD`: Oclgrind's wrapper
+preloads its runtime, so PyOpenCL sees only the Oclgrind platform. A run must print the line
+`COLIBRI_OCLGRIND_PLATFORM=<platform name>` naming Oclgrind, so that a run that silently fell back to
+another platform (PoCL) cannot pass.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+OCLGRIND_FLAGS = ("--data-races", "--uninitialized")
+SENTINEL = "COLIBRI_OCLGRIND_PLATFORM="
+
+# micro models: (case in tests/hf_models.py, overrides, stored weight dtype, engine options).
+# hidden <= 64, 2 layers.
+MICRO = [
+    ("mixtral", {}, None, {}),                               # GQA, head_dim 24, top-2 of 4
+    ("qwen2_moe_norm", {}, None, {}),                        # shared expert with sigmoid gate
+    ("qwen3_moe", {"num_hidden_layers": 2, "mlp_only_layers": [1]}, None, {}),   # qk norm, a dense layer
+    ("qwen2_moe_norm", {}, "float16", {}),                   # half weights (vload_half kernels)
+    ("mixtral", {}, "bfloat16",                              # bfloat16 weights (widened in-register),
+     {"expert_slots": 3, "slot_policy": "prefetch"}),        # experts read from a 3-slot pool
+]
+PROMPT_TOKENS = 8      # <= 8 tokens: prefill in chunks of 5 (a chunk at position > 0), then decode
+DECODE_TOKENS = 3
+
+
+def classify(header: str) -> str:
+    h = header.lower()
+    if h.startswith("invalid read") or h.startswith("invalid write") or "out-of-bounds" in h \
+            or "out of bounds" in h:
+        return "out-of-bounds"
+    if "data race" in h:
+        return "data-race"
+    if "uninitialized" in h or "uninitialised" in h:
+        return "uninitialized"
+    return "other"
+
+
+def scan_log(text: str):
+    """Oclgrind's log -> [(category, message, kernel)]: one entry per diagnostic. A diagnostic starts
+    on a line with no leading white space; its details are indented below it."""
+    problems = []
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if not line.strip() or line[0].isspace():
+            continue
+        kernel = ""
+        for nxt in lines[i + 1:i + 4]:
+            m = re.match(r"\s+Kernel:\s*(\S+)", nxt)
+            if m:
+                kernel = m.group(1)
+                break
+        problems.append((classify(line.strip()), line.strip(), kernel))
+    return problems
+
+
+def summarize(problems) -> str:
+    counts = {}
+    for cat, msg, kernel in problems:
+        key = (cat, kernel, re.sub(r"0x[0-9a-f]+", "ADDR", msg))
+        counts[key] = counts.get(key, 0) + 1
+    return "\n".join(f"  {cat}: {msg} (kernel {kernel or '?'}) x{n}" for (cat, kernel, msg), n in sorted(counts.items()))
+
+
+def oclgrind_path():
+    return shutil.which("oclgrind")
+
+
+def run_checked(cmd, log_path, env=None, timeout=1800):
+    """Run cmd under Oclgrind. -> (ok, report, stdout). ok only when the command exited 0, printed
+    the Oclgrind sentinel, and Oclgrind's log holds no diagnostic."""
+    exe = oclgrind_path()
+    if exe is None:
+        return False, "oclgrind is not installed (`make -C toolchains/opencl setup`: apt-get install oclgrind)", ""
+    if os.path.exists(log_path):
+        os.remove(log_path)
+    full = [exe, *OCLGRIND_FLAGS, "--log", log_path, *cmd]
+    p = subprocess.run(full, capture_output=True, text=True, env=env, timeout=timeout)
+    out = p.stdout + p.stderr
+    log = open(log_path, encoding="utf-8", errors="replace").read() if os.path.exists(log_path) else ""
+    problems = scan_log(log)
+    report = []
+    if p.returncode != 0:
+        report.append(f"command exited {p.returncode}:\n{out[-4000:]}")
+    plats = re.findall(re.escape(SENTINEL) + r"(.*)", out)
+    if not plats or not all("oclgrind" in s.lower() for s in plats):
+        report.append(f"the command did not run on the Oclgrind platform (saw {plats or 'no platform line'})")
+    if problems:
+        cats = sorted({c for c, _, _ in problems})
+        report.append(f"Oclgrind reported {len(problems)} problem(s) [{', '.join(cats)}]:\n" + summarize(problems))
+    return not report, "\n".join(report), out
+
+
+# -- the micro-model run ---------------------------------------------------------------------------
+def _child(model_dir, out_path, options="{}"):
+    """Runs under Oclgrind: prefill + decode on the opencl backend; saves logits and tokens."""
+    import json
+    import numpy as np
+    sys.path.insert(0, ROOT)
+    import colibri_edge  # noqa: F401
+    from colibri_edge import Engine
+    eng = Engine.open(model_dir, backend="opencl", max_seq_len=32, max_batch=2, prefill_chunk=5,
+                      kv_block_size=4, kv_cache_tokens=64, num_streams=2, **json.loads(options))
+    print(SENTINEL + eng.backend.dev.platform.name.strip(), flush=True)
+    V = eng.config["vocab_size"]
+    ids = (np.arange(PROMPT_TOKENS) * 7 + 3) % V
+    logits = eng.infer(ids)[0]
+    gen = eng.generate(ids, max_new_tokens=DECODE_TOKENS)
+    eng.close()
+    np.savez(out_path, logits=logits, gen=np.array(gen, np.int64))
+
+
+def _reference(model_dir):
+    import numpy as np
+    from colibri_edge import Engine
+    with Engine.open(model_dir, backend="reference", max_seq_len=32, max_batch=2, prefill_chunk=5,
+                     kv_block_size=4, kv_cache_tokens=64) as eng:
+        V = eng.config["vocab_size"]
+        ids = (np.arange(PROMPT_TOKENS) * 7 + 3) % V
+        return eng.infer(ids)[0], eng.generate(ids, max_new_tokens=DECODE_TOKENS)
+
+
+def check_models(workdir):
+    import numpy as np
+    sys.path.insert(0, ROOT)
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import colibri_edge  # noqa: F401
+    from hf_models import convert_case
+    failures = []
+    for case, overrides, out_dtype, options in MICRO:
+        sub = os.path.join(workdir, f"{case}_{len(overrides)}_{out_dtype}")
+        os.makedirs(sub, exist_ok=True)
+        _, col = convert_case(sub, case, out_dtype=out_dtype, **overrides)
+        want_logits, want_gen = _reference(col)
+        out_npz = os.path.join(sub, "oclgrind_out.npz")
+        log = os.path.join(sub, "oclgrind.log")
+        name = f"{case}{overrides or ''} ({out_dtype or 'float32'} weights{', ' if options else ''}" \
+               f"{', '.join(f'{k}={v}' for k, v in options.items())})"
+        ok, report, _ = run_checked([sys.executable, os.path.abspath(__file__), "_child", col, out_npz,
+                                     json.dumps(options)], log)
+        if ok:
+            got = np.load(out_npz)
+            err = np.abs(got["logits"] - want_logits).max() / max(1.0, np.abs(want_logits).max())
+            tol = 1e-4 if out_dtype is None else 1e-3
+            if not err <= tol:
+                ok, report = False, f"logits under Oclgrind differ from the reference backend by {err:.3g}"
+            elif got["gen"].tolist() != list(want_gen):
+                ok, report = False, f"decode under Oclgrind gave {got['gen'].tolist()}, reference {want_gen}"
+            else:
+                report = f"clean; logits within {err:.2g} of the reference backend, decode agrees"
+        print(f"[oclgrind] {name}: {'OK' if ok else 'FAIL'} - {report}", flush=True)
+        if not ok:
+            failures.append(name)
+    return failures
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mode", choices=["models", "run", "_child"])
+    ap.add_argument("rest", nargs=argparse.REMAINDER)
+    a = ap.parse_args(argv)
+    if a.mode == "_child":
+        _child(*a.rest)
+        return 0
+    if a.mode == "run":
+        cmd = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
+        with tempfile.TemporaryDirectory() as d:
+            ok, report, out = run_checked(cmd, os.path.join(d, "oclgrind.log"))
+        sys.stdout.write(out)
+        print(f"[oclgrind] {'OK' if ok else 'FAIL'}" + (f" - {report}" if report else ""))
+        return 0 if ok else 1
+    if oclgrind_path() is None:
+        print("[oclgrind] FAIL - oclgrind is not installed: run `make -C toolchains/opencl setup`")
+        return 1
+    with tempfile.TemporaryDirectory(prefix="colibri-oclgrind-") as d:
+        failures = check_models(d)
+    if failures:
+        print(f"[oclgrind] FAILED: {', '.join(failures)}")
+        return 1
+    print("[oclgrind] all micro models clean")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
