@@ -143,7 +143,9 @@ class Backend:
         return np.zeros((num_slots, blob_bytes), np.uint8)
 
     def load_slot(self, slots, slot: int, blob: np.ndarray):
-        """Copy one expert's blob (from the memmap) into a slot. May run on a prefetch thread."""
+        """Copy one expert's blob (from the memmap) into a slot. May run on a prefetch thread: a GPU
+        backend must order it with the kernels (e.g. a blocking write on the in-order main queue,
+        or an event the next kernel waits on), never let a kernel read a half-written slot."""
         slots[slot] = blob
 
     def slot_ffn(self, slots, slot: int, hidden: int, inter: int, dtype: str) -> FFN:

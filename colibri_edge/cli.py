@@ -46,10 +46,24 @@ def _cmd_inspect(a):
 
 
 def _cmd_backends(a):
+    import importlib
     from .backends import NAMES, probe
     for name in NAMES:
         ok, detail = probe(name)
-        print(f"{name:<10} {'present' if ok else 'missing'}: {detail}")
+        auto_ok, auto_detail = probe(name, for_auto=True) if name in ("cuda", "opencl") else (ok, "")
+        note = "" if not ok or name not in ("cuda", "opencl") else \
+            ("; auto would pick it" if auto_ok else f"; auto skips it ({auto_detail})")
+        print(f"{name:<10} {'present' if ok else 'missing'}: {detail}{note}")
+        try:                                    # backends that list devices in detail
+            mod = importlib.import_module(f"colibri_edge.backends.{name}.backend")
+        except Exception:                       # noqa: BLE001  (a missing library is already reported above)
+            continue
+        if ok and hasattr(mod, "format_platforms"):
+            for line in mod.format_platforms().splitlines():
+                print(f"           {line}")
+        if ok and hasattr(mod, "describe_devices"):
+            for line in mod.describe_devices().splitlines():
+                print(f"           {line}")
     return 0
 
 

@@ -73,7 +73,8 @@ class Runner:
         self.expert_counts = np.zeros((L, E), dtype=np.int64)   # tokens routed, per layer and expert
         self.steps = 0
         self.step_tokens = []            # tokens computed in each step (bounded window)
-        self.observers = []              # callables(layer, ids[T,k], weights[T,k])
+        self.observers = []              # callables(layer, ids[T,k], weights[T,k]): backend buffers,
+                                         # valid during the call; use backend.download to keep them
         self.trace = None                # a trace.TraceRecorder while tracing
         moe = [l["layer_id"] for l in cfg["layers"] if l["type"] != "dense"]
         self.next_moe = {a: b for a, b in zip(moe, moe[1:])}

@@ -35,13 +35,18 @@ def test_logits_match_transformers(backend_name, case, model_cache):
 def test_bfloat16_checkpoint(backend_name, model_cache):
     """A bfloat16 checkpoint keeps bfloat16 weights; the oracle upcasts the same values to float32."""
     hf, col = convert_case(model_cache, "qwen2_moe_norm", dtype="bfloat16")
+    from colibri_edge.backends import create
+    from colibri_edge import ColibriError, COLIBRI_ERR_UNAVAILABLE
     with Engine.open(col, backend="reference") as probe_engine:
         assert probe_engine.config["weight_dtype"] == "bfloat16"
     ids = np.random.default_rng(3).integers(0, 90, size=(2, 9))
     want = hf_logits(hf, ids)
+    if "bfloat16" not in create(backend_name).weight_dtypes:
+        with pytest.raises(ColibriError) as ei:         # refused at open, never a wrong result
+            Engine.open(col, backend=backend_name)
+        assert ei.value.code == COLIBRI_ERR_UNAVAILABLE and "bfloat16" in ei.value.message
+        return
     with Engine.open(col, backend=backend_name, disable_fp16=1) as eng:
-        if "bfloat16" not in eng.backend.weight_dtypes:
-            pytest.skip(f"{backend_name} does not run bfloat16 weights")
         assert rel_err(eng.infer(ids), want) < TOL
 
 
