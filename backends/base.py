@@ -16,10 +16,12 @@ import numpy as np
 @dataclass
 class Weight:
     """A weight matrix/vector resident on the backend. `data` is in storage dtype
-    (`dtype` is "float32", "float16" or "bfloat16"); shape is [out, in] for matrices."""
+    (`dtype` is "float32", "float16", "bfloat16" or "int8"); shape is [out, in] for matrices.
+    int8 weights carry float32 `scales` [out]: w = data * scales[:, None]."""
     data: object
     dtype: str
     shape: tuple
+    scales: object = None
 
 
 @dataclass
@@ -62,8 +64,9 @@ class Backend:
         """A zero-filled buffer, allocated once (arena, KV cache)."""
         raise NotImplementedError
 
-    def upload(self, host: np.ndarray, dtype: str = "float32") -> Weight:
-        """Make host weights (storage dtype) resident. CPU backends keep the memmap view."""
+    def upload(self, host: np.ndarray, dtype: str = "float32", scales=None) -> Weight:
+        """Make host weights (storage dtype) resident. CPU backends keep the memmap view.
+        scales: float32 [rows] for int8 weights (only backends declaring int8 receive them)."""
         raise NotImplementedError
 
     def upload_into(self, dst, host: np.ndarray):
@@ -133,9 +136,9 @@ class Backend:
 
     def upload_expert(self, blob: np.ndarray, hidden: int, inter: int, dtype: str) -> FFN:
         """One expert's contiguous blob (uint8) -> an FFN resident on the backend."""
-        from colibri_edge.modeldir import split_expert_blob
-        g, u, d = split_expert_blob(blob, hidden, inter, dtype)
-        return FFN(self.upload(g, dtype), self.upload(u, dtype), self.upload(d, dtype))
+        from colibri_edge.modeldir import split_expert_blob_scaled
+        return FFN(*(self.upload(m, dtype) if sc is None else self.upload(m, dtype, scales=sc)
+                     for m, sc in split_expert_blob_scaled(blob, hidden, inter, dtype)))
 
     # -- expert slots (colibri_edge.slots): defaults for backends whose memory is host memory --
     def alloc_slots(self, num_slots: int, blob_bytes: int):

@@ -207,8 +207,8 @@ def build_parser():
     c = sub.add_parser("convert", help="Hugging Face safetensors checkpoint -> Colibri model directory")
     c.add_argument("hf_dir")
     c.add_argument("out_dir")
-    c.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
-                   help="weight type (default: the checkpoint's)")
+    c.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "int8"], default=None,
+                   help="weight type (default: the checkpoint's); int8: symmetric, per-row scales")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(fn=_cmd_convert)
     i = sub.add_parser("inspect", help="validate a model directory and print its plan and memory needs")

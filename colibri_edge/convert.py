@@ -292,6 +292,8 @@ def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool 
     jobs += [("expert", (l["layer_id"], j)) for l in cfg["layers"] if l["type"] != "dense"
              for j in range(l["moe_num_experts"])]
     for kind, what in tqdm(jobs, desc="convert", unit="tensor", disable=not progress):
+        if kind == "tensor" and what.endswith(".scales"):
+            continue                                   # written with its quantised matrix
         if kind == "tensor":
             shape, tdtype = wanted[what]
             hf_name = names[what]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .dtypes import STORAGE, itemsize, narrow
+from .dtypes import QUANTIZED, STORAGE, itemsize, narrow, quantize_rows
 from .errors import (ColibriError, COLIBRI_ERR_INVALID_MODEL, COLIBRI_ERR_INVALID_MODEL_TYPE,
                      invalid_model)
 
@@ -50,8 +50,28 @@ def expert_matrix_shapes(hidden: int, inter: int):
     return (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter)))
 
 
+def _pad64(n: int) -> int:
+    return (n + 63) // 64 * 64
+
+
+def expert_sections(hidden: int, inter: int, dtype: str):
+    """Layout of one expert blob: [(name, shape, offset, scales_offset or None)], and its size.
+    Unquantised: gate | up | down back to back. int8: each matrix, then its float32 row scales,
+    every section padded to 64 bytes (cache line; keeps the scales 4-byte aligned)."""
+    out, pos = [], 0
+    for name, shape in expert_matrix_shapes(hidden, inter):
+        n = shape[0] * shape[1] * itemsize(dtype)
+        if dtype in QUANTIZED:
+            out.append((name, shape, pos, pos + _pad64(n)))
+            pos += _pad64(n) + _pad64(4 * shape[0])
+        else:
+            out.append((name, shape, pos, None))
+            pos += n
+    return out, pos
+
+
 def expert_blob_bytes(hidden: int, inter: int, dtype: str) -> int:
-    return 3 * hidden * inter * itemsize(dtype)
+    return expert_sections(hidden, inter, dtype)[1]
 
 
 def expected_tensors(cfg: dict) -> dict:
@@ -99,6 +119,10 @@ def expected_tensors(cfg: dict) -> dict:
             t[p + "shared.down"] = ((H, si), wd)
             if cfg["shared_expert_gate"]:
                 t[p + "shared.gate_logit"] = ((1, H), f32)
+    if wd in QUANTIZED:      # every quantised matrix carries its float32 row scales beside it
+        for name, (shape, dtype) in list(t.items()):
+            if dtype == wd:
+                t[name + ".scales"] = ((shape[0],), f32)
     return t
 
 
@@ -133,6 +157,11 @@ class ModelWriter:
         return start, self._pos - start
 
     def add_tensor(self, name: str, array: np.ndarray, dtype: str = "float32"):
+        if dtype in QUANTIZED and array.dtype == np.float32:
+            q, scales = quantize_rows(array)
+            self.add_tensor(name, q, dtype)
+            self.add_tensor(name + ".scales", scales, "float32")
+            return
         raw = narrow(array, dtype) if array.dtype == np.float32 else array
         if raw.dtype != STORAGE[dtype]:
             raise ValueError(f"{name}: array of {raw.dtype} is not stored {dtype}")
@@ -141,9 +170,17 @@ class ModelWriter:
 
     def add_expert(self, layer: int, local_id: int, gate, up, down, dtype: str, activation_fn="swiglu"):
         """gate [I,H], up [I,H], down [H,I] as float32 (or already in storage dtype)."""
-        mats = [narrow(m, dtype) if m.dtype == np.float32 else m for m in (gate, up, down)]
-        inter, hidden = mats[0].shape
-        off, n = self._write_aligned(mats)
+        inter, hidden = gate.shape
+        if dtype in QUANTIZED:
+            chunks = []
+            for m in (gate, up, down):
+                q, sc = quantize_rows(m)
+                for part in (q, sc):
+                    b = np.frombuffer(part.tobytes(), np.uint8)
+                    chunks += [b, np.zeros(_pad64(b.size) - b.size, np.uint8)]
+        else:
+            chunks = [narrow(m, dtype) if m.dtype == np.float32 else m for m in (gate, up, down)]
+        off, n = self._write_aligned(chunks)
         self.experts.append({
             "id": len(self.experts), "layer": layer, "local_id": local_id, "weight_offset": off,
             "weight_size": n, "hidden_size": hidden, "intermediate_size": inter, "has_residual": False,
@@ -392,12 +429,18 @@ class ModelDir:
 
 
 def split_expert_blob(blob: np.ndarray, hidden: int, inter: int, dtype: str):
-    """uint8 blob -> (gate [I,H], up [I,H], down [H,I]) views in storage dtype."""
+    """uint8 blob -> (gate [I,H], up [I,H], down [H,I]) views in storage dtype (no copy)."""
+    return tuple(m for m, _ in split_expert_blob_scaled(blob, hidden, inter, dtype))
+
+
+def split_expert_blob_scaled(blob: np.ndarray, hidden: int, inter: int, dtype: str):
+    """uint8 blob -> ((gate, scales), (up, scales), (down, scales)); scales are None unless quantised."""
     dt = STORAGE[dtype]
-    flat = blob.view(dt)
-    out, pos = [], 0
-    for _, shape in expert_matrix_shapes(hidden, inter):
-        n = shape[0] * shape[1]
-        out.append(flat[pos:pos + n].reshape(shape))
-        pos += n
+    out = []
+    sections, _ = expert_sections(hidden, inter, dtype)
+    for _, shape, off, soff in sections:
+        n = shape[0] * shape[1] * dt.itemsize
+        m = blob[off:off + n].view(dt).reshape(shape)
+        sc = None if soff is None else blob[soff:soff + 4 * shape[0]].view(np.float32)
+        out.append((m, sc))
     return tuple(out)

@@ -84,13 +84,16 @@ class Runner:
         m, be, cfg = self.model, self.be, self.cfg
 
         def w(name):
-            return be.upload(m.raw_tensor(name), m.tensor_dtype(name)) if m.has(name) else None
+            if not m.has(name):
+                return None
+            if m.has(name + ".scales"):               # quantised: the row scales travel with it
+                return be.upload(m.raw_tensor(name), m.tensor_dtype(name), scales=m.raw_tensor(name + ".scales"))
+            return be.upload(m.raw_tensor(name), m.tensor_dtype(name))
 
         self.embed = w("embed_tokens")
         self.final_norm = w("norm")
         self.lm_head = self.embed if cfg["tie_word_embeddings"] else w("lm_head")
         self.layers = []
-        from .modeldir import split_expert_blob  # noqa: F401  (backends split blobs themselves)
         from .backends.base import FFN
         for layer in cfg["layers"]:
             i, p = layer["layer_id"], f"layers.{layer['layer_id']}."

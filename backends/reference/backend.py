@@ -17,12 +17,12 @@ def probe(for_auto=False):
 
 
 def _f32(w):
-    return widen(w.data, w.dtype) if isinstance(w, Weight) else w
+    return widen(w.data, w.dtype, w.scales) if isinstance(w, Weight) else w
 
 
 class Backend(BackendBase):
     name = "reference"
-    weight_dtypes = ("float32", "float16", "bfloat16")
+    weight_dtypes = ("float32", "float16", "bfloat16", "int8")
 
     def __init__(self, **options):
         self.options = options
@@ -31,8 +31,8 @@ class Backend(BackendBase):
     def alloc(self, shape, dtype=np.float32):
         return np.zeros(shape, dtype=dtype)
 
-    def upload(self, host, dtype="float32"):
-        return Weight(host, dtype, tuple(host.shape))
+    def upload(self, host, dtype="float32", scales=None):
+        return Weight(host, dtype, tuple(host.shape), scales)
 
     def upload_into(self, dst, host):
         dst[...] = host
@@ -42,7 +42,10 @@ class Backend(BackendBase):
 
     # dense
     def embed(self, out, table, ids):
-        out[...] = _f32(table)[ids] if not isinstance(table, Weight) else widen(table.data[ids], table.dtype)
+        if isinstance(table, Weight):
+            out[...] = widen(table.data[ids], table.dtype, None if table.scales is None else table.scales[ids])
+        else:
+            out[...] = table[ids]
 
     def matmul(self, out, x, w, bias=None):
         out[...] = x @ _f32(w).T
