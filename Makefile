@@ -36,7 +36,13 @@ test-fast: $(VENV)/.test
 toolchains: $(VENV)/.test
 	$(MAKE) -C toolchains all PY=$(abspath $(PY))
 
-bench: $(VENV)/.test
+# the benchmark's own dependencies, never `make test`'s: llama-cpp-python compiles llama.cpp at install
+$(VENV)/.bench: $(VENV)/.test
+	@echo "installing the bench extra (llama-cpp-python builds llama.cpp: 10-15 min on 2 cores)"
+	CMAKE_BUILD_PARALLEL_LEVEL=$${CMAKE_BUILD_PARALLEL_LEVEL:-$$(nproc)} $(PIP) install -q -e '.[bench]'
+	touch $@
+
+bench: $(VENV)/.bench
 	$(MAKE) -C benchmarks all PY=$(abspath $(PY))
 
 gpu-check:
