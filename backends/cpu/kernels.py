@@ -56,8 +56,9 @@ def bf16_bits_to_f32(typingctx, bits):
 
 @intrinsic
 def prefetch(typingctx, arr, index):
-    """Hint the cache line holding element `index` of C-contiguous `arr` into L1 (llvm.prefetch:
-    prefetcht0 / prfm pldl1keep). A no-op for correctness; never faults."""
+    """Hint the cache line holding element `index` of C-contiguous `arr` into L2 (llvm.prefetch
+    locality 2: prefetcht1 / prfm pldl2keep). Never faults. L2, not L1: measured ~25% faster on
+    cold expert weights, as L1-bound hints compete with the dot loops' own misses."""
     if not isinstance(arr, types.Array) or not isinstance(index, types.Integer):
         return None
 
@@ -66,7 +67,7 @@ def prefetch(typingctx, arr, index):
         i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
                                             "llvm.prefetch.p0")
-        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])   # read, keep, data
+        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(2), i32(1)])   # read, locality 2, data
         return context.get_dummy_value()
     return types.none(arr, index), codegen
 
