@@ -1,0 +1,233 @@
+// Colibri Edge CUDA kernels: the MoE layer on the device, with no host round trip:
+//     route (fp32 softmax + top-k)  ->  align (tokens grouped by expert)  ->  grouped SwiGLU  ->  combine
+// Output first. T tokens, k choices per token, A = T*k assignments, E experts, H hidden, I expert
+// intermediate size.
+#include "colibri_gemm.cuh"
+
+#define ROUTE_MAXJ 16      // experts per lane: E <= 32 * 16 = 512
+#define ALIGN_THREADS 256
+#define ALIGN_EPT 4        // experts per align thread: E <= 256 * 4 = 1024
+#define ALIGN_CHUNK 2048   // assignments staged in shared memory per pass
+
+// logits [T,E] fp32 -> ids [T,k] int32, w [T,k] fp32.
+//   p = softmax(logits[t]);  topk: the k largest p in descending order, ties to the lower expert id,
+//   w = p (/ sum of the k chosen when normalize);  gated (k == E): ids = 0..E-1, w = p.
+// one warp per token: grid ceil(T/4), block 128
+extern "C" __global__ void moe_route(int* out_ids, float* out_w, const float* logits, int T, int E, int k,
+                                     int gated, int normalize) {
+    const int lane = threadIdx.x & 31;
+    const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (t >= T) return;                              // whole warps; this kernel has no block barrier
+    const float* x = logits + (size_t)t * E;
+    float p[ROUTE_MAXJ];
+    float mx = neg_inf();
+#pragma unroll
+    for (int j = 0; j < ROUTE_MAXJ; ++j) {
+        const int e = lane + 32 * j;
+        p[j] = e < E ? x[e] : neg_inf();
+        mx = fmaxf(mx, p[j]);
+    }
+    mx = warp_max(mx);
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < ROUTE_MAXJ; ++j) {
+        const int e = lane + 32 * j;
+        p[j] = e < E ? expf(p[j] - mx) : 0.f;
+        s += p[j];
+    }
+    s = warp_sum(s);
+#pragma unroll
+    for (int j = 0; j < ROUTE_MAXJ; ++j) {
+        const int e = lane + 32 * j;
+        p[j] = e < E ? p[j] / s : -1.f;              // -1: not an expert, or already chosen
+    }
+    if (gated) {
+#pragma unroll
+        for (int j = 0; j < ROUTE_MAXJ; ++j) {
+            const int e = lane + 32 * j;
+            if (e < E) { out_ids[(size_t)t * E + e] = e; out_w[(size_t)t * E + e] = p[j]; }
+        }
+        return;
+    }
+    float wsum = 0.f;
+    for (int r = 0; r < k; ++r) {
+        float bv = -2.f;
+        int bi = 0x7fffffff;
+#pragma unroll
+        for (int j = 0; j < ROUTE_MAXJ; ++j)         // ascending ids: strict > keeps the lower id
+            if (p[j] > bv) { bv = p[j]; bi = lane + 32 * j; }
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+        }
+#pragma unroll
+        for (int j = 0; j < ROUTE_MAXJ; ++j)
+            if (lane + 32 * j == bi) p[j] = -1.f;
+        if (lane == 0) { out_ids[(size_t)t * k + r] = bi; out_w[(size_t)t * k + r] = bv; }
+        wsum += bv;
+    }
+    if (normalize && lane == 0)
+        for (int r = 0; r < k; ++r) out_w[(size_t)t * k + r] = out_w[(size_t)t * k + r] / wsum;
+}
+
+// exclusive prefix sum over the ALIGN_THREADS threads of the CTA; *total gets the sum
+static __device__ int block_exscan(int v, int* sm, int* total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int x = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+    }
+    if (lane == 31) sm[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        int w = lane < ALIGN_THREADS / 32 ? sm[lane] : 0;
+        for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(0xffffffffu, w, o);
+            if (lane >= o) w += y;
+        }
+        if (lane < ALIGN_THREADS / 32) sm[lane] = w;
+    }
+    __syncthreads();
+    const int pre = (warp > 0 ? sm[warp - 1] : 0) + x - v;
+    *total = sm[ALIGN_THREADS / 32 - 1];
+    __syncthreads();                                 // sm may be reused
+    return pre;
+}
+
+// align: the A assignments a = t*k + j (expert ids[a]) grouped by expert with a counting sort,
+// stable within an expert (the plan of colibri_edge.routing.align), then cut into blocks of at
+// most BM rows, each block one expert (vLLM's moe_align_block_size, without padding rows: a
+// block knows where its expert's rows end).
+//   counts[e]  = #{a : ids[a] == e}          offsets[e] = counts[0] + ... + counts[e-1], offsets[E] = A
+//   order[offsets[e] + r] = the r-th a (ascending) with ids[a] == e,   inverse[order[i]] = i
+//   blocks[b] = (expert, first row, end row),  nblocks[0] = number of blocks
+// Worked example: ids = [[2,0],[0,3],[2,0]] (T=3, k=2, E=4), BM = 2
+//   a:       0 1 2 3 4 5          counts  = [3,0,2,1]      offsets = [0,3,3,5,6]
+//   expert:  2 0 0 3 2 0          order   = [1,2,5, 0,4, 3] inverse = [3,0,1,5,4,2]
+//   blocks  = (0,0,2) (0,2,3) (2,3,5) (3,5,6)   nblocks = 4
+//   (expert 0's three rows take two blocks of BM = 2; expert 1 has none; the grouped kernels run
+//    one CTA per block and read that block's expert weights once per CTA)
+// Blocks never exceed min(A, ceil(A/BM) + E - 1): the grouped kernels' grid is sized by that bound
+// and CTAs past nblocks[0] exit at once, so the launch needs no host copy of the plan.
+// one CTA of ALIGN_THREADS threads; thread i owns experts 4i .. 4i+3 (E <= 1024)
+extern "C" __global__ void moe_align(int* offsets, int* order, int* inverse, int* counts, int* blocks,
+                                     int* nblocks, const int* ids, int A, int E, int BM) {
+    __shared__ int s_ids[ALIGN_CHUNK];
+    __shared__ int s_scan[32];
+    const int tid = threadIdx.x, e0 = tid * ALIGN_EPT;
+    int c[ALIGN_EPT];
+#pragma unroll
+    for (int q = 0; q < ALIGN_EPT; ++q) c[q] = 0;
+    for (int base = 0; base < A; base += ALIGN_CHUNK) {  // pass 1: count
+        const int n = min(ALIGN_CHUNK, A - base);
+        __syncthreads();
+        for (int i = tid; i < n; i += ALIGN_THREADS) s_ids[i] = ids[base + i];
+        __syncthreads();
+        if (e0 < E)
+            for (int i = 0; i < n; ++i) {
+                const int d = s_ids[i] - e0;
+#pragma unroll
+                for (int q = 0; q < ALIGN_EPT; ++q) c[q] += d == q;
+            }
+    }
+    int mine = 0, mine_blocks = 0;
+#pragma unroll
+    for (int q = 0; q < ALIGN_EPT; ++q) {
+        if (e0 + q < E) { mine += c[q]; mine_blocks += (c[q] + BM - 1) / BM; }
+    }
+    int total, total_blocks;
+    int off = block_exscan(mine, s_scan, &total);
+    int boff = block_exscan(mine_blocks, s_scan, &total_blocks);
+    int cur[ALIGN_EPT];
+#pragma unroll
+    for (int q = 0; q < ALIGN_EPT; ++q) {
+        const int e = e0 + q;
+        cur[q] = off;
+        if (e < E) {
+            offsets[e] = off;
+            counts[e] = c[q];
+            for (int r = 0; r < c[q]; r += BM) {
+                blocks[3 * boff] = e;
+                blocks[3 * boff + 1] = off + r;
+                blocks[3 * boff + 2] = off + min(r + BM, c[q]);
+                ++boff;
+            }
+            off += c[q];
+        }
+    }
+    if (tid == 0) { offsets[E] = total; nblocks[0] = total_blocks; }
+    for (int base = 0; base < A; base += ALIGN_CHUNK) {  // pass 2: scatter, ascending a per expert
+        const int n = min(ALIGN_CHUNK, A - base);
+        __syncthreads();
+        for (int i = tid; i < n; i += ALIGN_THREADS) s_ids[i] = ids[base + i];
+        __syncthreads();
+        if (e0 < E)
+            for (int i = 0; i < n; ++i) {
+                const int d = s_ids[i] - e0;
+#pragma unroll
+                for (int q = 0; q < ALIGN_EPT; ++q) {
+                    if (d == q) {
+                        const int a = base + i;
+                        order[cur[q]] = a;
+                        inverse[a] = cur[q];
+                        ++cur[q];
+                    }
+                }
+            }
+    }
+}
+
+// Grouped SwiGLU over the plan's blocks, each block one expert e and sorted rows [r0, r1):
+//   gate_up: act[r, :] = silu(x[order[r] / k] @ gate_e^T) * (x[order[r] / k] @ up_e^T)   act [A, I]
+//   down   : y[r, :]   = act[r] @ down_e^T                                                y   [A, H]
+// gate_e [I,H], up_e [I,H], down_e [H,I]: device pointers in the tables gate_tab/up_tab/down_tab [E];
+// int8 experts also have row-scale pointers in gs_tab/us_tab/ds_tab (0 otherwise).
+// Blocks b = blockIdx.x * nparts + part (the experts are split over `nparts` streams); CTAs whose
+// block is past nblocks[0], or whose expert is off in `active` [E] (when given: the slot pool runs
+// a layer's experts in waves), return at once.
+// skinny (BM <= 8): grid (ceil(max_blocks / nparts), ceil(N / 8)), block 256
+// tiled (BM <= 64): grid (ceil(max_blocks / nparts), ceil(N / 64)), block 256
+#define CE_MOE(KIND, COLS, SUF, WT)                                                                 \
+    extern "C" __global__ void moe_gate_up_##KIND##_##SUF(                                           \
+        float* act, const float* x, const int* order, const int* blocks, const int* nblocks,         \
+        const u64* gate_tab, const u64* up_tab, const u64* gs_tab, const u64* us_tab,                \
+        const int* active, int k, int H, int I, int part, int nparts) {                              \
+        const int b = blockIdx.x * nparts + part;                                                   \
+        if (b >= nblocks[0]) return;                                                                \
+        const int e = blocks[3 * b], r0 = blocks[3 * b + 1], r1 = blocks[3 * b + 2];                \
+        if (active && !active[e]) return;                                                           \
+        KIND##_tile<WT, 1>(act, x, order, k, r0, r1 - r0, (const WT*)gate_tab[e], (const WT*)up_tab[e], \
+                           (const float*)gs_tab[e], (const float*)us_tab[e], nullptr, I, H,         \
+                           blockIdx.y * COLS);                                                       \
+    }                                                                                               \
+    extern "C" __global__ void moe_down_##KIND##_##SUF(                                              \
+        float* y, const float* act, const int* blocks, const int* nblocks, const u64* down_tab,      \
+        const u64* ds_tab, const int* active, int H, int I, int part, int nparts) {                  \
+        const int b = blockIdx.x * nparts + part;                                                   \
+        if (b >= nblocks[0]) return;                                                                \
+        const int e = blocks[3 * b], r0 = blocks[3 * b + 1], r1 = blocks[3 * b + 2];                \
+        if (active && !active[e]) return;                                                           \
+        KIND##_tile<WT, 0>(y, act, nullptr, 1, r0, r1 - r0, (const WT*)down_tab[e], nullptr,        \
+                           (const float*)ds_tab[e], nullptr, nullptr, H, I, blockIdx.y * COLS);     \
+    }
+CE_MOE(skinny, SK_WARPS, f32, float)
+CE_MOE(skinny, SK_WARPS, f16, half_t)
+CE_MOE(skinny, SK_WARPS, bf16, bf16_t)
+CE_MOE(skinny, SK_WARPS, i8, i8_t)
+CE_MOE(tiled, TBN, f32, float)
+CE_MOE(tiled, TBN, f16, half_t)
+CE_MOE(tiled, TBN, bf16, bf16_t)
+CE_MOE(tiled, TBN, i8, i8_t)
+
+// out[t,:] += sum_j w[t,j] * y[inverse[t*k + j], :]   (the residual add is fused)
+// grid (ceil(H/256), T), block 256
+extern "C" __global__ void moe_combine(float* out, const float* y, const float* w, const int* inverse,
+                                       int T, int k, int H) {
+    const int t = blockIdx.y, h = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= T || h >= H) return;
+    float s = 0.f;
+    for (int j = 0; j < k; ++j) s += w[(size_t)t * k + j] * y[(size_t)inverse[(size_t)t * k + j] * H + h];
+    out[(size_t)t * H + h] += s;
+}
