@@ -76,6 +76,7 @@ class Runner:
         self.observers = []              # callables(layer, ids[T,k], weights[T,k]): backend buffers,
                                          # valid during the call; use backend.download to keep them
         self.trace = None                # a trace.TraceRecorder while tracing
+        self.graph_decode = True         # let a backend with graph_step capture/replay decode steps
         moe = [l["layer_id"] for l in cfg["layers"] if l["type"] != "dense"]
         self.next_moe = {a: b for a, b in zip(moe, moe[1:])}
 
@@ -190,7 +191,14 @@ class Runner:
         for n in ("tok", "pos", "seq", "slots", "rows"):
             be.upload_into(a[n][:T if n != "rows" else nrows], h[n][:T if n != "rows" else nrows])
         be.upload_into(a["tables"][:S], h["tables"][:S])
-        self._forward(T, nrows)
+        decode = not all_logits and nrows == T        # one token per sequence
+        if decode and self.graph_decode and hasattr(be, "graph_step") and not self.observers \
+                and self.trace is None and self.slot_pool is None:
+            # a GPU backend captures the decode step once per shape and replays it (CUDA graphs):
+            # only when every expert is resident, since a slot-pool miss needs the host
+            be.graph_step(("decode", T, nrows), lambda: self._forward(T, nrows))
+        else:
+            self._forward(T, nrows)
         if self.trace is not None:
             self.trace.end_step()
         self.steps += 1
