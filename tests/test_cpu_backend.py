@@ -16,9 +16,10 @@ from hf_models import CASES, convert_case
 
 pytestmark = pytest.mark.skipif(not probe("cpu")[0], reason=f"cpu backend unavailable: {probe('cpu')[1]}")
 
-# (case, stored weight type): every model shape once in float32, the 16-bit types on two of them
+# (case, stored weight type): every model shape once in float32, each smaller type on some of them
 MODELS = [(c, None) for c in CASES] + [("mixtral", "float16"), ("qwen2_moe", "bfloat16"),
-                                       ("qwen3_moe", "float16"), ("olmoe", "bfloat16")]
+                                       ("qwen3_moe", "float16"), ("olmoe", "bfloat16"),
+                                       ("mixtral_top1_tied", "int8"), ("qwen2_moe", "int8")]
 
 
 def close(a, b, tol):
@@ -57,6 +58,50 @@ def test_widening_is_exact_for_every_bit_pattern(wd):
     nan = np.isnan(want)
     assert np.array_equal(np.isnan(out), nan)
     assert np.array_equal(out[~nan].view(np.uint32), want[~nan].view(np.uint32))
+
+
+def test_int8_kernels_match_reference(rng):
+    """int8 is not in test_kernels' list: matmul, embed, grouped_ffn and combine with row scales."""
+    from colibri_edge.backends import create
+    from colibri_edge.backends.base import FFN
+    from colibri_edge.dtypes import quantize_rows
+    ref, be = create("reference"), create("cpu")
+
+    def both(w32):
+        q, sc = quantize_rows(w32)
+        return ref.upload(q, "int8", scales=sc), be.upload(q, "int8", scales=sc)
+
+    for T, K, N in [(1, 37, 29), (7, 64, 33), (33, 19, 130)]:
+        x = rng.standard_normal((T, K)).astype(np.float32)
+        rw, bw = both(rng.standard_normal((N, K)).astype(np.float32))
+        bias = rng.standard_normal(N).astype(np.float32)
+        for b in (None, bias):
+            want, got = np.zeros((T, N), np.float32), be.alloc((T, N))
+            ref.matmul(want, x, rw, None if b is None else ref.upload(b))
+            be.matmul(got, x, bw, None if b is None else be.upload(b))
+            close(got, want, 1e-5)
+        ids = rng.integers(0, N, T).astype(np.int32)
+        want, got = np.zeros((T, K), np.float32), be.alloc((T, K))
+        rt, bt = both(rng.standard_normal((N, K)).astype(np.float32))
+        ref.embed(want, rt, ids)
+        be.embed(got, bt, ids)
+        close(got, want, 1e-6)
+    E, H, I, k, T = 5, 29, 23, 2, 9
+    mats = [[both(rng.standard_normal(s).astype(np.float32) / np.sqrt(s[1])) for s in [(I, H), (I, H), (H, I)]]
+            for _ in range(E)]
+    rex, bex = [FFN(*(m[0] for m in ms)) for ms in mats], [FFN(*(m[1] for m in ms)) for ms in mats]
+    logits = rng.standard_normal((T, E)).astype(np.float32)
+    ids, w = np.zeros((T, k), np.int32), np.zeros((T, k), np.float32)
+    ref.route(ids, w, logits, k, "topk", True)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    rplan, bplan = ref.align(None, ids, T, E, k), be.align(be.alloc_plan(T * k, E), ids, T, E, k)
+    ry, by = np.zeros((T * k, H), np.float32), be.alloc((T * k, H))
+    ref.grouped_ffn(ry, x, rex, rplan, np.zeros((T * k, 2 * I), np.float32))
+    be.grouped_ffn(by, x, bex, bplan, be.alloc((T * k, 2 * I)))
+    want, got = np.zeros((T, H), np.float32), be.alloc((T, H))
+    ref.combine(want, ry, w, rplan)
+    be.combine(got, by, w, bplan)
+    close(got, want, 1e-5)
 
 
 def test_weights_stay_in_the_memmap(model_cache):

@@ -20,10 +20,12 @@ import numpy as np
 
 from colibri_edge.dtypes import STORAGE
 from colibri_edge.errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
+from colibri_edge.modeldir import expert_sections
 from ..base import Backend as BackendBase, Plan, Weight
 
 # weight type -> element type of the view the kernels read (the type picks the widening)
-KERNEL_VIEW = {"float32": np.dtype(np.float32), "float16": np.dtype(np.uint16), "bfloat16": np.dtype(np.int16)}
+KERNEL_VIEW = {"float32": np.dtype(np.float32), "float16": np.dtype(np.uint16), "bfloat16": np.dtype(np.int16),
+               "int8": np.dtype(np.int8)}
 
 _thread_state = threading.local()     # the thread count set on this thread, if any
 
@@ -56,7 +58,7 @@ def _readonly(a: np.ndarray) -> np.ndarray:
 
 class Backend(BackendBase):
     name = "cpu"
-    weight_dtypes = ("float32", "float16", "bfloat16")
+    weight_dtypes = ("float32", "float16", "bfloat16", "int8")
 
     def __init__(self, num_threads=0, **options):
         import numba
@@ -69,7 +71,7 @@ class Backend(BackendBase):
                                f"COLIBRI_NUM_THREADS={num_threads}: Numba started {pool} threads; use 0..{pool} "
                                f"(or set NUMBA_NUM_THREADS={num_threads} before starting)")
         self.num_threads = num_threads or pool
-        self.no_bias = _readonly(np.zeros(0, np.float32))
+        self.none = _readonly(np.zeros(0, np.float32))      # an absent bias or scales vector
         self._warm_up()
 
     def _warm_up(self):
@@ -82,8 +84,9 @@ class Backend(BackendBase):
         ids, pos = self.alloc((T, k), i32), self.alloc((T,), i32)
         norm = self.upload(np.ones(H, f32))
         for wd in self.weight_dtypes:
-            w = self.upload(np.zeros((H, H), STORAGE[wd]), wd)
-            ffn = self.upload_expert(np.zeros(3 * H * I * STORAGE[wd].itemsize, np.uint8), H, I, wd)
+            sc = np.ones(H, f32) if wd == "int8" else None
+            w = self.upload(np.zeros((H, H), STORAGE[wd]), wd, scales=sc)
+            ffn = self.upload_expert(np.zeros(expert_sections(H, I, wd)[1], np.uint8), H, I, wd)
             self.embed(x, w, pos)
             self.matmul(o, x, w)
             self.route(ids, self.alloc((T, k)), self.alloc((T, E)), k, "topk", True)
@@ -113,7 +116,7 @@ class Backend(BackendBase):
     def alloc(self, shape, dtype=np.float32):
         return np.zeros(shape, dtype=dtype)
 
-    def upload(self, host, dtype="float32"):
+    def upload(self, host, dtype="float32", scales=None):
         if dtype not in KERNEL_VIEW:
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"cpu backend: unknown weight dtype {dtype!r}")
         arr = np.asarray(host)
@@ -122,7 +125,11 @@ class Backend(BackendBase):
                                f"cpu backend: {arr.dtype} data cannot hold {dtype} weights")
         if not arr.flags.c_contiguous:     # model tensors always are; this copies only odd inputs
             arr = np.ascontiguousarray(arr)
-        return Weight(_readonly(arr.view(KERNEL_VIEW[dtype])), dtype, tuple(arr.shape))
+        if (scales is None) != (dtype != "int8"):
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, "cpu backend: int8 weights, and only they, carry row scales")
+        if scales is not None:
+            scales = _readonly(np.ascontiguousarray(scales, dtype=np.float32))
+        return Weight(_readonly(arr.view(KERNEL_VIEW[dtype])), dtype, tuple(arr.shape), scales)
 
     def upload_into(self, dst, host):
         dst[...] = host
@@ -131,12 +138,18 @@ class Backend(BackendBase):
         return np.array(buf)
 
     # -- dense -------------------------------------------------------------------------------
+    def _scales(self, w):
+        return self.none if w.scales is None else w.scales
+
     def embed(self, out, table, ids):
-        self.k.embed(out, table.data if isinstance(table, Weight) else table, ids)
+        if isinstance(table, Weight):
+            self.k.embed(out, table.data, self._scales(table), ids)
+        else:
+            self.k.embed(out, table, self.none, ids)
 
     def matmul(self, out, x, w, bias=None):
         self._use_threads()
-        self.k.matmul(out, x, w.data, self.no_bias if bias is None else bias.data, bias is not None)
+        self.k.matmul(out, x, w.data, self._scales(w), self.none if bias is None else bias.data)
 
     def rmsnorm(self, out, x, weight, eps):
         self.k.rmsnorm(out, x, weight.data, float(eps))
@@ -203,8 +216,9 @@ class Backend(BackendBase):
             ffn = experts[e]
             inter = ffn.gate.shape[0]
             act = flat[start * width:start * width + n * inter].reshape(n, inter)
-            self.k.swiglu_gate_up(act, x, plan.order, start, plan.top_k, ffn.gate.data, ffn.up.data)
-            self.k.matmul(out[start:start + n], act, ffn.down.data, self.no_bias, False)
+            self.k.swiglu_gate_up(act, x, plan.order, start, plan.top_k, ffn.gate.data, ffn.up.data,
+                                  self._scales(ffn.gate), self._scales(ffn.up))
+            self.k.matmul(out[start:start + n], act, ffn.down.data, self._scales(ffn.down), self.none)
 
     def combine(self, out, y, w, plan):
         self.k.combine(out, y, w, plan.inverse)

@@ -6,8 +6,11 @@ the inner loops (never copied, so experts never routed are never read):
     float16   IEEE half bits viewed as uint16 -> LLVM `fpext half to float` (F16C vcvtph2ps on
               x86-64, fcvt on ARM64); Numba has no float16 arrays
     bfloat16  bits viewed as int16 -> zero-extend, shift left 16, bitcast to float
-The element type of the view picks the widening, so one source serves all three weight types and
-each weight-reading kernel has at most three specialisations.
+    int8      signed integer -> float; its float32 row scales (w[r] = q[r] * scales[r]) multiply
+              each output once, after the dot product
+The element type of the view picks the widening, so one source serves all four weight types and
+each weight-reading kernel has one specialisation per weight type. Optional vectors (bias,
+scales) are passed as empty arrays when absent, so absence costs no extra specialisation.
 
 No kernel allocates: no array is created here, prange loops carry no cross-iteration reduction
 (Numba would allocate per-thread reduction arrays), all scratch comes from the caller.
@@ -85,6 +88,14 @@ def _widen(v):
         return lambda v: half_bits_to_f32(v)
     if v == types.int16:
         return lambda v: bf16_bits_to_f32(v)
+    if v == types.int8:
+        return lambda v: np.float32(v)
+
+
+@njit(inline="always")
+def scaled(v, scales, n):
+    """v * scales[n] for int8 rows; v when scales is empty (unquantised weights)."""
+    return v * scales[n] if scales.shape[0] else v
 
 
 # -- dot products (inlined into the kernels below) ----------------------------------------------
@@ -146,6 +157,15 @@ def silu_mul(g, u):
     return g / (F1 + np.exp(-g)) * u
 
 
+@njit(error_model="numpy", inline="always")
+def store_swiglu4(act, r, i, g0, g1, g2, g3, u0, u1, u2, u3, gate_scales, up_scales):
+    """act[r, i+j] = silu(g_j * gate_scales[i+j]) * (u_j * up_scales[i+j]),  j < 4 (empty scales = 1)"""
+    act[r, i] = silu_mul(scaled(g0, gate_scales, i), scaled(u0, up_scales, i))
+    act[r, i + 1] = silu_mul(scaled(g1, gate_scales, i + 1), scaled(u1, up_scales, i + 1))
+    act[r, i + 2] = silu_mul(scaled(g2, gate_scales, i + 2), scaled(u2, up_scales, i + 2))
+    act[r, i + 3] = silu_mul(scaled(g3, gate_scales, i + 3), scaled(u3, up_scales, i + 3))
+
+
 @njit(inline="always")
 def prefetch_rows(w, n0, n1):
     """Prefetch rows n0..n1-1 of the C-contiguous weight w [N,K] (clipped to N), one hint per
@@ -159,8 +179,9 @@ def prefetch_rows(w, n0, n1):
 
 # -- dense ---------------------------------------------------------------------------------------
 @njit(parallel=True, cache=True, fastmath=REDUCE, error_model="numpy")
-def matmul(out, x, w, bias, has_bias):
-    """out[T,N] = x[T,K] @ w[N,K]^T (+ bias[N])        w: weight [N,K], bias: float32 [N] or empty
+def matmul(out, x, w, scales, bias):
+    """out[T,N] = (x[T,K] @ w[N,K]^T) * scales[N] + bias[N]
+        w: weight [N,K];  scales: float32 [N] (int8) or empty;  bias: float32 [N] or empty
 
     Parallel over blocks of ROWS output rows. A block's weight rows are read from memory once
     and stay in L1 while every token uses them (two tokens per pass, so each widened weight vector
@@ -184,19 +205,21 @@ def matmul(out, x, w, bias, has_bias):
             for n in range(n0, N):
                 for t in range(T):
                     out[t, n] = dot1(w, n, x[t])
-        if has_bias:
+        if scales.shape[0] or bias.shape[0]:
             for t in range(T):
                 for n in range(n0, min(n0 + ROWS, N)):
-                    out[t, n] += bias[n]
+                    v = scaled(out[t, n], scales, n)
+                    out[t, n] = v + bias[n] if bias.shape[0] else v
 
 
 @njit(cache=True, error_model="numpy")
-def embed(out, table, ids):
-    """out[t] = table[ids[t]]        table: [V,H] stored weights or a float32 buffer"""
+def embed(out, table, scales, ids):
+    """out[t] = table[ids[t]] (* scales[ids[t]])     table: [V,H] stored weights or a float32 buffer,
+    scales: float32 [V] (int8) or empty"""
     for t in range(ids.shape[0]):
         row = table[ids[t]]
         for h in range(out.shape[1]):
-            out[t, h] = widen(row[h])
+            out[t, h] = scaled(widen(row[h]), scales, ids[t])
 
 
 @njit(cache=True, fastmath=REDUCE, error_model="numpy")
@@ -378,9 +401,10 @@ def align(offsets, order, inverse, counts, active, ids):
 
 
 @njit(parallel=True, cache=True, fastmath=REDUCE, error_model="numpy")
-def swiglu_gate_up(act, x, order, start, top_k, gate, up):
-    """act[r,i] = silu(gate[i] . x[t_r]) * (up[i] . x[t_r]),  t_r = order[start + r] // top_k
-        gate, up: weight [I,H];  x [T,H];  act [R,I];  silu(g) = g / (1 + exp(-g))
+def swiglu_gate_up(act, x, order, start, top_k, gate, up, gate_scales, up_scales):
+    """act[r,i] = silu(gate[i] . x[t_r] * gs[i]) * (up[i] . x[t_r] * us[i]),  t_r = order[start + r] // top_k
+        gate, up: weight [I,H];  gs, us: their float32 row scales [I] (int8) or empty;
+        x [T,H];  act [R,I];  silu(g) = g / (1 + exp(-g))
     Parallel over blocks of ROWS intermediate rows; every token of the expert uses a block while it
     is in cache, so the expert's gate/up are read once per step."""
     R, I = act.shape
@@ -393,18 +417,18 @@ def swiglu_gate_up(act, x, order, start, top_k, gate, up):
                 xa, xb = x[order[start + r] // top_k], x[order[start + r + 1] // top_k]
                 g0, g1, g2, g3, h0, h1, h2, h3 = dot4x2(gate, i0, xa, xb)
                 u0, u1, u2, u3, v0, v1, v2, v3 = dot4x2(up, i0, xa, xb)
-                store4(act, r, i0, silu_mul(g0, u0), silu_mul(g1, u1), silu_mul(g2, u2), silu_mul(g3, u3))
-                store4(act, r + 1, i0, silu_mul(h0, v0), silu_mul(h1, v1), silu_mul(h2, v2), silu_mul(h3, v3))
+                store_swiglu4(act, r, i0, g0, g1, g2, g3, u0, u1, u2, u3, gate_scales, up_scales)
+                store_swiglu4(act, r + 1, i0, h0, h1, h2, h3, v0, v1, v2, v3, gate_scales, up_scales)
             if R % 2:
                 xr = x[order[start + R - 1] // top_k]
                 g0, g1, g2, g3 = dot4(gate, i0, xr)
                 u0, u1, u2, u3 = dot4(up, i0, xr)
-                store4(act, R - 1, i0, silu_mul(g0, u0), silu_mul(g1, u1), silu_mul(g2, u2), silu_mul(g3, u3))
+                store_swiglu4(act, R - 1, i0, g0, g1, g2, g3, u0, u1, u2, u3, gate_scales, up_scales)
         else:
             for r in range(R):
                 xr = x[order[start + r] // top_k]
                 for i in range(i0, I):
-                    act[r, i] = silu_mul(dot1(gate, i, xr), dot1(up, i, xr))
+                    act[r, i] = silu_mul(scaled(dot1(gate, i, xr), gate_scales, i), scaled(dot1(up, i, xr), up_scales, i))
 
 
 @njit(cache=True, error_model="numpy")
