@@ -96,6 +96,29 @@ def run_worker(kind, job, workdir, env_extra=None, env_drop=(), timeout=3600, na
     return res
 
 
+def merge_rounds(runs):
+    """One engine's rounds -> one result: each figure from its best round, every round recorded."""
+    def tps(x):
+        return (x or {}).get("tokens_per_s") or 0.0
+    best = dict(max(runs, key=lambda r: tps(r["decode_b1"])))
+    best["decode_b1"] = dict(best["decode_b1"], round=best["round"], probe_gbps=best["probe_gbps"])
+    pr = max(runs, key=lambda r: tps(r["prefill"]))
+    best["prefill"] = dict(pr["prefill"], round=pr["round"])
+    b4 = [r for r in runs if tps(r.get("decode_b4"))]
+    if b4:
+        r4 = max(b4, key=lambda r: tps(r["decode_b4"]))
+        best["decode_b4"] = dict(r4["decode_b4"], round=r4["round"], probe_gbps=r4["probe_gbps"])
+    best["peak_rss"] = max(r["peak_rss"] for r in runs)
+    for r in runs:
+        for k in ("profile", "first_token_cold"):
+            if r.get(k):
+                best[k] = r[k]
+    best["rounds"] = [{"round": r["round"], "prefill_tokens_per_s": tps(r["prefill"]),
+                       "decode_b1_tokens_per_s": tps(r["decode_b1"]), "decode_b4_tokens_per_s": tps(r.get("decode_b4")),
+                       "probe_gbps": r["probe_gbps"], "loadavg": r["loadavg"], "peak_rss": r["peak_rss"]} for r in runs]
+    return best
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="reduced model, for fast iterations")
@@ -104,12 +127,17 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--decode-steps", type=int, default=64)
     ap.add_argument("--prefill-reps", type=int, default=3, help="prefill runs (the median is reported)")
-    ap.add_argument("--decode-reps", type=int, default=2, help="decode runs (the fastest is reported)")
+    ap.add_argument("--decode-reps", type=int, default=1, help="decode runs a round (the fastest is kept)")
+    ap.add_argument("--rounds", type=int, default=2, help="passes over all engines (each figure keeps its best)")
     ap.add_argument("--profile-steps", type=int, default=16, help="decode steps under the per-op profiler")
     ap.add_argument("--engines", default="transformers,llama,colibri",
                     help="comma list of transformers, llama, colibri")
     ap.add_argument("--dtypes", default=None, help="Colibri weight types (default: all the converter has)")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold-Numba-cache first-token runs")
+    ap.add_argument("--nice", type=int, default=-10,
+                    help="scheduling priority of the run (inherited by every worker); negative needs root and "
+                         "keeps other work on a shared CPU from descheduling an engine's threads mid-barrier "
+                         "(0: leave it)")
     a = ap.parse_args(argv)
     engines = set(a.engines.split(","))
     out = a.out or (os.path.join(HERE, "cache", "results-small") if a.small else os.path.join(HERE, "results"))
@@ -117,10 +145,18 @@ def main(argv=None):
     work = tempfile.mkdtemp(prefix="work-", dir=os.path.join(HERE, "cache"))
     threads = a.threads
     t_start = time.time()
+    priority = "unchanged"
+    if a.nice:
+        try:
+            os.nice(a.nice)
+            priority = f"nice {a.nice}"
+        except OSError as e:
+            priority = f"unchanged (nice {a.nice} refused: {e.strerror})"
+    log(f"priority: {priority}")
 
     results = {"started": datetime.datetime.now().isoformat(timespec="seconds"), "small": a.small,
-               "machine": machine_info(threads), "prompt_len": a.prompt_len, "decode_steps": a.decode_steps,
-               "prefill_reps": a.prefill_reps, "decode_reps": a.decode_reps,
+               "machine": {**machine_info(threads), "priority": priority}, "prompt_len": a.prompt_len, "decode_steps": a.decode_steps,
+               "prefill_reps": a.prefill_reps, "decode_reps": a.decode_reps, "rounds": a.rounds,
                "engines": [], "notes": []}
     have_llama = not results["machine"]["llama_cpp"].startswith("unavailable")
     if "llama" in engines and not have_llama:
@@ -147,7 +183,7 @@ def main(argv=None):
 
     prompts = models.prompts(m["spec"], a.prompt_len, 4)
     base_job = {"spec": m["spec"], "prompts": prompts, "decode_steps": a.decode_steps, "threads": threads,
-                "prefill_reps": a.prefill_reps, "decode_reps": a.decode_reps, "ref_logits": os.path.join(work, "ref_logits.npy"),
+                "prefill_reps": a.prefill_reps, "decode_reps": a.decode_reps, "rounds": a.rounds, "ref_logits": os.path.join(work, "ref_logits.npy"),
                 "parity_limit": PARITY_LIMIT}
     thread_env = {"COLIBRI_NUM_THREADS": str(threads), "NUMBA_NUM_THREADS": str(threads),
                   "OMP_NUM_THREADS": str(threads)}
@@ -164,79 +200,109 @@ def main(argv=None):
         return r
 
     results["bandwidth_start"] = bandwidth("start")
+    probes = [results["bandwidth_start"]]
 
-    # -- transformers first: its logits are the reference for the parity checks --
-    if "transformers" in engines or "llama" in engines or "colibri" in engines:
-        log("transformers float32 ...")
-        warm_page_cache(m["hf"])
-        rounded = {q: os.path.join(work, f"ref_logits_{q}.npy") for q in ("f16", "q8_0")} if "llama" in engines else {}
-        r = run_worker("transformers", {**base_job, "hf": m["hf"], "rounded_refs": rounded}, work, thread_env)
-        r.setdefault("engine", "transformers")
-        r.setdefault("precision", "float32")
-        r["bytes_per_decoded_token"] = 4 * m["params"]["read_per_token"]
-        p = m["params"]
+    # -- every engine, as (name, kind, job, env, after(result)); transformers first: its logits are the
+    # reference of every parity check (and llama.cpp's check needs the rounded-weight ones) --
+    plan = []
+    p = m["params"]
+    rounded = {q: os.path.join(work, f"ref_logits_{q}.npy") for q in ("f16", "q8_0")} if "llama" in engines else {}
+
+    def hf_after(r):
+        r["bytes_per_decoded_token"] = 4 * p["read_per_token"]
         r["bytes_per_expert"] = 4 * p["expert"]
         r["non_expert_read_bytes"] = 4 * (p["read_per_token"] - p["layers"] * p["top_k"] * p["expert"])
-        if "error" in r:
-            raise SystemExit(f"transformers failed (its logits are every parity check's reference):\n{r['log_tail']}")
-        if "transformers" in engines:
-            results["engines"].append(r)
-        log(f"  done in {r['wall_s']:.0f}s")
 
+    plan.append(("transformers-float32", "transformers", {**base_job, "hf": m["hf"], "rounded_refs": rounded},
+                 thread_env, hf_after, m["hf"]))
     if "llama" in engines:
         for q in ("f16", "q8_0"):
             g = m["gguf"][q]
-            log(f"llama.cpp {q} ...")
-            warm_page_cache(g["path"])
-            r = run_worker("llama", {**base_job, "gguf": g["path"], "qtype": q, "ref_rounded": rounded[q]}, work,
-                           thread_env, name=f"llama-{q}")
-            if "error" in r:
-                print(r["log_tail"], file=sys.stderr)
-                raise SystemExit(f"llama.cpp {q} failed; see above")
-            r["bytes_per_decoded_token"] = g["bytes_per_decoded_token"]
-            r["bytes_per_expert"] = g["bytes_per_expert"]
-            r["non_expert_read_bytes"] = g["non_expert_read_bytes"]
-            c = r["parity_same_rounding"]
-            log(f"  parity vs transformers float32: max rel err {r['parity']['max_rel_err']:.2e}; vs transformers on "
-                f"the same {q} weights: max {c['max_rel_err']:.2e}, median {c['median_rel_err']:.2e}, argmax "
-                f"agreement {c['argmax_agree']:.3f}; done in {r['wall_s']:.0f}s")
-            results["engines"].append(r)
 
+            def llama_after(r, g=g):
+                r["bytes_per_decoded_token"] = g["bytes_per_decoded_token"]
+                r["bytes_per_expert"] = g["bytes_per_expert"]
+                r["non_expert_read_bytes"] = g["non_expert_read_bytes"]
+            plan.append((f"llama-{q}", "llama", {**base_job, "gguf": g["path"], "qtype": q, "ref_rounded": rounded[q]},
+                         thread_env, llama_after, g["path"]))
+    skipped, numba_dirs = [], {}
     if "colibri" in engines:
         cpu_dtypes = set(CpuBackend.weight_dtypes)
         for dt in dtypes:
             if dt not in cpu_dtypes:
-                results["engines"].append({"engine": "colibri", "precision": dt,
-                                           "na": f"the cpu backend does not run {dt} weights yet"})
+                skipped.append({"engine": "colibri", "precision": dt,
+                                "na": f"the cpu backend does not run {dt} weights yet"})
                 continue
-            path = m["colibri"][dt]
-            warm_page_cache(path)
-            job = {**base_job, "model": path, "profile_steps": a.profile_steps}
-            # cold: a fresh, empty Numba cache, then the main run on the cache it filled (warm). With
+            # cold: a fresh, empty Numba cache; then the timed runs on the cache it filled (warm). With
             # --no-cold one persistent cache serves every run, so iterations skip the compiles.
-            numba_dir = os.path.join(HERE, "cache", "numba") if a.no_cold else \
+            numba_dirs[dt] = os.path.join(HERE, "cache", "numba") if a.no_cold else \
                 tempfile.mkdtemp(prefix=f"numba-{dt}-", dir=os.path.join(HERE, "cache"))
-            env = {**thread_env, "NUMBA_CACHE_DIR": numba_dir}
-            cold = None
-            if not a.no_cold:
-                log(f"colibri {dt}: first token with a cold Numba cache ({numba_dir}) ...")
-                cold = run_worker("colibri_first_token", job, work, env, name=f"colibri-{dt}-cold")
-                if "error" in cold:
-                    print(cold["log_tail"], file=sys.stderr)
-                    raise SystemExit(f"colibri {dt} (cold) failed; see above")
-            log(f"colibri {dt} ...")
-            r = run_worker("colibri", job, work, env, name=f"colibri-{dt}")
-            if not a.no_cold:
-                shutil.rmtree(numba_dir, ignore_errors=True)
+            plan.append((f"colibri-{dt}", "colibri", {**base_job, "model": m["colibri"][dt]},
+                         {**thread_env, "NUMBA_CACHE_DIR": numba_dirs[dt]}, None, m["colibri"][dt]))
+
+    # -- rounds: the CPU may be shared, so every engine runs once per round (the order reversed every
+    # other round, so no engine always gets the same slot) and each figure keeps its best round --
+    runs = {name: [] for name, *_ in plan}
+    for rnd in range(a.rounds):
+        order = plan if rnd % 2 == 0 else plan[::-1]
+        if rnd > 0 and "transformers" not in engines:
+            order = [x for x in order if x[1] != "transformers"]
+        for name, kind, job, env, after, files in order:
+            job = dict(job)
+            if kind == "transformers" and rnd > 0:
+                job["rounded_refs"] = {}
+            if kind == "colibri":
+                job["profile_steps"] = a.profile_steps if rnd == a.rounds - 1 else 0
+                if rnd == 0 and not a.no_cold:
+                    dt = name.split("-", 1)[1]
+                    log(f"{name}: first token with a cold Numba cache ({numba_dirs[dt]}) ...")
+                    cold = run_worker("colibri_first_token", job, work, env, name=f"{name}-cold")
+                    if "error" in cold:
+                        print(cold["log_tail"], file=sys.stderr)
+                        raise SystemExit(f"{name} (cold) failed; see above")
+                    job["first_token_cold"] = cold
+            warm_page_cache(files)
+            probe = run_worker("bandwidth", {"threads": threads, "reps": 7}, work,
+                               env_drop=("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"),
+                               name="bandwidth-probe")
+            if "error" not in probe:
+                probes.append(probe)
+            log(f"round {rnd + 1}/{a.rounds}: {name} (BLAS probe just before: "
+                f"{probe.get('median_gbps', float('nan')):.1f} GB/s, load {os.getloadavg()[0]:.1f}) ...")
+            r = run_worker(kind, job, work, env, name=name)
             if "error" in r:
                 print(r["log_tail"], file=sys.stderr)
-                raise SystemExit(f"colibri {dt} failed; see above")
-            r["first_token_cold"] = cold
-            log(f"  parity vs transformers: max rel err {r['parity']['max_rel_err']:.2e}; "
-                f"decode {r['decode_b1']['tokens_per_s']:.1f} tok/s; done in {r['wall_s']:.0f}s")
-            results["engines"].append(r)
+                why = " (its logits are every parity check's reference)" if kind == "transformers" else ""
+                raise SystemExit(f"{name} failed{why}; see above")
+            if after:
+                after(r)
+            if "first_token_cold" in job:
+                r["first_token_cold"] = job["first_token_cold"]
+            r["round"] = rnd + 1
+            r["probe_gbps"] = probe.get("median_gbps")
+            r["loadavg"] = os.getloadavg()[0]
+            runs[name].append(r)
+            msg = f"decode b1 {r['decode_b1']['tokens_per_s']:.2f} tok/s, prefill {r['prefill']['tokens_per_s']:.1f} tok/s"
+            if kind == "llama":
+                c = r["parity_same_rounding"]
+                msg += (f"; parity vs transformers float32: max rel err {r['parity']['max_rel_err']:.2e}; on the same "
+                        f"{job['qtype']} weights: max {c['max_rel_err']:.2e}, median {c['median_rel_err']:.2e}, "
+                        f"argmax agreement {c['argmax_agree']:.3f}")
+            elif kind == "colibri":
+                msg += f"; parity vs transformers: max rel err {r['parity']['max_rel_err']:.2e}"
+            log(f"  {msg}; {r['wall_s']:.0f}s")
+    for name, kind, *_ in plan:
+        if kind == "transformers" and "transformers" not in engines:
+            continue
+        results["engines"].append(merge_rounds(runs[name]))
+    results["engines"] += skipped
+    if not a.no_cold:
+        for d in numba_dirs.values():
+            shutil.rmtree(d, ignore_errors=True)
 
     results["bandwidth_end"] = bandwidth("end")
+    probes.append(results["bandwidth_end"])
+    results["bandwidth_probes"] = [{"median_gbps": x["median_gbps"], "best_gbps": x["best_gbps"]} for x in probes]
     results["machine"]["loadavg_end"] = os.getloadavg()
     results["wall_s"] = time.time() - t_start
     report.finish(results)

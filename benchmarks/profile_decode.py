@@ -30,7 +30,9 @@ def profile(engine, prompt, steps: int) -> dict:
             if lw.get(n) is not None:
                 names[id(lw[n])] = n
     names[id(runner.lm_head)] = "lm_head"
-    acc = defaultdict(lambda: [0.0, 0, 0])          # key -> seconds, calls, weight bytes
+    acc = defaultdict(lambda: [0.0, 0, 0])          # key -> seconds, calls, weight bytes (all steps)
+    per_step = []                                    # per decode step: key -> seconds
+    cur = defaultdict(float)
     on = {"v": False}
     saved = {}
 
@@ -50,6 +52,7 @@ def profile(engine, prompt, steps: int) -> dict:
                 experts, plan = args[2], args[3]
                 run = plan.active if getattr(plan, "active", None) is not None else np.flatnonzero(plan.counts)
                 nbytes = sum(_weight_nbytes(experts[e].gate) * 3 for e in np.asarray(run).tolist())
+            cur[key] += dt
             a = acc[key]
             a[0] += dt
             a[1] += 1
@@ -65,10 +68,12 @@ def profile(engine, prompt, steps: int) -> dict:
     inner = runner.step
 
     def timed_step(entries, all_logits=False):
+        cur.clear()
         t0 = time.perf_counter()
         r = inner(entries, all_logits=all_logits)
         if on["v"]:
             step_times.append(time.perf_counter() - t0)
+            per_step.append(dict(cur))
         return r
 
     runner.step = timed_step
@@ -92,13 +97,19 @@ def profile(engine, prompt, steps: int) -> dict:
             setattr(be, op, fn)
         del engine._prefill
         runner.step = inner
-    total = float(np.sum(step_times))
-    ops_total = sum(v[0] for v in acc.values())
+    # medians over steps (the CPU may be shared: a step disturbed by another process does not skew them)
+    steps_done = len(step_times)
+    med_step = float(np.median(step_times))
     rows = []
     for key, (sec, calls, nbytes) in sorted(acc.items(), key=lambda kv: -kv[1][0]):
-        rows.append({"op": key, "ms_per_step": sec / steps * 1e3, "share": sec / total, "calls_per_step": calls / steps,
-                     "weight_mb_per_step": nbytes / steps / 1e6, "gbps": nbytes / sec / 1e9 if nbytes else None})
-    rows.append({"op": "python/other (step minus ops)", "ms_per_step": (total - ops_total) / steps * 1e3,
-                 "share": (total - ops_total) / total, "calls_per_step": None, "weight_mb_per_step": 0, "gbps": None})
-    return {"steps": steps, "step_ms": total / steps * 1e3, "rows": rows,
-            "note": "timers add ~1 us a call; steps with timers run slightly slower than untimed ones"}
+        med = float(np.median([d.get(key, 0.0) for d in per_step]))
+        rows.append({"op": key, "ms_per_step": med * 1e3, "mean_ms_per_step": sec / steps_done * 1e3,
+                     "share": med / med_step, "calls_per_step": calls / steps_done,
+                     "weight_mb_per_step": nbytes / steps_done / 1e6,
+                     "gbps": nbytes / steps_done / med / 1e9 if nbytes and med > 0 else None})
+    rows.sort(key=lambda x: -x["ms_per_step"])
+    other = float(np.median([t - sum(d.values()) for t, d in zip(step_times, per_step)]))
+    rows.append({"op": "python/other (step minus ops)", "ms_per_step": other * 1e3, "mean_ms_per_step": None,
+                 "share": other / med_step, "calls_per_step": None, "weight_mb_per_step": 0, "gbps": None})
+    return {"steps": steps_done, "step_ms": med_step * 1e3, "step_mean_ms": float(np.mean(step_times)) * 1e3,
+            "rows": rows, "note": "medians over the steps; timers add ~1 us a call"}

@@ -18,8 +18,11 @@ def _get(e, *path):
 
 def finish(r):
     """Add per-engine bandwidth figures and the ratios to the results, in place."""
-    bws = [r[k]["median_gbps"] for k in ("bandwidth_start", "bandwidth_end") if k in r]
-    r["machine_read_gbps"] = float(np.mean(bws))
+    # the machine's read bandwidth: the best of the probes' medians (start, before each engine run, end),
+    # i.e. the least disturbed; each engine's figures also keep their best round
+    bws = [x["median_gbps"] for x in r.get("bandwidth_probes") or [r["bandwidth_start"], r["bandwidth_end"]]]
+    r["machine_read_gbps"] = float(np.max(bws))
+    r["machine_read_gbps_range"] = [float(np.min(bws)), float(np.max(bws))]
     col16 = next((e for e in r["engines"] if e["engine"] == "colibri" and e["precision"] == "float16"
                   and "decode_b4" in e), None)
     hf = next((e for e in r["engines"] if e["engine"] == "transformers" and "decode_b4" in e), None)
@@ -30,8 +33,15 @@ def finish(r):
         d1 = e["decode_b1"]
         d1["gbps"] = bpt * d1["tokens_per_s"] / 1e9
         d1["bandwidth_fraction"] = d1["gbps"] / r["machine_read_gbps"]
+        # the rate at the median step: robust to the steps another process disturbed
+        d1["tokens_per_s_p50"] = 1e3 / d1["step_p50_ms"]
+        d1["gbps_p50"] = bpt * d1["tokens_per_s_p50"] / 1e9
+        d1["bandwidth_fraction_p50"] = d1["gbps_p50"] / r["machine_read_gbps"]
+        if d1.get("probe_gbps"):
+            d1["probe_fraction"] = d1["gbps"] / d1["probe_gbps"]
         d4 = e.get("decode_b4") or {}
         if "tokens_per_s" in d4:
+            d4["tokens_per_s_p50"] = 4e3 / d4["step_p50_ms"]
             distinct = d4.get("distinct_experts_per_layer")
             src = "measured"
             if distinct is None:      # llama.cpp: the same weights and prompts, routed by Colibri / transformers
@@ -46,6 +56,7 @@ def finish(r):
                 steps_per_s = d4["tokens_per_s"] / 4
                 d4["gbps"] = d4["bytes_per_step"] * steps_per_s / 1e9
                 d4["bandwidth_fraction"] = d4["gbps"] / r["machine_read_gbps"]
+                d4["gbps_p50"] = d4["bytes_per_step"] * 1e3 / d4["step_p50_ms"] / 1e9
 
     def find(engine, prec):
         return next((e for e in r["engines"] if e["engine"] == engine and e["precision"] == prec
@@ -64,7 +75,10 @@ def finish(r):
              (find("colibri", "int8"), find("llama.cpp", "q8_0")),
              (find("colibri", "float32"), find("transformers", "float32"))]
     for a, b in pairs:
-        for what, path in (("decode b1", ("decode_b1", "tokens_per_s")), ("decode b4", ("decode_b4", "tokens_per_s")),
+        for what, path in (("decode b1", ("decode_b1", "tokens_per_s")),
+                           ("decode b1 at p50 step", ("decode_b1", "tokens_per_s_p50")),
+                           ("decode b4", ("decode_b4", "tokens_per_s")),
+                           ("decode b4 at p50 step", ("decode_b4", "tokens_per_s_p50")),
                            ("prefill", ("prefill", "tokens_per_s"))):
             if a is not None and b is not None:
                 ratio(f"{label(a)} / {label(b)}: {what}", a, b, *path)
@@ -87,7 +101,8 @@ def markdown(r):
     out.append(f"Run {r['started']}, {r['wall_s'] / 60:.0f} min. Machine: {m['cpu']}, {m['cores']} cores, "
                f"{m.get('memory_bytes', 0) / 2**30:.0f} GiB; every engine with {m['threads_per_engine']} threads, each "
                f"in its own process. Load average at start {m['loadavg_start'][0]:.1f}, at end "
-               f"{m['loadavg_end'][0]:.1f} (other work shares this CPU: figures are what was available then).")
+               f"{m['loadavg_end'][0]:.1f} (other work shares this CPU); the run's scheduling priority: "
+               f"{m.get('priority', 'unchanged')}.")
     out.append("")
     out.append(f"Model: Mixtral-shaped, hidden {s['hidden_size']}, {s['num_hidden_layers']} layers, "
                f"{s['num_attention_heads']} heads / {s['num_key_value_heads']} KV heads (head_dim {s['head_dim']}), "
@@ -99,20 +114,22 @@ def markdown(r):
     out.append("")
     b0, b1 = r["bandwidth_start"], r["bandwidth_end"]
     blas = b0["blas"][0] if b0["blas"] else {}
+    lo, hi = r["machine_read_gbps_range"]
     out.append(f"Machine read bandwidth (NumPy BLAS sgemv over a {b0['bytes'] / 2**20:.0f} MiB float32 matrix, "
                f"{b0['threads']} threads, {blas.get('internal_api')} {blas.get('version')} kernel "
                f"`{blas.get('architecture')}`, OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE unset): "
-               f"**{r['machine_read_gbps']:.1f} GB/s** (median at start {b0['median_gbps']:.1f}, at end "
-               f"{b1['median_gbps']:.1f}; best {max(b0['best_gbps'], b1['best_gbps']):.1f}).")
+               f"**{r['machine_read_gbps']:.1f} GB/s**, the best median of {len(r.get('bandwidth_probes', []))} probes "
+               f"(at the start, just before each engine run, at the end), which ranged {lo:.1f}-{hi:.1f} GB/s as "
+               f"the other work on the CPU came and went.")
     out.append("")
     out.append("## Throughput and latency")
     out.append("")
-    out.append("| engine | weights | prefill tok/s | decode b1 tok/s | b1 p50 ms | b1 p99 ms | decode b4 tok/s "
-               "| b4 step p50 ms | b4 step p99 ms | peak RSS | logits vs transformers |")
-    out.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    out.append("| engine | weights | prefill tok/s | decode b1 tok/s | b1 tok/s at p50 | b1 p50 ms | b1 p99 ms "
+               "| decode b4 tok/s | b4 tok/s at p50 | b4 step p50 ms | b4 step p99 ms | peak RSS | logits vs transformers |")
+    out.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for e in r["engines"]:
         if "na" in e:
-            out.append(f"| {e['engine']} | {e['precision']} | n/a: {e['na']} |||||||||")
+            out.append(f"| {e['engine']} | {e['precision']} | n/a: {e['na']} |||||||||||")
             continue
         d1, d4 = e["decode_b1"], e.get("decode_b4", {})
         par = e.get("parity")
@@ -122,18 +139,36 @@ def markdown(r):
         if same:
             par_s += (f"; same {e['precision']} weights: max {same['max_rel_err']:.1e}, median "
                       f"{same['median_rel_err']:.1e}, argmax {same['argmax_agree'] * 100:.0f}%")
-        b4 = (_f(d4.get("tokens_per_s")), _f(d4.get("step_p50_ms")), _f(d4.get("step_p99_ms"))) \
-            if "tokens_per_s" in d4 else (f"n/a: {d4.get('na', '')}", "", "")
+        b4 = (_f(d4.get("tokens_per_s"), "{:.2f}"), _f(d4.get("tokens_per_s_p50"), "{:.2f}"), _f(d4.get("step_p50_ms")),
+              _f(d4.get("step_p99_ms"))) if "tokens_per_s" in d4 else (f"n/a: {d4.get('na', '')}", "", "", "")
         out.append(f"| {e['engine']} | {e['precision']} | {_f(e['prefill']['tokens_per_s'])} | "
-                   f"{_f(d1['tokens_per_s'], '{:.2f}')} | {_f(d1['step_p50_ms'])} | {_f(d1['step_p99_ms'])} | "
-                   f"{b4[0]} | {b4[1]} | {b4[2]} | {e['peak_rss'] / 2**20:.0f} MiB | {par_s} |")
+                   f"{_f(d1['tokens_per_s'], '{:.2f}')} | {_f(d1['tokens_per_s_p50'], '{:.2f}')} | "
+                   f"{_f(d1['step_p50_ms'])} | {_f(d1['step_p99_ms'])} | "
+                   f"{b4[0]} | {b4[1]} | {b4[2]} | {b4[3]} | {e['peak_rss'] / 2**20:.0f} MiB | {par_s} |")
     out.append("")
-    out.append(f"Prefill: one {r['prompt_len']}-token prompt, median of {r['prefill_reps']} runs, logits of the last "
-               f"token only. Decode: {r['decode_steps']} steps, the fastest of {r['decode_reps']} runs (the CPU is shared). "
+    out.append(f"Every engine ran {r['rounds']} times (rounds, the order reversed each round; the CPU is shared) and "
+               f"each figure is from its best round. Prefill: one {r['prompt_len']}-token prompt, median of "
+               f"{r['prefill_reps']} runs in a round, logits of the last token only. Decode: {r['decode_steps']} steps. "
                "Decode b1: one sequence; p50/p99 are per decoded token. Decode b4: four sequences decoded together (Colibri "
                "`generate_batch`, llama.cpp one `llama_decode` over a 4-sequence batch, transformers a [4,1] "
-               "forward); tok/s counts all four, step latency is one step (4 tokens).")
+               "forward); tok/s counts all four, step latency is one step (4 tokens). \"tok/s at p50\" is the rate "
+               "at the median step latency (1/p50, 4/p50 at b4): a preempted step does not pull it down, so on a shared "
+               "CPU it is the closer estimate of the engine's own speed; \"decode tok/s\" is tokens / total decode time.")
     out.append("")
+    if any(e.get("rounds") for e in r["engines"]):
+        out.append("Each round (prefill tok/s / decode b1 tok/s / decode b4 tok/s, the BLAS probe just before, load average):")
+        out.append("")
+        out.append("| engine | weights | " + " | ".join(f"round {i + 1}" for i in range(r["rounds"])) + " |")
+        out.append("|---|---|" + "---|" * r["rounds"])
+        for e in r["engines"]:
+            if not e.get("rounds"):
+                continue
+            cells = [f"{x['prefill_tokens_per_s']:.1f} / {x['decode_b1_tokens_per_s']:.2f} / "
+                     f"{x['decode_b4_tokens_per_s']:.2f}; {_f(x['probe_gbps'])} GB/s, load {x['loadavg']:.1f}"
+                     for x in sorted(e["rounds"], key=lambda x: x["round"])]
+            cells += [""] * (r["rounds"] - len(cells))
+            out.append(f"| {e['engine']} | {e['precision']} | " + " | ".join(cells) + " |")
+        out.append("")
     out.append("## Memory traffic")
     out.append("")
     out.append(f"Weight bytes read per decoded token (one embedding row, every non-expert matrix incl. the "
@@ -141,9 +176,10 @@ def markdown(r):
                f"time, next to the machine's {r['machine_read_gbps']:.1f} GB/s. Batch 4 reads each expert chosen by "
                f"any of the 4 tokens once per step.")
     out.append("")
-    out.append("| engine | weights | bytes / token | b1 GB/s | b1 % of BLAS | distinct experts / layer at b4 "
-               "| bytes / b4 step | b4 GB/s | b4 % of BLAS |")
-    out.append("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    out.append("| engine | weights | bytes / token | b1 GB/s | b1 % of BLAS | b1 GB/s at p50 | % of BLAS "
+               "| BLAS probe before that run | distinct experts / layer at b4 | bytes / b4 step | b4 GB/s "
+               "| b4 GB/s at p50 | b4 % of BLAS at p50 |")
+    out.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for e in r["engines"]:
         if "na" in e:
             continue
@@ -152,8 +188,10 @@ def markdown(r):
         dist_s = "n/a" if dist is None else (f"{dist:.2f}" + ("" if d4.get("distinct_source") == "measured"
                                                                else f" ({d4.get('distinct_source')})"))
         out.append(f"| {e['engine']} | {e['precision']} | {_mb(e['bytes_per_decoded_token'])} | {_f(d1['gbps'])} | "
-                   f"{_f(d1['bandwidth_fraction'] * 100, '{:.0f}%')} | {dist_s} | {_mb(d4.get('bytes_per_step'))} | "
-                   f"{_f(d4.get('gbps'))} | {_f(d4.get('bandwidth_fraction', None) and d4['bandwidth_fraction'] * 100, '{:.0f}%')} |")
+                   f"{_f(d1['bandwidth_fraction'] * 100, '{:.0f}%')} | {_f(d1['gbps_p50'])} | "
+                   f"{_f(d1['bandwidth_fraction_p50'] * 100, '{:.0f}%')} | {_f(d1.get('probe_gbps'))} | {dist_s} | {_mb(d4.get('bytes_per_step'))} | "
+                   f"{_f(d4.get('gbps'))} | {_f(d4.get('gbps_p50'))} | "
+                   f"{_f(d4.get('gbps_p50') and d4['gbps_p50'] / r['machine_read_gbps'] * 100, '{:.0f}%')} |")
     out.append("")
     cols = [e for e in r["engines"] if e["engine"] == "colibri" and "decode_b1" in e]
     if cols:
@@ -184,8 +222,9 @@ def markdown(r):
         out.append("")
         for e in prof:
             pr = e["profile"]
-            out.append(f"**{e['precision']}**: {pr['steps']} decode steps, {pr['step_ms']:.1f} ms a step with timers "
-                       f"(untimed p50 {e['decode_b1']['step_p50_ms']:.1f} ms).")
+            out.append(f"**{e['precision']}**: {pr['steps']} decode steps, median {pr['step_ms']:.1f} ms a step with "
+                       f"timers (untimed p50 of the best round {e['decode_b1']['step_p50_ms']:.1f} ms). Medians over "
+                       f"the steps; GB/s = the op's weight bytes / its median time.")
             out.append("")
             out.append("| op | ms / step | share | calls / step | weights MB / step | GB/s |")
             out.append("|---|---:|---:|---:|---:|---:|")
