@@ -41,10 +41,10 @@ def test_inspect_bad_model_exit_code(tmp_path):
 def test_backends_lists_each_with_reason():
     r = cli("backends")
     assert r.returncode == 0
-    lines = r.stdout.splitlines()
-    for name in ("cuda", "opencl", "cpu", "reference"):
-        assert any(l.startswith(name) for l in lines), r.stdout
-    assert all(": " in l and ("present" in l or "missing" in l) for l in lines)
+    lines = [l for l in r.stdout.splitlines() if not l.startswith(" ")]     # indented: device details
+    assert sorted(l.split()[0] for l in lines) == ["cpu", "cuda", "opencl", "reference"], r.stdout
+    assert all(l.split()[1] in ("present:", "missing:") and len(l.split(": ", 1)[1]) > 5 for l in lines)
+    assert any(l.startswith("cpu        present") for l in lines)
 
 
 def test_run_default_model_streams_and_reports():
