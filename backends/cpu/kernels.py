@@ -186,7 +186,7 @@ def matmul(out, x, w, scales, bias):
     Parallel over blocks of ROWS output rows. A block's weight rows are read from memory once
     and stay in L1 while every token uses them (two tokens per pass, so each widened weight vector
     feeds two FMAs), so a step streams each weight once whatever T; decode (T=1) is a GEMV bound
-    by that stream. out must not alias x. No BLAS: f16/bf16 weights would need a widened
+    by that stream. out must not alias x. No BLAS: f16/bf16/int8 weights would need a widened
     copy, and one kernel keeps one thread pool (Numba's) for COLIBRI_NUM_THREADS to govern."""
     T = x.shape[0]
     N = w.shape[0]
