@@ -27,9 +27,9 @@ COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.j
 class SafetensorsIndex:
     """name -> lazily read tensor, over one or many .safetensors shards.
 
-    The header of a shard is JSON after an 8-byte length (the format's spec); data is mapped, not
-    read, so a tensor's pages are touched only when it is converted. The `safetensors` package
-    cannot hand bfloat16 to NumPy, hence the mapping here.
+    The header of a shard is JSON after an 8-byte length (the format's spec); each tensor is read
+    with one positioned read when it is converted (not mapped: mapped pages would count in the
+    process's resident memory). The `safetensors` package cannot hand bfloat16 to NumPy, hence this.
     """
 
     def __init__(self, hf_dir: str):
@@ -59,14 +59,13 @@ class SafetensorsIndex:
             except json.JSONDecodeError as e:
                 raise invalid_model(path, "(header)", f"not a safetensors file ({e})") from None
         data_start = 8 + n
-        mm = np.memmap(path, dtype=np.uint8, mode="r") if os.path.getsize(path) > data_start else None
         for name, meta in header.items():
             if name == "__metadata__":
                 continue
             if meta["dtype"] not in SAFETENSORS_DTYPES:
                 raise invalid_model(path, name, f"dtype {meta['dtype']} is not supported; "
                                     "expected F32, F16 or BF16")
-            self.entries[name] = (mm, data_start + meta["data_offsets"][0], data_start + meta["data_offsets"][1],
+            self.entries[name] = (path, data_start + meta["data_offsets"][0], data_start + meta["data_offsets"][1],
                                   meta["dtype"], tuple(meta["shape"]))
 
     def __contains__(self, name):
@@ -80,12 +79,17 @@ class SafetensorsIndex:
 
     def float32(self, name, index=None) -> np.ndarray:
         """The tensor (or its slice [index] along the first axis) widened to float32: one copy."""
-        mm, a, b, dt, shape = self.entries[name]
+        path, a, b, dt, shape = self.entries[name]
         np_dt, ours = SAFETENSORS_DTYPES[dt]
-        raw = mm[a:b].view(np_dt).reshape(shape)
-        if index is not None:
-            raw = raw[index]
-        return np.array(widen(raw, ours), dtype=np.float32, copy=True)
+        count = int(np.prod(shape))
+        if index is not None:                   # one slice along the first axis: read only it
+            count //= shape[0]
+            a += index * count * np.dtype(np_dt).itemsize
+            shape = shape[1:]
+        if a + count * np.dtype(np_dt).itemsize > os.path.getsize(path):
+            raise invalid_model(path, name, "data runs past the end of the file (truncated shard?)")
+        raw = np.fromfile(path, dtype=np_dt, count=count, offset=a).reshape(shape)
+        return np.asarray(widen(raw, ours), dtype=np.float32)
 
 
 # ----------------------------------------------------------------------------------------------
