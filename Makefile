@@ -36,6 +36,10 @@ test-fast: $(VENV)/.test
 toolchains: $(VENV)/.test
 	$(MAKE) -C toolchains all PY=$(abspath $(PY))
 
+.PHONY: demo-model
+demo-model: $(VENV)/.test
+	$(MAKE) -C toolchains/demo-model train PY=$(abspath $(PY))
+
 # the benchmark's own dependencies, never `make test`'s: llama-cpp-python compiles llama.cpp at install
 $(VENV)/.bench: $(VENV)/.test
 	@echo "installing the bench extra (llama-cpp-python builds llama.cpp: 10-15 min on 2 cores)"

@@ -220,7 +220,7 @@ def build_parser():
     b.set_defaults(fn=_cmd_backends)
     r = sub.add_parser("run", help="generate text, then print speed and which experts fired")
     r.add_argument("--model", default=None, help="model directory (default: the embedded demo model)")
-    r.add_argument("--prompt", default="The meaning of life is")
+    r.add_argument("--prompt", default="The Python interpreter")
     r.add_argument("--chat", action="store_true", help="render the prompt with the model's chat template")
     r.add_argument("--ids", action="store_true", help="the prompt is space-separated token ids")
     r.add_argument("--max-new-tokens", type=int, default=48)
