@@ -124,7 +124,7 @@ def _cmd_trace(a):
     lines = [l.strip() for l in open(a.prompts, encoding="utf-8") if l.strip()]
     if not lines:
         raise ColibriError(-1, f"{a.prompts}: no prompts (one a line)")
-    with Engine.open(a.model, backend=a.backend) as eng:
+    with Engine.open(a.model, backend=a.backend, max_batch=a.max_batch) as eng:
         prompts = [[int(t) for t in l.split()] for l in lines] if a.ids else lines
         tr = eng.trace(prompts, max_new_tokens=a.max_new_tokens, ignore_eos=a.max_new_tokens > 0)
     tr.save(a.out)
@@ -240,6 +240,7 @@ def build_parser():
     t.add_argument("--ids", action="store_true", help="prompts are space-separated token ids")
     t.add_argument("--out", required=True)
     t.add_argument("--max-new-tokens", type=int, default=0, help="also trace generation")
+    t.add_argument("--max-batch", type=int, default=1, help="sequences decoded together (a step's tokens)")
     t.add_argument("--backend", default=None)
     t.set_defaults(fn=_cmd_trace)
     sm = sub.add_parser("simulate", help="replay a trace through the expert slot pool; estimate a device")
