@@ -159,9 +159,20 @@ def cpu_backend_dtypes() -> tuple:
     return tuple(Backend.weight_dtypes)
 
 
+def _converter_source_hash() -> str:
+    """The converter's code, so a model directory is rebuilt when its format may have changed."""
+    import colibri_edge
+    root = os.path.dirname(colibri_edge.__file__)
+    h = hashlib.sha256()
+    for name in ("convert.py", "modeldir.py", "dtypes.py"):
+        with open(os.path.join(root, name), "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
 def build_colibri(hf: str, out: str, dtype: str, log=print) -> str:
     hf_stamp = json.load(open(os.path.join(hf, ".bench-stamp.json")))["stamp"]
-    stamp = _stamp({"hf": hf_stamp, "dtype": dtype})
+    stamp = _stamp({"hf": hf_stamp, "dtype": dtype, "converter": _converter_source_hash()})
     if _fresh(out, stamp):
         return out
     log(f"colibri convert --dtype {dtype} -> {out} ...")

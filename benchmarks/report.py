@@ -141,13 +141,17 @@ def markdown(r):
                       f"{same['median_rel_err']:.1e}, argmax {same['argmax_agree'] * 100:.0f}%")
         b4 = (_f(d4.get("tokens_per_s"), "{:.2f}"), _f(d4.get("tokens_per_s_p50"), "{:.2f}"), _f(d4.get("step_p50_ms")),
               _f(d4.get("step_p99_ms"))) if "tokens_per_s" in d4 else (f"n/a: {d4.get('na', '')}", "", "", "")
-        out.append(f"| {e['engine']} | {e['precision']} | {_f(e['prefill']['tokens_per_s'])} | "
+        flag = "" if e.get("figures_from", "quiet runs") == "quiet runs" else " (no quiet run)"
+        out.append(f"| {e['engine']} | {e['precision']}{flag} | {_f(e['prefill']['tokens_per_s'])} | "
                    f"{_f(d1['tokens_per_s'], '{:.2f}')} | {_f(d1['tokens_per_s_p50'], '{:.2f}')} | "
                    f"{_f(d1['step_p50_ms'])} | {_f(d1['step_p99_ms'])} | "
                    f"{b4[0]} | {b4[1]} | {b4[2]} | {b4[3]} | {e['peak_rss'] / 2**20:.0f} MiB | {par_s} |")
     out.append("")
-    out.append(f"Every engine ran {r['rounds']} times (rounds, the order reversed each round; the CPU is shared) and "
-               f"each figure is from its best round. Prefill: one {r['prompt_len']}-token prompt, median of "
+    out.append(f"The CPU is shared with other work, so every engine ran in at least {r['rounds']} rounds (the order "
+               f"reversed each round) and, up to {r.get('max_rounds', r['rounds'])} rounds, again until it had a quiet "
+               f"run: one whose BLAS probes just before and after reached {r.get('quiet_threshold', 0.8) * 100:.0f}% of "
+               f"the best probe. Other work only ever slows an engine down, so each figure is the engine's best over its "
+               f"rounds (an engine that never had a quiet run is marked). Prefill: one {r['prompt_len']}-token prompt, median of "
                f"{r['prefill_reps']} runs in a round, logits of the last token only. Decode: {r['decode_steps']} steps. "
                "Decode b1: one sequence; p50/p99 are per decoded token. Decode b4: four sequences decoded together (Colibri "
                "`generate_batch`, llama.cpp one `llama_decode` over a 4-sequence batch, transformers a [4,1] "
@@ -156,17 +160,20 @@ def markdown(r):
                "CPU it is the closer estimate of the engine's own speed; \"decode tok/s\" is tokens / total decode time.")
     out.append("")
     if any(e.get("rounds") for e in r["engines"]):
-        out.append("Each round (prefill tok/s / decode b1 tok/s / decode b4 tok/s, the BLAS probe just before, load average):")
+        n = r.get("rounds_run", r["rounds"])
+        out.append("Each run (prefill tok/s / decode b1 tok/s / decode b4 tok/s; the BLAS probe just before and "
+                   "after, GB/s; **bold**: a quiet run):")
         out.append("")
-        out.append("| engine | weights | " + " | ".join(f"round {i + 1}" for i in range(r["rounds"])) + " |")
-        out.append("|---|---|" + "---|" * r["rounds"])
+        out.append("| engine | weights | " + " | ".join(f"round {i + 1}" for i in range(n)) + " |")
+        out.append("|---|---|" + "---|" * n)
         for e in r["engines"]:
             if not e.get("rounds"):
                 continue
-            cells = [f"{x['prefill_tokens_per_s']:.1f} / {x['decode_b1_tokens_per_s']:.2f} / "
-                     f"{x['decode_b4_tokens_per_s']:.2f}; {_f(x['probe_gbps'])} GB/s, load {x['loadavg']:.1f}"
-                     for x in sorted(e["rounds"], key=lambda x: x["round"])]
-            cells += [""] * (r["rounds"] - len(cells))
+            cells = [""] * n
+            for x in e["rounds"]:
+                c = (f"{x['prefill_tokens_per_s']:.1f} / {x['decode_b1_tokens_per_s']:.2f} / "
+                     f"{x['decode_b4_tokens_per_s']:.2f}; {_f(x['probe_gbps'])}, {_f(x.get('probe_after_gbps'))}")
+                cells[x["round"] - 1] = f"**{c}**" if x.get("quiet") else c
             out.append(f"| {e['engine']} | {e['precision']} | " + " | ".join(cells) + " |")
         out.append("")
     out.append("## Memory traffic")
