@@ -13,10 +13,6 @@ from hf_models import CASES, MODEL_TYPES, build_hf, convert_case, hf_greedy
 N_NEW = 32
 
 
-def _case_for(model_type):
-    return model_type
-
-
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 @pytest.mark.parametrize("block", [1, 7, 16])
 def test_greedy_matches_transformers(backend_name, model_type, block, model_cache):
