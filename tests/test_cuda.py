@@ -260,15 +260,8 @@ def test_paged_attention_long(gpu, Hq, Hkv, D, block, rng):
     seq = np.array([0, 0, 1], np.int32)
     pos = np.array([maxb * block - 2, maxb * block - 1, 150], np.int32)
     q = rng.standard_normal((3, Hq, D)).astype(np.float32)
-    rc, bc = ref.alloc_kv(1, nslots, Hkv, D), be.alloc_kv(1, nslots, Hkv, D)
-    for s in (0, 1):
-        n = int(pos[seq == s].max()) + 1
-        j = np.arange(n)
-        slots = (tables[s, j // block] * block + j % block).astype(np.int32)
-        kk = rng.standard_normal((n, Hkv, D)).astype(np.float32)
-        vv = rng.standard_normal((n, Hkv, D)).astype(np.float32)
-        ref.kv_write(rc, 0, kk, vv, slots)
-        be.kv_write(bc, 0, dev(be, kk), dev(be, vv), dev(be, slots))
+    from test_kernels import fill_paged_cache
+    rc, bc = fill_paged_cache(ref, be, tables, seq, pos, block, nslots, Hkv, D, rng)
     want = np.zeros_like(q)
     ref.paged_attention(want, q, rc, 0, tables, seq, pos, block, D ** -0.5)
     out = be.alloc(q.shape)

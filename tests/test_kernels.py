@@ -93,6 +93,21 @@ def test_rope(fast_backend_name, T, heads, D, rng):
     close(be.download(xb), want, 1e-4)
 
 
+def fill_paged_cache(ref, be, tables, seq, pos, block, nslots, Hkv, D, rng):
+    """Both backends' caches holding the same random K/V history for every position up to each
+    token's, through each sequence's block table. -> (reference cache, backend cache)."""
+    rcache, bcache = ref.alloc_kv(1, nslots, Hkv, D), be.alloc_kv(1, nslots, Hkv, D)
+    for s in np.unique(seq):
+        n = int(pos[seq == s].max()) + 1
+        j = np.arange(n)
+        slots = (tables[s, j // block] * block + j % block).astype(np.int32)
+        k = rng.standard_normal((n, Hkv, D)).astype(np.float32)
+        v = rng.standard_normal((n, Hkv, D)).astype(np.float32)
+        ref.kv_write(rcache, 0, k, v, slots)
+        be.kv_write(bcache, 0, dev(be, k), dev(be, v), dev(be, slots))
+    return rcache, bcache
+
+
 @pytest.mark.parametrize("block", [1, 7, 16])
 def test_paged_attention(fast_backend_name, block, rng):
     ref, be = _pair(fast_backend_name)
@@ -106,16 +121,7 @@ def test_paged_attention(fast_backend_name, block, rng):
     pos = np.array([3, 4, 5, 6, 7, min(29, maxb * block - 1)], np.int32)
     T = len(seq)
     q = rng.standard_normal((T, Hq, D)).astype(np.float32)
-    rcache, bcache = ref.alloc_kv(1, nslots, Hkv, D), be.alloc_kv(1, nslots, Hkv, D)
-    # fill the cache with history for every position up to each token
-    for s in (0, 1):
-        n = int(pos[seq == s].max()) + 1
-        j = np.arange(n)
-        slots = (tables[s, j // block] * block + j % block).astype(np.int32)
-        k = rng.standard_normal((n, Hkv, D)).astype(np.float32)
-        v = rng.standard_normal((n, Hkv, D)).astype(np.float32)
-        ref.kv_write(rcache, 0, k, v, slots)
-        be.kv_write(bcache, 0, dev(be, k), dev(be, v), dev(be, slots))
+    rcache, bcache = fill_paged_cache(ref, be, tables, seq, pos, block, nslots, Hkv, D, rng)
     want = np.zeros_like(q)
     ref.paged_attention(want, q, rcache, 0, tables, seq, pos, block, D ** -0.5)
     out = be.alloc((T, Hq, D))
