@@ -104,6 +104,33 @@ def test_int8_kernels_match_reference(rng):
     close(got, want, 1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, 5, 64])
+def test_stream_layout_covers_every_row(threads, rng):
+    """matmul and swiglu_gate_up read each thread's rows as 4 (gate/up: 2+2) interleaved streams
+    plus a remainder: for every split of N among `threads` (ranges of 0..3 leftover rows, ranges
+    shorter than the stream count, threads with no rows) every output equals the reference."""
+    from colibri_edge.backends import create
+    from colibri_edge.backends.cpu import kernels
+    ref = create("reference")
+    none = np.zeros(0, np.float32)
+    for N in (1, 3, 4, 7, 9, 10, 11, 40, 130):
+        for T in (1, 2, 3):
+            x = rng.standard_normal((T, 24)).astype(np.float32)
+            w = rng.standard_normal((N, 24)).astype(np.float32)
+            bias = rng.standard_normal(N).astype(np.float32)
+            want = np.zeros((T, N), np.float32)
+            ref.matmul(want, x, ref.upload(w), ref.upload(bias))
+            got = np.full((T, N), np.nan, np.float32)
+            kernels.matmul(got, x, w, none, bias, threads)
+            close(got, want, 1e-5)
+            gate, up = w, rng.standard_normal((N, 24)).astype(np.float32)
+            order = np.arange(T, dtype=np.int32)[::-1].copy()      # rows in another order than tokens
+            g, u = x[order] @ gate.T, x[order] @ up.T
+            act = np.full((T, N), np.nan, np.float32)
+            kernels.swiglu_gate_up(act, x, order, 0, 1, gate, up, none, none, threads)
+            close(act, g / (1 + np.exp(-g)) * u, 1e-5)
+
+
 def test_weights_stay_in_the_memmap(model_cache):
     _, col = convert_case(model_cache, "qwen2_moe", out_dtype="bfloat16")
     with Engine.open(col, backend="cpu", max_seq_len=32) as eng:

@@ -149,7 +149,7 @@ class Backend(BackendBase):
 
     def matmul(self, out, x, w, bias=None):
         self._use_threads()
-        self.k.matmul(out, x, w.data, self._scales(w), self.none if bias is None else bias.data)
+        self.k.matmul(out, x, w.data, self._scales(w), self.none if bias is None else bias.data, self.num_threads)
 
     def rmsnorm(self, out, x, weight, eps):
         self.k.rmsnorm(out, x, weight.data, float(eps))
@@ -217,8 +217,9 @@ class Backend(BackendBase):
             inter = ffn.gate.shape[0]
             act = flat[start * width:start * width + n * inter].reshape(n, inter)
             self.k.swiglu_gate_up(act, x, plan.order, start, plan.top_k, ffn.gate.data, ffn.up.data,
-                                  self._scales(ffn.gate), self._scales(ffn.up))
-            self.k.matmul(out[start:start + n], act, ffn.down.data, self._scales(ffn.down), self.none)
+                                  self._scales(ffn.gate), self._scales(ffn.up), self.num_threads)
+            self.k.matmul(out[start:start + n], act, ffn.down.data, self._scales(ffn.down), self.none,
+                          self.num_threads)
 
     def combine(self, out, y, w, plan):
         self.k.combine(out, y, w, plan.inverse)
