@@ -105,10 +105,8 @@ def merge_rounds(runs):
     """One engine's rounds -> one result: each figure from its best round, every round recorded."""
     def tps(x):
         return (x or {}).get("tokens_per_s") or 0.0
-    # other work only ever slows an engine down, so each figure is its best over the rounds
-    quiet = [r for r in runs if r.get("quiet")]
+    # other work only ever slows an engine down, so each figure is its best over all its rounds
     best = dict(max(runs, key=lambda r: tps(r["decode_b1"])))
-    runs_all = runs
     best["decode_b1"] = dict(best["decode_b1"], round=best["round"], probe_gbps=best["probe_gbps"])
     pr = max(runs, key=lambda r: tps(r["prefill"]))
     best["prefill"] = dict(pr["prefill"], round=pr["round"])
@@ -116,11 +114,11 @@ def merge_rounds(runs):
     if b4:
         r4 = max(b4, key=lambda r: tps(r["decode_b4"]))
         best["decode_b4"] = dict(r4["decode_b4"], round=r4["round"], probe_gbps=r4["probe_gbps"])
-    best["peak_rss"] = max(r["peak_rss"] for r in runs_all)
-    for r in runs_all:
+    best["peak_rss"] = max(r["peak_rss"] for r in runs)
+    for r in runs:
         if r.get("first_token_cold"):
             best["first_token_cold"] = r["first_token_cold"]
-    best["figures_from"] = "quiet runs" if quiet else "all runs (none was quiet)"
+    best["had_quiet_run"] = any(r.get("quiet") for r in runs)
     best["rounds"] = [{"round": r["round"], "prefill_tokens_per_s": tps(r["prefill"]),
                        "decode_b1_tokens_per_s": tps(r["decode_b1"]), "decode_b4_tokens_per_s": tps(r.get("decode_b4")),
                        "probe_gbps": r["probe_gbps"], "probe_after_gbps": r.get("probe_after_gbps"),

@@ -141,7 +141,7 @@ def markdown(r):
                       f"{same['median_rel_err']:.1e}, argmax {same['argmax_agree'] * 100:.0f}%")
         b4 = (_f(d4.get("tokens_per_s"), "{:.2f}"), _f(d4.get("tokens_per_s_p50"), "{:.2f}"), _f(d4.get("step_p50_ms")),
               _f(d4.get("step_p99_ms"))) if "tokens_per_s" in d4 else (f"n/a: {d4.get('na', '')}", "", "", "")
-        flag = "" if e.get("figures_from", "quiet runs") == "quiet runs" else " (no quiet run)"
+        flag = "" if e.get("had_quiet_run", True) else " (no quiet run)"
         out.append(f"| {e['engine']} | {e['precision']}{flag} | {_f(e['prefill']['tokens_per_s'])} | "
                    f"{_f(d1['tokens_per_s'], '{:.2f}')} | {_f(d1['tokens_per_s_p50'], '{:.2f}')} | "
                    f"{_f(d1['step_p50_ms'])} | {_f(d1['step_p99_ms'])} | "
