@@ -12,7 +12,7 @@ help:
 	@echo "make test   - install test dependencies, run toolchain checks and the test suite"
 	@echo "make bench  - benchmarks against llama.cpp and transformers (installs llama-cpp-python)"
 
-$(VENV)/.base: pyproject.toml
+$(VENV)/.base: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e .

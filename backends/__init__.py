@@ -1,7 +1,8 @@
 """Backend registry: lazy probes, each importing its library only when asked (DESIGN.md).
 
-    get_backend("auto")  ->  cuda, then opencl (GPU/accelerator devices only), then cpu
+    resolve("auto")  ->  cuda, then opencl (GPU/accelerator devices only), then cpu
     COLIBRI_BACKEND overrides "auto"; an explicit name beats the environment.
+Each module named here has probe(for_auto) -> (ok, detail) and a Backend class (base.Backend).
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import importlib
 
 from colibri_edge.errors import ColibriError, COLIBRI_ERR_UNAVAILABLE, COLIBRI_ERR_INVALID_ARGUMENT
 
-# name -> module path (relative to this package); each module has probe() and Backend
+# name -> module path (relative to this package)
 _MODULES = {
     "cuda": ".cuda.backend",
     "opencl": ".opencl.backend",
@@ -39,20 +40,27 @@ def probe(name: str, for_auto: bool = False):
         return False, e.message
 
 
-def create(name: str, **options):
-    """Instantiate a backend by name ('auto' resolves through the probes)."""
+def resolve(name: str) -> str:
+    """A backend name, with 'auto' resolved through the probes; unavailable -> COLIBRI_ERR_UNAVAILABLE."""
     if name == "auto":
         reasons = []
         for cand in AUTO_ORDER:
             ok, detail = probe(cand, for_auto=True)
             if ok:
-                name = cand
-                break
+                return cand
             reasons.append(f"{cand}: {detail}")
-        else:
-            raise ColibriError(COLIBRI_ERR_UNAVAILABLE, "no backend works here: " + "; ".join(reasons))
-    mod = _module(name)
-    ok, detail = mod.probe(for_auto=False)
+        raise ColibriError(COLIBRI_ERR_UNAVAILABLE, "no backend works here: " + "; ".join(reasons))
+    ok, detail = _module(name).probe(for_auto=False)
     if not ok:
         raise ColibriError(COLIBRI_ERR_UNAVAILABLE, f"backend {name!r} is unavailable: {detail}")
-    return mod.Backend(**options)
+    return name
+
+
+def backend_class(name: str):
+    """The Backend class of a concrete backend name (imports its module, not its library)."""
+    return _module(name).Backend
+
+
+def create(name: str, **options):
+    """Instantiate a backend by name ('auto' resolves through the probes)."""
+    return backend_class(resolve(name))(**options)

@@ -1,16 +1,41 @@
-"""The backend interface: what the neutral scheduler asks of every backend.
+"""The backend protocol: everything the neutral core asks of a backend, declared in this one place.
 
-A backend owns memory and the numeric kernels. Every kernel writes into an output buffer it is
-given (output first). Buffers are the backend's own array type (NumPy for cpu/reference, CuPy,
-pyopencl.array); leading-dimension slices `buf[:T]` are views. Shapes below use
+A backend owns memory and the numeric kernels; the core owns the layer program, routing policy,
+`align`'s definition, the per-sequence state and the arena (colibri_edge.program / .state / .arena).
+Every kernel writes into an output buffer it is given (output first). Buffers are the backend's own
+array type (NumPy for cpu/reference, CuPy, pyopencl.array); leading-dimension slices `buf[:T]` and
+reshapes of contiguous buffers are views. Shapes below use
     T tokens in the step, H hidden, D head_dim, Hq/Hkv query/KV heads, E experts, k top_k, V vocab.
-There is no per-op fallback: a backend implements all of it, so the suite proves it whole.
+
+Required -- abstract here; there is no per-op fallback, so the suite proves each backend whole:
+    memory     alloc, to_device, view, upload_into, download
+    dense      embed, matmul, rmsnorm, rope, add
+    attention  kv_write, paged_attention
+    MoE        route, align, grouped_ffn, combine
+Optional -- each has its default below, and the core never probes a backend with hasattr:
+    OPTIONS                         the Engine.open options it takes                 ()
+    host_view(buf)                  host access to a small buffer (logits)          a download
+    synchronize()                   wait for queued work                            nothing to wait for
+    graph_step(key, fn, *args)      capture a decode step once, replay it after     run fn
+    list_devices()                  device/platform lines for `colibri backends`    none
+    alloc_slots/load_slot/slot_ffn  expert slot pool storage                        one [N, blob] buffer
+    _fork(n)/_join(side)            side queues for independent experts             no side queues
+    op_scope()/translate_error(e)   the context ops run in; library errors -> codes  none / re-raise
+    summary(), describe(), close()
+Written once here for every backend: the upload policy (vectors become float32, matrices keep
+their storage type), expert-blob views (one uploaded blob or a slot, cut into gate|up|down),
+fork/join of parts over side queues (run_parts) and error translation (`guarded`).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import dataclass
 
 import numpy as np
+
+from colibri_edge.dtypes import QUANTIZED, widen
+from colibri_edge.errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_UNAVAILABLE
 
 
 @dataclass
@@ -39,52 +64,155 @@ class Plan:
         offsets [E+1]  rows of expert e are sorted positions offsets[e] .. offsets[e+1]-1
         order   [T*k]  sorted position -> assignment a = t*k + j (token t's j-th choice)
         inverse [T*k]  assignment a -> sorted position
-        counts  host copy of offsets' differences, so the host can skip idle experts
+        counts  host copy of offsets' differences, or None where they stay on the device
+                (`fetch_counts` then copies them, for the host paths that need them)
         active  host ids of the experts grouped_ffn runs (ascending), or None for every expert
                 with tokens; the slot pool runs a layer in waves by narrowing it
+        blocks [max_blocks, 3], nblocks [1]: the rows cut into blocks of at most block_rows, each
+                one expert (expert, first row, end row): what the GPU grouped kernels launch over
     """
     offsets: object
     order: object
     inverse: object
-    counts: np.ndarray
+    counts: object
     num_tokens: int
     top_k: int
     active: object = None
+    blocks: object = None
+    nblocks: object = None
+    block_rows: int = 0
+    max_blocks: int = 0
+    num_experts: int = 0
+    fetch_counts: object = None
 
     def experts_to_run(self):
-        return self.active if self.active is not None else np.flatnonzero(self.counts)
+        if self.active is not None:
+            return self.active
+        if self.counts is None:
+            self.counts = self.fetch_counts()
+        return np.flatnonzero(self.counts)
+
+
+def plan_buffers(max_assignments: int, num_experts: int) -> dict:
+    """The buffers one align fills, as name -> (shape, dtype): declared here so the arena allocates
+    them once for the largest step. blocks holds at most min(A, ceil(A/BM) + E - 1) <= A + E rows."""
+    A, E = int(max_assignments), int(num_experts)
+    i32 = np.int32
+    return {"offsets": ((E + 1,), i32), "order": ((A,), i32), "inverse": ((A,), i32), "counts": ((E,), i32),
+            "active": ((E,), i32), "blocks": ((A + E, 3), i32), "nblocks": ((1,), i32)}
+
+
+def guarded(fn):
+    """An op of a GPU backend: runs inside self.op_scope(); an exception of the device library
+    becomes a ColibriError through self.translate_error (anything it does not recognise propagates)."""
+    where = fn.__name__
+
+    @functools.wraps(fn)
+    def op(self, *args, **kw):
+        try:
+            with self.op_scope():
+                return fn(self, *args, **kw)
+        except ColibriError:
+            raise
+        except Exception as e:
+            err = self.translate_error(e, where)
+            if err is None:
+                raise
+            raise err from e
+    return op
 
 
 class Backend:
     name = "abstract"
     weight_dtypes: tuple = ()
+    OPTIONS: tuple = ()           # Engine.open options this backend takes (num_threads, num_streams, ...)
 
-    # -- memory ------------------------------------------------------------------------------
+    # -- memory (required) -------------------------------------------------------------------
     def alloc(self, shape, dtype=np.float32):
-        """A zero-filled buffer, allocated once (arena, KV cache)."""
+        """A zero-filled buffer, allocated once (arena, per-sequence state, slots)."""
         raise NotImplementedError
 
-    def upload(self, host: np.ndarray, dtype: str = "float32", scales=None) -> Weight:
-        """Make host weights (storage dtype) resident. CPU backends keep the memmap view.
-        scales: float32 [rows] for int8 weights (only backends declaring int8 receive them)."""
+    def to_device(self, host: np.ndarray, dtype: str):
+        """Weights resident on the backend, in their storage type: a copy on a device, the memmap's
+        own read-only pages on host backends (never a copy there). dtype names the stored elements:
+        a weight type of dtypes.STORAGE, or "uint8" for a whole expert blob."""
+        raise NotImplementedError
+
+    def view(self, buf, byte_offset: int, shape, dtype: str):
+        """A view of `shape` elements of `dtype` (storage name, as to_device) starting byte_offset
+        bytes into the contiguous uint8 buffer buf (an uploaded expert blob or a slot)."""
         raise NotImplementedError
 
     def upload_into(self, dst, host: np.ndarray):
-        """Copy a small host array (token ids, positions, slots) into an arena buffer."""
+        """Copy a small host array (step inputs, a slot's blob) into an existing buffer."""
         raise NotImplementedError
 
     def download(self, buf) -> np.ndarray:
         raise NotImplementedError
 
+    # -- memory (optional) -------------------------------------------------------------------
     def host_view(self, buf) -> np.ndarray:
-        """Read-only host access to a small buffer (logits): no copy when the buffer already is host
-        memory, which keeps the decode loop allocation-free on CPU backends."""
-        return buf if isinstance(buf, np.ndarray) else self.download(buf)
+        """Read-only host access to a small buffer (logits). Host-memory backends return the buffer
+        itself (no copy: the decode loop stays allocation-free); a device copies it."""
+        return self.download(buf)
 
     def synchronize(self):
-        pass
+        """Wait until everything queued has run (devices with queues)."""
 
-    # -- dense -------------------------------------------------------------------------------
+    # -- the upload policy, written once --------------------------------------------------------
+    def upload(self, host: np.ndarray, dtype: str = "float32", scales=None) -> Weight:
+        """Make a host tensor resident. Vectors (norms, biases) become float32 on every backend, so
+        only matrices need typed kernels; matrices keep their storage type, and quantised ones
+        (int8) carry their float32 row scales."""
+        self.check_dtype(dtype)
+        host = np.asarray(host)
+        if host.ndim <= 1:
+            return Weight(self.to_device(np.ascontiguousarray(widen(host, dtype), np.float32), "float32"),
+                          "float32", tuple(host.shape))
+        if (scales is not None) != (dtype in QUANTIZED):
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{self.name}: {dtype} matrices "
+                               f"{'need' if dtype in QUANTIZED else 'take no'} row scales")
+        sc = None if scales is None else self.to_device(np.ascontiguousarray(scales, np.float32), "float32")
+        return Weight(self.to_device(np.ascontiguousarray(host), dtype), dtype, tuple(host.shape), sc)
+
+    def check_dtype(self, dtype: str):
+        if dtype not in self.weight_dtypes:
+            raise ColibriError(COLIBRI_ERR_UNAVAILABLE, f"the {self.name} backend runs "
+                               f"{', '.join(self.weight_dtypes)} weights, not {dtype}")
+
+    def upload_expert(self, blob: np.ndarray, hidden: int, inter: int, dtype: str) -> FFN:
+        """One expert's contiguous blob (uint8) -> an FFN resident on the backend: the blob travels as
+        one unit (one buffer, one copy on a device) and gate, up, down are views into it."""
+        self.check_dtype(dtype)
+        return self.expert_views(self.to_device(np.asarray(blob, np.uint8), "uint8"), hidden, inter, dtype)
+
+    def expert_views(self, buf, hidden: int, inter: int, dtype: str) -> FFN:
+        """gate [I,H], up [I,H], down [H,I] (and int8 row scales) as views into one expert's blob,
+        laid out as colibri_edge.modeldir.expert_sections says."""
+        from colibri_edge.modeldir import expert_sections
+        ws = []
+        for _, shape, off, soff in expert_sections(hidden, inter, dtype)[0]:
+            sc = None if soff is None else self.view(buf, soff, (shape[0],), "float32")
+            ws.append(Weight(self.view(buf, off, shape, dtype), dtype, tuple(shape), sc))
+        return FFN(*ws)
+
+    # -- expert slots (colibri_edge.slots) ---------------------------------------------------
+    def alloc_slots(self, num_slots: int, blob_bytes: int):
+        """N expert slots of one blob each, allocated once: [N, blob_bytes] uint8."""
+        return self.alloc((num_slots, blob_bytes), np.uint8)
+
+    def load_slot(self, slots, slot: int, blob: np.ndarray):
+        """Copy one expert's blob (from the memmap) into a slot. May run on a prefetch thread: a GPU
+        backend must order it with the kernels (e.g. a blocking write on the in-order main queue,
+        or an event the next kernel waits on), never let a kernel read a half-written slot."""
+        self.upload_into(slots[slot], np.asarray(blob, np.uint8).reshape(-1))
+
+    def slot_ffn(self, slots, slot: int, hidden: int, inter: int, dtype: str) -> FFN:
+        """The FFN whose weights are views into a slot: kernels read the slot, nothing else."""
+        self.check_dtype(dtype)
+        return self.expert_views(slots[slot], hidden, inter, dtype)
+
+    # -- dense (required) --------------------------------------------------------------------
     def embed(self, out, table, ids):
         """out[T,H] = table[ids[T]]  (table: Weight [V,H] or a float32 buffer [N,H])."""
         raise NotImplementedError
@@ -94,7 +222,7 @@ class Backend:
         raise NotImplementedError
 
     def rmsnorm(self, out, x, weight: Weight, eps: float):
-        """out[R,D] = x / sqrt(mean(x^2, -1) + eps) * weight[D]   (rows R may be T*heads)."""
+        """out[R,D] = x / sqrt(mean(x^2, -1) + eps) * weight[D]   (rows R may be T*heads; may alias)."""
         raise NotImplementedError
 
     def rope(self, out, x, positions, theta: float):
@@ -107,57 +235,35 @@ class Backend:
         """out = a + b, or out = a + sigmoid(gate[T,1]) * b (Qwen2-MoE's gated shared expert)."""
         raise NotImplementedError
 
-    # -- attention ---------------------------------------------------------------------------
-    def alloc_kv(self, num_layers, num_slots, kv_heads, head_dim):
-        """The paged KV cache: per layer, K and V of [num_slots, Hkv, D] (slot = block*B + offset)."""
+    # -- attention (required) ----------------------------------------------------------------
+    def kv_write(self, K, V, k, v, slots):
+        """K[slots[t]] = k[t]; V[slots[t]] = v[t].  K, V: one layer's cache [num_slots, Hkv, D];
+        k, v: [T,Hkv,D]; slot = block * B + offset in the block (colibri_edge.state)."""
         raise NotImplementedError
 
-    def kv_write(self, cache, layer, k, v, slots):
-        """cache[layer].K[slots[t]] = k[t]; same for V. k, v: [T,Hkv,D]."""
-        raise NotImplementedError
-
-    def paged_attention(self, out, q, cache, layer, block_tables, seq_index, positions, block_size, scale):
+    def paged_attention(self, out, q, K, V, block_tables, seq_index, positions, block_size, scale):
         """Causal attention through block tables.
         q, out [T,Hq,D]; token t of sequence s = seq_index[t] at position p = positions[t] attends to
         that sequence's positions 0..p, slot(j) = block_tables[s, j // B] * B + j % B;
         query head h reads KV head h // (Hq/Hkv).  out = softmax(q K^T * scale) V (fp32)."""
         raise NotImplementedError
 
-    # -- MoE ---------------------------------------------------------------------------------
+    # -- MoE (required) ----------------------------------------------------------------------
     def route(self, out_ids, out_w, logits, k: int, mode: str, normalize: bool):
         """logits [T,E] (fp32) -> out_ids [T,k] int32, out_w [T,k] fp32.
         topk: p = softmax(logits); the k largest p, ties to the lower expert id; renormalise if asked.
-        gated: k == E, every expert with weight p."""
+        gated: k == E, every expert with weight p. (Model validation guarantees mode and k.)"""
         raise NotImplementedError
 
-    def align(self, plan_bufs, ids, num_tokens: int, num_experts: int, top_k: int) -> Plan:
-        """Group the step's assignments by expert (counting sort; colibri_edge.routing.align)."""
+    def align(self, bufs: dict, ids, num_tokens: int, num_experts: int, top_k: int, tally=None) -> Plan:
+        """Group the step's assignments by expert (counting sort; colibri_edge.routing.align) into
+        the arena's plan buffers `bufs` (plan_buffers()). tally: an int32 [E] buffer that counts the
+        tokens routed to each expert, on the device (so graph replays count too), or None."""
         raise NotImplementedError
-
-    def upload_expert(self, blob: np.ndarray, hidden: int, inter: int, dtype: str) -> FFN:
-        """One expert's contiguous blob (uint8) -> an FFN resident on the backend."""
-        from colibri_edge.modeldir import split_expert_blob_scaled
-        return FFN(*(self.upload(m, dtype) if sc is None else self.upload(m, dtype, scales=sc)
-                     for m, sc in split_expert_blob_scaled(blob, hidden, inter, dtype)))
-
-    # -- expert slots (colibri_edge.slots): defaults for backends whose memory is host memory --
-    def alloc_slots(self, num_slots: int, blob_bytes: int):
-        """N expert slots of one blob each, allocated once."""
-        return np.zeros((num_slots, blob_bytes), np.uint8)
-
-    def load_slot(self, slots, slot: int, blob: np.ndarray):
-        """Copy one expert's blob (from the memmap) into a slot. May run on a prefetch thread: a GPU
-        backend must order it with the kernels (e.g. a blocking write on the in-order main queue,
-        or an event the next kernel waits on), never let a kernel read a half-written slot."""
-        slots[slot] = blob
-
-    def slot_ffn(self, slots, slot: int, hidden: int, inter: int, dtype: str) -> FFN:
-        """The FFN whose weights are views into a slot: kernels read the slot, nothing else."""
-        return self.upload_expert(slots[slot], hidden, inter, dtype)
 
     def grouped_ffn(self, out, x, experts, plan: Plan, scratch):
         """For each expert e in plan.experts_to_run(): out[sorted rows of e] = experts[e](x[its tokens]).
-        out [T*k,H] in plan order, x [T,H]; scratch [T*k, 2*I] for gate/up activations.
+        out [T*k,H] in plan order, x [T,H]; scratch [T*k, I] for the gate/up activations.
         Each chosen expert's weights are read once per step, however many tokens chose it."""
         raise NotImplementedError
 
@@ -165,8 +271,57 @@ class Backend:
         """out[t] += sum_j w[t,j] * y[inverse[t*k+j]]   (the residual add is fused)."""
         raise NotImplementedError
 
-    def describe(self) -> str:
+    # -- optional capabilities ---------------------------------------------------------------
+    def graph_step(self, key, fn, *args) -> bool:
+        """Run fn(*args), a step that only launches this backend's ops on fixed buffers. A backend
+        with graph capture (CUDA) captures it the first time `key` is seen and replays it after;
+        `key` names everything the launches depend on. -> True when it ran as a replay."""
+        fn(*args)
+        return False
+
+    @classmethod
+    def list_devices(cls) -> list:
+        """Lines describing the devices and platforms this backend sees (`colibri backends`)."""
+        return []
+
+    def run_parts(self, parts: int, run):
+        """run(p, queue) for p < parts: part 0 on the main queue, the others on side queues that
+        start after everything queued so far and are joined back before anything queued later, so
+        results never depend on the number of parts."""
+        side = self._fork(parts - 1) if parts > 1 else []
+        for p, q in enumerate(side, 1):
+            run(p, q)
+        run(0, None)
+        if side:
+            self._join(side)
+
+    def _fork(self, n: int) -> list:
+        """n side queues that wait for everything queued on the main queue (a backend with queues)."""
+        return []
+
+    def _join(self, side: list):
+        """The main queue waits for everything queued on the side queues."""
+
+    def op_scope(self):
+        """The context a guarded op runs in (e.g. the backend's CUDA stream)."""
+        return contextlib.nullcontext()
+
+    def translate_error(self, e: Exception, where: str):
+        """A device library's exception -> ColibriError with its code, or None if not the library's."""
+        return None
+
+    not_applicable: dict = {}     # knob -> where its value came from: environment or defaults that
+                                  # do not apply to this backend (set by the Engine; listed by describe)
+
+    def summary(self) -> str:
+        """One line: the device and how the backend is set up."""
         return self.name
+
+    def describe(self) -> str:
+        s = self.summary()
+        if self.not_applicable:
+            s += "; not applicable here: " + ", ".join(f"{k} ({v})" for k, v in self.not_applicable.items())
+        return s
 
     def close(self):
         pass

@@ -18,7 +18,7 @@ def measure(path: str, threads: int, reps: int = 5) -> dict:
     from colibri_edge import Engine
     eng = Engine.open(path, backend="cpu", max_batch=1, max_seq_len=64, prefill_chunk=16, num_threads=threads)
     be = eng.backend
-    ws = [w for lw in eng.runner.layers for f in (lw.get("experts") or []) for w in (f.gate, f.up, f.down)]
+    ws = [w for moe in eng.runner.program.moe for f in moe.experts for w in (f.gate, f.up, f.down)]
     rng = np.random.default_rng(0)
     xs = {n: rng.standard_normal((1, n)).astype(np.float32) for n in {w.shape[1] for w in ws}}
     outs = {n: np.zeros((1, n), np.float32) for n in {w.shape[0] for w in ws}}

@@ -25,11 +25,13 @@ def _weight_nbytes(w):
 def profile(engine, prompt, steps: int) -> dict:
     be, runner = engine.backend, engine.runner
     names = {}
-    for li, lw in enumerate(runner.layers):
-        for n in ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "router"):
-            if lw.get(n) is not None:
-                names[id(lw[n])] = n
-    names[id(runner.lm_head)] = "lm_head"
+    prog = runner.program
+    for layer in prog.layers:
+        for n in ("wq", "wk", "wv", "wo"):
+            names[id(getattr(layer.mixer, n))] = "attn." + n
+    for moe in prog.moe:
+        names[id(moe.router)] = "router"
+    names[id(prog.lm_head)] = "lm_head"
     acc = defaultdict(lambda: [0.0, 0, 0])          # key -> seconds, calls, weight bytes (all steps)
     per_step = []                                    # per decode step: key -> seconds
     cur = defaultdict(float)
@@ -61,9 +63,8 @@ def profile(engine, prompt, steps: int) -> dict:
         return timed
 
     for op in OPS:
-        if hasattr(be, op):
-            saved[op] = getattr(be, op)
-            setattr(be, op, wrap(op, saved[op]))
+        saved[op] = getattr(be, op)
+        setattr(be, op, wrap(op, saved[op]))
     step_times = []
     inner = runner.step
 

@@ -234,9 +234,15 @@ def colibri(job):
     got = eng.infer(np.asarray(prompts[0], np.int32))[0]
     res["parity"] = max_rel_err(got, ref)
     timer = StepTimer(eng.runner)
+    from colibri_edge.hooks import RoutingHook
+
+    class Distinct(RoutingHook):      # distinct experts per layer in batched decode steps
+        def on_route(self, layer, ids, weights, next_layer, predicted):
+            if 1 < ids.shape[0] <= 4 and timer.recording:
+                distinct.append(len(np.unique(ids)))
+
     distinct = []
-    eng.runner.observers.append(lambda li, ids, w: distinct.append(len(np.unique(ids))) if ids.shape[0] > 1
-                                and ids.shape[0] <= 4 and timer.recording else None)
+    eng.runner.hooks.append(Distinct())
     timer.recording = False
     eng.generate(prompts[0], max_new_tokens=4, ignore_eos=True)            # warm-up
     eng.generate_batch(prompts[:4], max_new_tokens=3, ignore_eos=True)

@@ -24,45 +24,43 @@ def _cmd_inspect(a):
     from .planning import human, summary
     m = ModelDir(a.model)
     cfg = m.config
-    s = summary(m, a.context, a.max_batch)
+    s = summary(m, a.context, a.max_batch, a.prefill_chunk, a.block_size)
     print(f"{m.path}: valid (format {cfg['format_version']})")
     print(f"  model_type {cfg['model_type']}, hidden {cfg['hidden_size']}, heads {cfg['num_attention_heads']}"
           f"/{cfg['num_key_value_heads']} kv, head_dim {cfg['head_dim']}, vocab {cfg['vocab_size']}, "
           f"weights {cfg['weight_dtype']}")
     print(f"  router {cfg['router_mode']} top-{cfg['top_k']} of {cfg['experts_per_layer']}"
           f"{', renormalised' if cfg['norm_topk_prob'] else ''}, qk_norm {cfg['qk_norm']}")
-    print("  layer plan:")
+    print("  layer plan (mixer + ffn):")
     for l in cfg["layers"]:
-        extra = "" if l["type"] == "dense" else f" experts {l['moe_expert_start']}..{l['moe_expert_start'] + l['moe_num_experts'] - 1}"
-        print(f"    {l['layer_id']:3d} {l['type']:<10}{extra}")
+        ffn = {"dense": "dense MLP", "moe": "routed experts", "moe_shared": "routed + shared experts"}[l["type"]]
+        extra = "" if l["type"] == "dense" else f" {l['moe_expert_start']}..{l['moe_expert_start'] + l['moe_num_experts'] - 1}"
+        print(f"    {l['layer_id']:3d} attention + {ffn}{extra}")
     print(f"  experts: {s['num_experts']} x {human(s['bytes_per_expert'])} (bytes per expert: {s['bytes_per_expert']})"
           f" = {human(s['expert_bytes'])}")
     print(f"  non-expert weights: {human(s['non_expert_bytes'])}")
     print(f"  weight bytes read per decoded token: {human(s['bytes_per_decoded_token'])}")
-    print(f"  memory at context {a.context} x batch {a.max_batch}: weights {human(s['non_expert_bytes'])} + experts "
-          f"{human(s['expert_bytes'])} + KV cache {human(s['kv_cache_bytes'])} + scratch "
-          f"{human(s['scratch_bytes'])} = {human(s['total_bytes'])}")
+    print(f"  KV cache: {s['kv_bytes_per_token']} bytes per token")
+    print(f"  memory at context {a.context} x batch {a.max_batch} (prefill chunk {a.prefill_chunk}, KV blocks of "
+          f"{a.block_size}): weights {human(s['non_expert_bytes'])} + experts {human(s['expert_bytes'])} + KV cache "
+          f"{human(s['kv_cache_bytes'])} + scratch {human(s['scratch_bytes'])} = {human(s['total_bytes'])}")
+    print(f"  allocated at open: arena {s['scratch_bytes']} bytes, KV cache {s['kv_cache_bytes']} bytes "
+          f"(Engine.open(max_seq_len={a.context}, max_batch={a.max_batch}, prefill_chunk={a.prefill_chunk}, "
+          f"kv_cache_tokens={a.context * a.max_batch}, kv_block_size={a.block_size}))")
     return 0
 
 
 def _cmd_backends(a):
-    import importlib
-    from .backends import NAMES, probe
+    from .backends import NAMES, backend_class, probe
     for name in NAMES:
         ok, detail = probe(name)
-        auto_ok, auto_detail = probe(name, for_auto=True) if name in ("cuda", "opencl") else (ok, "")
-        note = "" if not ok or name not in ("cuda", "opencl") else \
-            ("; auto would pick it" if auto_ok else f"; auto skips it ({auto_detail})")
+        note = ""
+        if ok and name in ("cuda", "opencl"):
+            auto_ok, auto_detail = probe(name, for_auto=True)
+            note = "; auto would pick it" if auto_ok else f"; auto skips it ({auto_detail})"
         print(f"{name:<10} {'present' if ok else 'missing'}: {detail}{note}")
-        try:                                    # backends that list devices in detail
-            mod = importlib.import_module(f"colibri_edge.backends.{name}.backend")
-        except Exception:                       # noqa: BLE001  (a missing library is already reported above)
-            continue
-        if ok and hasattr(mod, "format_platforms"):
-            for line in mod.format_platforms().splitlines():
-                print(f"           {line}")
-        if ok and hasattr(mod, "describe_devices"):
-            for line in mod.describe_devices().splitlines():
+        if ok:
+            for line in backend_class(name).list_devices():
                 print(f"           {line}")
     return 0
 
@@ -110,6 +108,7 @@ def _cmd_run(a):
                 row = counts[l["layer_id"]]
                 print(f"  layer {l['layer_id']:2d}: " + " ".join(f"{int(c):3d}" for c in row), file=sys.stderr)
         if a.stats:
+            print(f"[colibri] {eng.backend.describe()}", file=sys.stderr)
             ss = eng.slot_stats
             if ss is None:
                 print("[colibri] slot pool: off (every expert resident); use --expert-slots N", file=sys.stderr)
@@ -215,6 +214,8 @@ def build_parser():
     i.add_argument("model")
     i.add_argument("--context", type=int, default=4096, help="context length for the memory estimate")
     i.add_argument("--max-batch", type=int, default=1)
+    i.add_argument("--prefill-chunk", type=int, default=256, help="tokens per prefill step (the arena's rows)")
+    i.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     i.set_defaults(fn=_cmd_inspect)
     b = sub.add_parser("backends", help="which backends are present, with devices, and why others are missing")
     b.set_defaults(fn=_cmd_backends)
@@ -232,7 +233,7 @@ def build_parser():
     r.add_argument("--max-seq-len", type=int, default=None)
     r.add_argument("--expert-slots", type=int, default=None, help="keep at most N experts resident (slot pool)")
     r.add_argument("--slot-policy", default=None, choices=["lru", "lfu", "prefetch"])
-    r.add_argument("--stats", action="store_true", help="print the slot pool's counters")
+    r.add_argument("--stats", action="store_true", help="print the backend's setup and the slot pool's counters")
     r.set_defaults(fn=_cmd_run)
     t = sub.add_parser("trace", help="record which experts every token chose, to an .npz")
     t.add_argument("--model", required=True)

@@ -11,7 +11,7 @@ import os
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -43,43 +43,44 @@ class Stats:
     decode_seconds: float = 0.0
     decode_steps: int = 0
     first_token_seconds: float = 0.0
-    step_tokens: list = field(default_factory=list)
 
 
 class Engine:
     def __init__(self, path, backend=None, max_seq_len=None, max_batch=8, kv_cache_tokens=None,
                  prefill_chunk=256, kv_block_size=None, num_streams=None, router_warmup=None,
-                 disable_fp16=None, num_threads=None, expert_slots=None, slot_policy=None):
+                 disable_fp16=None, num_threads=None, expert_slots=None, slot_policy=None, cuda_graphs=None,
+                 device=None):
         self.model = open_model_dir(path)
         cfg = self.config = self.model.config
         self.path = self.model.path
-        backend_name = knobs.resolve("COLIBRI_BACKEND", backend)
+        from .backends import backend_class, resolve
+        backend_name = resolve(knobs.resolve("COLIBRI_BACKEND", backend))
         block = knobs.resolve("COLIBRI_KV_BLOCK_SIZE", kv_block_size)
-        self.options = {
-            "num_streams": knobs.resolve("COLIBRI_NUM_STREAMS", num_streams),
-            "disable_fp16": bool(knobs.resolve("COLIBRI_DISABLE_FP16", disable_fp16)),
-            "num_threads": knobs.resolve("COLIBRI_NUM_THREADS", num_threads),
-        }
         warmup = knobs.resolve("COLIBRI_ROUTER_WARMUP", router_warmup)
+        cls = backend_class(backend_name)
+        self.options, not_applicable = knobs.backend_options(cls, {
+            "num_streams": num_streams, "disable_fp16": disable_fp16, "num_threads": num_threads,
+            "cuda_graphs": cuda_graphs, "device": device})
         max_seq_len = cfg["max_position_embeddings"] if max_seq_len is None else max_seq_len
         for name, v in (("max_seq_len", max_seq_len), ("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
-            if not isinstance(v, (int, np.integer)) or v < 1:
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
                 raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{name}={v!r}: must be a positive integer")
         if max_seq_len > cfg["max_position_embeddings"]:
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"max_seq_len={max_seq_len} exceeds the model's "
                                f"max_position_embeddings={cfg['max_position_embeddings']}")
         if kv_cache_tokens is None:
             kv_cache_tokens = min(max_seq_len * max_batch, max(4096, max_seq_len))
-        if not isinstance(kv_cache_tokens, (int, np.integer)) or kv_cache_tokens < 1:
+        if not isinstance(kv_cache_tokens, (int, np.integer)) or isinstance(kv_cache_tokens, bool) \
+                or kv_cache_tokens < 1:
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"kv_cache_tokens={kv_cache_tokens!r}: must be positive")
-        from .backends import create
-        self.backend = create(backend_name, **self.options)
         wd = cfg["weight_dtype"]
-        if wd not in self.backend.weight_dtypes:
+        if wd not in cls.weight_dtypes:
             from .errors import COLIBRI_ERR_UNAVAILABLE
-            raise ColibriError(COLIBRI_ERR_UNAVAILABLE, f"backend {self.backend.name!r} does not run {wd} weights "
-                               f"(it runs {', '.join(self.backend.weight_dtypes)}); re-convert with "
+            raise ColibriError(COLIBRI_ERR_UNAVAILABLE, f"backend {backend_name!r} does not run {wd} weights "
+                               f"(it runs {', '.join(cls.weight_dtypes)}); re-convert with "
                                f"`colibri convert --dtype ...` or pick another backend")
+        self.backend = cls(**self.options)
+        self.backend.not_applicable = not_applicable
         self.max_seq_len, self.max_batch = int(max_seq_len), int(max_batch)
         self.prefill_chunk = int(prefill_chunk)
         rows = max(self.prefill_chunk, self.max_batch)
@@ -350,9 +351,9 @@ class Engine:
                     if not entries:
                         continue
                     t0 = time.perf_counter()
-                    logits = self.runner.step(entries)
+                    logits = self.backend.host_view(self.runner.step(entries))   # once per step
                     for row, i in enumerate(owners):
-                        live[i]["logits"] = self.backend.host_view(logits[row])
+                        live[i]["logits"] = logits[row]
                     self.stats.decode_seconds += time.perf_counter() - t0
                     self.stats.decode_tokens += len(entries)
                     self.stats.decode_steps += 1
@@ -363,8 +364,9 @@ class Engine:
     # -- introspection ----------------------------------------------------------------------
     @property
     def expert_counts(self) -> np.ndarray:
-        """Tokens routed to each expert so far: [num_layers, experts_per_layer]."""
-        return self.runner.expert_counts.copy()
+        """Tokens routed to each expert so far: [num_layers, experts_per_layer] (counted on the backend,
+        graph replays included)."""
+        return self.runner.expert_counts()
 
     @property
     def slot_stats(self) -> dict | None:
@@ -375,21 +377,22 @@ class Engine:
                                           "policy": pool.cache.policy, "resident_bytes": pool.resident_bytes()}
 
     def trace_meta(self) -> dict:
-        from .planning import kv_bytes, summary
+        from .planning import summary
         c, s = self.config, summary(self.model, 1)
         return {"model": self.path, "model_type": c["model_type"], "backend": self.backend.name,
                 "top_k": self.runner.top_k, "experts_per_layer": c["experts_per_layer"],
                 "bytes_per_expert": s["bytes_per_expert"], "num_hidden_layers": c["num_hidden_layers"],
                 "non_expert_bytes": s["non_expert_bytes"], "expert_bytes": s["expert_bytes"],
-                "bytes_per_decoded_token": s["bytes_per_decoded_token"], "kv_bytes_per_token": kv_bytes(c, 1),
-                "scratch_bytes": s["scratch_bytes"]}
+                "bytes_per_decoded_token": s["bytes_per_decoded_token"], "kv_bytes_per_token": s["kv_bytes_per_token"],
+                "scratch_bytes": self.runner.arena_bytes}
 
     def trace(self, prompts, max_new_tokens=0, **gen):
         """Run prompts (token id lists or strings) and return the routing Trace of every step
         (prefill, and decode when max_new_tokens > 0)."""
         from .trace import TraceRecorder
         with self._lock:
-            self.runner.trace = rec = TraceRecorder(self.runner, self.trace_meta())
+            rec = TraceRecorder(self.runner, self.trace_meta())
+            self.runner.hooks.append(rec)
             try:
                 if max_new_tokens > 0:
                     self.generate_batch(list(prompts), max_new_tokens=max_new_tokens, **gen)
@@ -403,7 +406,7 @@ class Engine:
                         finally:
                             self.runner.free(seq)
             finally:
-                self.runner.trace = None
+                self.runner.hooks.remove(rec)
             return rec.trace()
 
     @property

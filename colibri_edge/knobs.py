@@ -16,7 +16,11 @@ KNOBS = {
     "COLIBRI_NUM_THREADS": (0, "a positive integer (0: all available cores)"),
     "COLIBRI_EXPERT_SLOTS": (0, "a positive integer (0: every expert resident, no slot pool)"),
     "COLIBRI_SLOT_POLICY": ("lru", "one of lru, lfu, prefetch"),
+    "COLIBRI_CUDA_GRAPHS": (1, "0 or 1 (0 runs CUDA decode steps on streams)"),
 }
+# Engine.open option -> its knob, for the options a backend may or may not take (Backend.OPTIONS)
+BACKEND_KNOBS = {"num_streams": "COLIBRI_NUM_STREAMS", "disable_fp16": "COLIBRI_DISABLE_FP16",
+                 "num_threads": "COLIBRI_NUM_THREADS", "cuda_graphs": "COLIBRI_CUDA_GRAPHS"}
 
 
 def _parse(name, raw):
@@ -29,12 +33,14 @@ def _parse(name, raw):
         if raw not in ("lru", "lfu", "prefetch"):
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{name}={raw!r}: expected {what}")
         return raw
+    if isinstance(raw, bool) and name in ("COLIBRI_DISABLE_FP16", "COLIBRI_CUDA_GRAPHS"):
+        return int(raw)
     try:
         v = int(str(raw).strip())
     except ValueError:
         raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{name}={raw!r}: expected {what}") from None
     bad = (v < 1 if name in ("COLIBRI_NUM_STREAMS", "COLIBRI_KV_BLOCK_SIZE") else
-           v not in (0, 1) if name == "COLIBRI_DISABLE_FP16" else v < 0)
+           v not in (0, 1) if name in ("COLIBRI_DISABLE_FP16", "COLIBRI_CUDA_GRAPHS") else v < 0)
     if bad:
         raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{name}={raw!r}: expected {what}")
     return v
@@ -48,3 +54,33 @@ def resolve(name: str, explicit=None):
     if raw is None or raw == "":
         return KNOBS[name][0]
     return _parse(name, raw)
+
+
+def backend_options(backend_cls, explicit: dict):
+    """The options for a backend class: -> (options, not_applicable).
+    An option given explicitly that the backend does not take is COLIBRI_ERR_INVALID_ARGUMENT naming
+    it; environment values and defaults that do not apply are left out and reported (knob -> where
+    the value came from), for the backend's describe(). Every knob is validated either way."""
+    takes = backend_cls.OPTIONS
+    opts, skipped = {}, {}
+    for name, knob in BACKEND_KNOBS.items():
+        v = explicit.get(name)
+        value = resolve(knob, v)
+        if name in takes:
+            opts[name] = bool(value) if name in ("disable_fp16", "cuda_graphs") else value
+        elif v is not None:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT,
+                               f"{name}={v!r}: the {backend_cls.name} backend does not take this option "
+                               f"(it takes: {', '.join(takes) or 'none'}); leave it out or pick another backend")
+        else:
+            raw = os.environ.get(knob)
+            skipped[name] = f"{knob}={raw}" if raw else "default"
+    for name, v in explicit.items():
+        if name in BACKEND_KNOBS or v is None:
+            continue
+        if name not in takes:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT,
+                               f"{name}={v!r}: the {backend_cls.name} backend does not take this option "
+                               f"(it takes: {', '.join(takes) or 'none'})")
+        opts[name] = v
+    return opts, skipped

@@ -1,17 +1,36 @@
-"""What a model needs: bytes per expert, weight bytes read per decoded token, memory at a context."""
+"""What a model needs: bytes per expert, weight bytes read per decoded token, memory at a context.
+
+Arena and per-sequence state bytes come from the declarations the engine allocates from
+(arena.buffers, scheduler.layout), so `colibri inspect` states what the engine will allocate.
+"""
 from __future__ import annotations
 
+import numpy as np
+
+from . import arena
 from .dtypes import itemsize
 from .modeldir import ModelDir, expected_tensors, expert_blob_bytes
-from .scheduler import arena_bytes
+from .scheduler import layout
 
 
 def kv_bytes(cfg: dict, tokens: int) -> int:
-    """K and V in float32 for every layer."""
-    return 2 * cfg["num_hidden_layers"] * tokens * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
+    """Bytes of the per-sequence state for `tokens` cached positions (K and V in float32 today)."""
+    _, states = layout(cfg, 1, 1, 1, 1, 1)
+    return tokens * sum(p.bytes_per_token() for p in states.paged)
 
 
-def summary(model: ModelDir, context: int, max_batch: int = 1, prefill_chunk: int = 256) -> dict:
+def engine_memory(cfg: dict, max_seq_len: int, max_batch: int, prefill_chunk: int, kv_tokens: int,
+                  block_size: int = 16) -> dict:
+    """Bytes the engine allocates at start for these limits: arena and state pools, exactly."""
+    blocks = -(-kv_tokens // block_size)
+    lim, states = layout(cfg, max(prefill_chunk, max_batch), max_batch, max_seq_len, blocks, block_size)
+    return {"arena_bytes": arena.nbytes(arena.buffers(cfg, lim)),
+            "state_bytes": sum(4 * int(np.prod(s)) for s in states.storage().values()),
+            "kv_tokens": blocks * block_size}
+
+
+def summary(model: ModelDir, context: int, max_batch: int = 1, prefill_chunk: int = 256,
+            block_size: int = 16) -> dict:
     cfg = model.config
     tensors = expected_tensors(cfg)
     nbytes = {n: model.tensors[n]["nbytes"] for n in tensors}
@@ -20,19 +39,19 @@ def summary(model: ModelDir, context: int, max_batch: int = 1, prefill_chunk: in
     experts = per_expert * len(model.experts)
     # read per decoded token: one embedding row, every non-expert tensor but the embedding table
     # (the lm_head is the table itself when tied), and top_k experts per MoE layer
-    H, V = cfg["hidden_size"], cfg["vocab_size"]
+    H = cfg["hidden_size"]
     per_token = non_expert - nbytes["embed_tokens"] + H * itemsize(cfg["weight_dtype"])
     if cfg["tie_word_embeddings"]:
         per_token += nbytes["embed_tokens"]
-    k = cfg["experts_per_layer"] if cfg["router_mode"] == "gated" else cfg["top_k"]
-    per_token += len(model.moe_layers) * k * per_expert
-    kv = kv_bytes(cfg, context * max_batch)
-    scratch = arena_bytes(cfg, max(prefill_chunk, max_batch), max_batch)
+    per_token += len(model.moe_layers) * arena.fan(cfg) * per_expert
+    mem = engine_memory(cfg, context, max_batch, prefill_chunk, context * max_batch, block_size)
     return {
         "non_expert_bytes": non_expert, "expert_bytes": experts, "bytes_per_expert": per_expert,
         "num_experts": len(model.experts), "bytes_per_decoded_token": per_token,
-        "kv_cache_bytes": kv, "scratch_bytes": scratch, "context": context,
-        "total_bytes": non_expert + experts + kv + scratch,
+        "kv_cache_bytes": mem["state_bytes"], "kv_bytes_per_token": kv_bytes(cfg, 1),
+        "scratch_bytes": mem["arena_bytes"], "context": context, "max_batch": max_batch,
+        "prefill_chunk": prefill_chunk, "block_size": block_size,
+        "total_bytes": non_expert + experts + mem["state_bytes"] + mem["arena_bytes"],
     }
 
 

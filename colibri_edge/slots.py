@@ -13,7 +13,6 @@ more experts than there are slots it runs in waves of at most N experts.
 """
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
+from .hooks import RoutingHook
 
 POLICIES = ("lru", "lfu", "prefetch", "belady")
 ENGINE_POLICIES = ("lru", "lfu", "prefetch")
@@ -166,9 +166,11 @@ class SlotCache:
         loads = self.prefetch(prefetch[0], prefetch[1], layer) if prefetch is not None and len(waves) == 1 else []
         return waves, loads
 
-    @property
-    def resident(self):
-        return dict(self.where)
+
+class PrefetchHook(RoutingHook):
+    """The prefetch policy's hook: asks for layer L+1's predicted experts (the scheduler hands the
+    prediction to run_layer)."""
+    wants_prediction = True
 
 
 class SlotPool:
@@ -189,7 +191,7 @@ class SlotPool:
         self._pending: dict = {}                    # slot -> Future of a prefetch copy
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="colibri-prefetch") \
             if policy == "prefetch" else None
-        self._lock = threading.Lock()
+        self.prefetch_hook = PrefetchHook() if policy == "prefetch" else None
 
     @property
     def counters(self) -> Counters:
@@ -219,6 +221,19 @@ class SlotPool:
                     self._wait(slot)
                     self._pending[slot] = self._pool.submit(self._load, prefetch[0], e, slot)
             yield [(e, self.ffn[slot]) for e, slot, _ in wave]
+
+    def run_layer(self, moe, plan, s, prefetch):
+        """grouped_ffn of one MoE layer from the slots, wave by wave (a wave = what fits in the slots)."""
+        import dataclasses
+        if self._pool is None:
+            prefetch = None                          # a trace's prediction, but no prefetch policy
+        active = np.asarray(plan.experts_to_run())
+        experts = list(moe.experts)
+        for wave in self.waves(moe.layer, active, prefetch):
+            for e, ffn in wave:
+                experts[e] = ffn
+            sub = dataclasses.replace(plan, active=np.array([e for e, _ in wave], dtype=np.int64))
+            self.be.grouped_ffn(s.y, s.h, experts, sub, s.scratch)
 
     def resident_bytes(self) -> int:
         return sum(k is not None for k in self.cache.key_of) * self.blob_bytes

@@ -42,23 +42,26 @@ class TextCodec:
 
 
 class StreamDecoder:
-    """Turns a growing list of ids into text pieces. A piece is released only when the decoded
-    text does not end in U+FFFD, i.e. when no UTF-8 character is still incomplete."""
+    """Turns a growing list of ids into text pieces with tokenizers' DecodeStream: a piece is given
+    only once no UTF-8 character in it is incomplete; special tokens are skipped, as decode() skips
+    them. DecodeStream has no flush: the ids it still holds back are always the bytes of an
+    unfinished character (byte-level symbols or <0xNN> fallback tokens), and flush() gives them as
+    decode() renders them alone (U+FFFD), so a tail cut off by max_new_tokens still comes out."""
 
     def __init__(self, codec: TextCodec):
-        self.codec, self.ids, self.prefix, self.read = codec, [], 0, 0
+        from tokenizers.decoders import DecodeStream
+        self.codec, self.ids, self.read = codec, [], 0
+        self._stream = DecodeStream(skip_special_tokens=True)
 
     def push(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        prefix_text = self.codec.decode(self.ids[self.prefix:self.read])
-        full = self.codec.decode(self.ids[self.prefix:])
-        if full.endswith("\ufffd") or len(full) <= len(prefix_text):
+        self.ids.append(int(token_id))
+        piece = self._stream.step(self.codec.tok, int(token_id))
+        if piece is None:
             return ""
-        self.prefix, self.read = self.read, len(self.ids)
-        return full[len(prefix_text):]
+        self.read = len(self.ids)
+        return piece
 
     def flush(self) -> str:
-        prefix_text = self.codec.decode(self.ids[self.prefix:self.read])
-        full = self.codec.decode(self.ids[self.prefix:])
-        self.prefix = self.read = len(self.ids)
-        return full[len(prefix_text):]
+        tail = self.codec.decode(self.ids[self.read:]) if self.read < len(self.ids) else ""
+        self.read = len(self.ids)
+        return tail

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
+from .hooks import RoutingHook
 
 
 @dataclass
@@ -60,31 +61,33 @@ class Trace:
             yield int(self.step_ids[idx[0]]), idx
 
 
-class TraceRecorder:
-    """Attached to a Runner: collects the routing of every step."""
+class TraceRecorder(RoutingHook):
+    """A routing hook on a Runner: collects the routing of every step, with the prediction of the
+    next MoE layer's experts (what the prefetch policy would use)."""
+    wants_prediction = True
 
     def __init__(self, runner, meta):
         self.runner, self.meta = runner, meta
-        self.moe_layers = [l["layer_id"] for l in runner.cfg["layers"] if l["type"] != "dense"]
+        self.moe_layers = [m.layer for m in runner.program.moe]
         self._col = {l: j for j, l in enumerate(self.moe_layers)}
         self.chunks = []
         self._step = 0
         self._cur = None
 
-    def begin_step(self, seq_ids, positions):
+    def begin_step(self, entries, positions):
+        seq_ids = np.repeat([seq.seq_id for seq, _ in entries], [len(t) for _, t in entries])
         T, k = len(seq_ids), self.runner.top_k
         L = len(self.moe_layers)
         self._cur = {"ids": np.full((T, L, k), -1, np.int16), "w": np.zeros((T, L, k), np.float32),
-                     "pred": np.full((T, L, k), -1, np.int16), "seq": np.asarray(seq_ids, np.int32).copy(),
+                     "pred": np.full((T, L, k), -1, np.int16), "seq": np.asarray(seq_ids, np.int32),
                      "pos": np.asarray(positions, np.int32).copy()}
 
-    def record(self, layer, ids, weights):
-        j = self._col[layer]
-        self._cur["ids"][:, j] = ids
-        self._cur["w"][:, j] = weights
-
-    def record_prediction(self, layer, ids):
-        self._cur["pred"][:, self._col[layer]] = ids
+    def on_route(self, layer, ids, weights, next_layer, predicted):
+        be, j = self.runner.be, self._col[layer]
+        self._cur["ids"][:, j] = be.download(ids)
+        self._cur["w"][:, j] = be.download(weights)
+        if predicted is not None:
+            self._cur["pred"][:, self._col[next_layer]] = predicted
 
     def end_step(self):
         c = self._cur

@@ -26,8 +26,8 @@ def test_convert_and_inspect(model_cache, tmp_path):
     assert "convert" in out.stderr          # the progress bar
     r = cli("inspect", str(tmp_path / "m"), "--context", "128")
     assert r.returncode == 0, r.stderr
-    for words in ("valid", "moe_shared", "dense", "bytes per", "read per decoded token", "KV cache", "scratch",
-                  "context 128"):
+    for words in ("valid", "attention + routed + shared experts", "attention + dense MLP", "bytes per",
+                  "read per decoded token", "KV cache", "scratch", "context 128", "allocated at open"):
         assert words in r.stdout, (words, r.stdout)
     # the figures come from the files: 6 experts of gate+up+down [32,64] float16
     assert "6 x 12.0 KiB" in r.stdout
@@ -104,5 +104,25 @@ def test_engines_share_mapped_weights(model_cache):
     _, col = convert_case(model_cache, "mixtral")
     with Engine.open(col, backend="reference") as a, Engine.open(col, backend="reference") as b:
         assert a.model is b.model and a.model.mmap is b.model.mmap
-        assert a.runner.kv is not b.runner.kv
+        assert all(a.runner.state_storage[k] is not b.runner.state_storage[k] for k in a.runner.state_storage)
         assert np.array_equal(a.infer([1, 2, 3]), b.infer([1, 2, 3]))
+
+
+def test_backend_options_explicit_or_from_the_environment(model_cache, monkeypatch):
+    """An option given explicitly that the chosen backend does not take is an error naming it; a knob
+    from the environment (or a default) that does not apply is ignored and listed by describe()."""
+    _, col = convert_case(model_cache, "mixtral")
+    for opt, value in (("num_streams", 2), ("disable_fp16", True), ("cuda_graphs", False), ("num_threads", 1),
+                       ("device", 0)):
+        with pytest.raises(ColibriError) as ei:
+            Engine.open(col, backend="reference", **{opt: value})
+        assert ei.value.code == COLIBRI_ERR_INVALID_ARGUMENT and opt in ei.value.message \
+            and "reference backend does not take" in ei.value.message
+    monkeypatch.setenv("COLIBRI_NUM_STREAMS", "3")
+    with Engine.open(col, backend="reference") as e:
+        d = e.backend.describe()
+    assert "not applicable here" in d and "num_streams (COLIBRI_NUM_STREAMS=3)" in d and "num_threads (default)" in d
+    monkeypatch.setenv("COLIBRI_NUM_STREAMS", "-1")            # a bad value is an error even where it does not apply
+    with pytest.raises(ColibriError) as ei:
+        Engine.open(col, backend="reference")
+    assert "COLIBRI_NUM_STREAMS" in ei.value.message

@@ -1,13 +1,13 @@
-"""The CUDA backend (backends/cuda).
+"""What only the CUDA backend has (its kernels and whole models run in the shared suites,
+test_kernels.py, test_parity.py, test_generation.py, test_weight_types.py, on a GPU or the CPU kernel
+emulator of toolchains/cuda/emu):
 
 Everywhere (no GPU needed): backend="cuda" without a GPU is COLIBRI_ERR_UNAVAILABLE, and every
 kernel file compiles with NVRTC, the compiler CuPy uses at run time.
-On a GPU (skipped with the reason otherwise; `make gpu-check` runs them, and so does the CPU
-kernel emulator of toolchains/cuda/emu): the kernel paths test_kernels.py does not reach (tiled
-and cuBLAS GEMMs, many experts, long plans, several streams, long contexts), the align worked
-example on the device, error mapping, whole-model parity with transformers (fp32 within 1e-4 of
-the largest logit; fp16 teacher-forced greedy agreement), and graph mode == stream mode with an
-assertion that graphs really ran.
+On a GPU or the emulator (skipped with the reason otherwise; `make gpu-check` runs them): the block
+list of the on-device align, error mapping and options, graph capture / replay / fallback, graph
+mode against stream mode (COLIBRI_CUDA_GRAPHS / cuda_graphs) on a whole model, and the expert
+counts of graph-replayed decode steps against the cpu backend's.
 """
 from __future__ import annotations
 
@@ -20,8 +20,7 @@ import pytest
 from colibri_edge import (Engine, ColibriError, COLIBRI_ERR_BACKEND, COLIBRI_ERR_INVALID_ARGUMENT,
                           COLIBRI_ERR_OUT_OF_MEMORY, COLIBRI_ERR_UNAVAILABLE)
 from colibri_edge.backends import create, probe
-from colibri_edge.backends.base import FFN
-from colibri_edge.dtypes import narrow, quantize_rows
+from colibri_edge.backends.base import plan_buffers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQUIRED = {b for b in os.environ.get("COLIBRI_REQUIRE_BACKENDS", "").split(",") if b}
@@ -49,24 +48,6 @@ def close(got, want, tol):
     scale = max(1.0, np.abs(want).max())
     err = np.abs(got - want).max()
     assert err <= tol * scale, f"max abs err {err:.3g} (scale {scale:.3g}, tol {tol:g})"
-
-
-WEIGHT_TYPES = ("float32", "float16", "bfloat16", "int8")
-
-
-def stored(w32, wd):
-    """float32 [rows, cols] -> (stored array, scales or None) in weight type wd."""
-    return quantize_rows(w32) if wd == "int8" else (narrow(w32, wd), None)
-
-
-def upload(be, st, wd):
-    return be.upload(st[0], wd) if st[1] is None else be.upload(st[0], wd, scales=st[1])
-
-
-def enable_graph_decode(engine):
-    """Decode steps through Backend.graph_step (until the scheduler does it itself)."""
-    from colibri_edge.backends.cuda.backend import graph_decode_hook
-    return graph_decode_hook(engine)
 
 
 # -- no GPU needed ---------------------------------------------------------------------------------
@@ -132,149 +113,18 @@ def test_every_kernel_compiles_with_nvrtc():
 # -- on a GPU --------------------------------------------------------------------------------------
 
 @pytest.mark.cuda
-def test_align_worked_example_on_device(gpu):
+def test_align_block_list_on_device(gpu):
+    """The plan's block list of moe_align's docstring example (BM = 2): expert 0's three rows take
+    two blocks; no host copy of the counts is made (they stay on the device until asked for)."""
     be = create("cuda")
-    ids = dev(be, np.array([[2, 0], [0, 3], [2, 0]], np.int32))
-    plan = be.align(be.alloc_plan(6, 4), ids, 3, 4, 2)
-    assert be.download(plan.offsets).tolist() == [0, 3, 3, 5, 6]
+    bufs = {n: be.alloc(s, d) for n, (s, d) in plan_buffers(6, 4).items()}
+    plan = be.align(bufs, dev(be, np.array([[2, 0], [0, 3], [2, 0]], np.int32)), 3, 4, 2, block_rows=2)
+    assert plan.counts is None
+    nb = int(be.download(plan.nblocks)[0])
+    assert nb == 4 and nb <= plan.max_blocks
+    assert be.download(plan.blocks)[:nb].tolist() == [[0, 0, 2], [0, 2, 3], [2, 3, 5], [3, 5, 6]]
     assert be.download(plan.order).tolist() == [1, 2, 5, 0, 4, 3]
-    assert be.download(plan.inverse).tolist() == [3, 0, 1, 5, 4, 2]
-    assert np.asarray(plan.counts).tolist() == [3, 0, 2, 1]
-    # the block list of the docstring's example (BM = 2): expert 0's three rows take two blocks
-    plan2 = be.align(None, ids, 3, 4, 2, block_rows=2)
-    nb = int(be.download(plan2.nblocks)[0])
-    assert nb == 4 and nb <= plan2.max_blocks
-    assert be.download(plan2.blocks)[:3 * nb].reshape(nb, 3).tolist() == [[0, 0, 2], [0, 2, 3], [2, 3, 5], [3, 5, 6]]
-    # counts may stay on the device (no host round trip); the plan is the same
-    lean = create("cuda", host_counts=False)
-    p3 = lean.align(None, dev(lean, np.array([[2, 0], [0, 3], [2, 0]], np.int32)), 3, 4, 2)
-    assert p3.counts is None and lean.download(p3.order).tolist() == [1, 2, 5, 0, 4, 3]
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("T,K,N", [(8, 64, 40), (9, 37, 29), (32, 130, 70), (5, 1100, 20), (3, 1101, 9),
-                                   (33, 64, 48), (100, 19, 130), (70, 1030, 17)])
-@pytest.mark.parametrize("use_cublas", [False, True])
-def test_matmul_paths(gpu, T, K, N, use_cublas, rng):
-    """Every weight type through skinny (T <= 32: one and several row groups, odd and even K), tiled
-    (T > 32 without cuBLAS, and always for bf16/int8) and cuBLAS (fp16 weights: fp16 tensor-core
-    GEMM) against the reference."""
-    ref, be = create("reference"), create("cuda", use_cublas=use_cublas)
-    x = rng.standard_normal((T, K)).astype(np.float32)
-    w32 = rng.standard_normal((N, K)).astype(np.float32)
-    bias = rng.standard_normal(N).astype(np.float32)
-    for wd in WEIGHT_TYPES:
-        st = stored(w32, wd)
-        for b in (None, bias):
-            want = np.zeros((T, N), np.float32)
-            ref.matmul(want, x, upload(ref, st, wd), None if b is None else ref.upload(b))
-            out = be.alloc((T, N))
-            be.matmul(out, dev(be, x), upload(be, st, wd), None if b is None else be.upload(b))
-            cublas16 = use_cublas and T > 32 and wd == "float16"
-            close(be.download(out), want, 3e-3 if cublas16 else 1e-5)
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("T,k,E,H,I,streams", [
-    (1, 8, 128, 64, 48, 1),      # a decode step over many experts (skinny, pair loads)
-    (3, 2, 8, 33, 17, 3),        # odd sizes, experts split over 3 streams
-    (2, 2, 4, 600, 520, 1),      # K above one shared-memory chunk in both GEMMs
-    (300, 2, 4, 40, 24, 1),      # >= 32 rows per expert: tiled kernels
-    (300, 2, 4, 40, 24, 2),
-    (1100, 2, 300, 16, 10, 1),   # A = 2200 > one align chunk, 300 experts (several per align thread)
-    (1100, 2, 6, 32, 16, 2),     # tiled, chunked align, two streams
-])
-def test_grouped_ffn_paths(gpu, T, k, E, H, I, streams, rng):
-    ref, be = create("reference"), create("cuda", num_streams=streams)
-    logits = rng.standard_normal((T, E)).astype(np.float32)
-    rid, rw = np.zeros((T, k), np.int32), np.zeros((T, k), np.float32)
-    ref.route(rid, rw, logits, k, "topk", True)
-    bid, bw = be.alloc((T, k), np.int32), be.alloc((T, k))
-    if E <= 512:
-        be.route(bid, bw, dev(be, logits), k, "topk", True)
-        np.testing.assert_array_equal(be.download(bid), rid)
-        close(be.download(bw), rw, 1e-6)
-    for wd in WEIGHT_TYPES:
-        mats = [[stored(rng.standard_normal(s).astype(np.float32) / np.sqrt(s[1]), wd) for s in [(I, H), (I, H), (H, I)]]
-                for _ in range(E)]
-        rex = [FFN(*(upload(ref, m, wd) for m in ms)) for ms in mats]
-        bex = [FFN(*(upload(be, m, wd) for m in ms)) for ms in mats]
-        x = rng.standard_normal((T, H)).astype(np.float32)
-        rplan = ref.align(None, rid, T, E, k)
-        y = np.zeros((T * k, H), np.float32)
-        ref.grouped_ffn(y, x, rex, rplan, np.zeros((T * k, 2 * I), np.float32))
-        resid = rng.standard_normal((T, H)).astype(np.float32)
-        want = resid.copy()
-        ref.combine(want, y, rw, rplan)
-        bplan = be.align(be.alloc_plan(T * k, E), dev(be, rid), T, E, k)
-        np.testing.assert_array_equal(np.asarray(bplan.counts), rplan.counts)
-        np.testing.assert_array_equal(be.download(bplan.order), rplan.order)
-        np.testing.assert_array_equal(be.download(bplan.inverse), rplan.inverse)
-        by = be.alloc((T * k, H))
-        be.grouped_ffn(by, dev(be, x), bex, bplan, be.alloc((T * k, 2 * I)))
-        close(be.download(by), y, 1e-5)
-        out = dev(be, resid)
-        be.combine(out, by, dev(be, rw), bplan)
-        close(be.download(out), want, 1e-5)
-
-
-@pytest.mark.cuda
-def test_embed_every_weight_type(gpu, rng):
-    ref, be = create("reference"), create("cuda")
-    table = rng.standard_normal((53, 46)).astype(np.float32)
-    ids = rng.integers(0, 53, 9).astype(np.int32)
-    for wd in WEIGHT_TYPES:
-        st = stored(table, wd)
-        want = np.zeros((9, 46), np.float32)
-        ref.embed(want, upload(ref, st, wd), ids)
-        out = be.alloc((9, 46))
-        be.embed(out, upload(be, st, wd), dev(be, ids))
-        close(be.download(out), want, 1e-6)
-
-
-@pytest.mark.cuda
-def test_route_many_experts_and_ties(gpu, rng):
-    ref, be = create("reference"), create("cuda")
-    T, E, k = 5, 300, 8
-    logits = rng.standard_normal((T, E)).astype(np.float32)
-    logits[1, [7, 39, 40, 299]] = 6.0      # a tie within a lane (7, 39) and across lanes: in id order
-    for normalize in (True, False):
-        rid, rw = np.zeros((T, k), np.int32), np.zeros((T, k), np.float32)
-        ref.route(rid, rw, logits, k, "topk", normalize)
-        bid, bw = be.alloc((T, k), np.int32), be.alloc((T, k))
-        be.route(bid, bw, dev(be, logits), k, "topk", normalize)
-        np.testing.assert_array_equal(be.download(bid), rid)
-        assert be.download(bid)[1, :4].tolist() == [7, 39, 40, 299]
-        close(be.download(bw), rw, 1e-6)
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("Hq,Hkv,D,block", [(8, 2, 128, 16), (4, 4, 256, 5), (3, 1, 6, 1)])
-def test_paged_attention_long(gpu, Hq, Hkv, D, block, rng):
-    ref, be = create("reference"), create("cuda")
-    nslots = 400
-    nblocks = nslots // block
-    perm = rng.permutation(nblocks).astype(np.int32)
-    maxb = nblocks // 2
-    tables = np.stack([perm[:maxb], perm[maxb:2 * maxb]]).astype(np.int32)
-    seq = np.array([0, 0, 1], np.int32)
-    pos = np.array([maxb * block - 2, maxb * block - 1, 150], np.int32)
-    q = rng.standard_normal((3, Hq, D)).astype(np.float32)
-    from test_kernels import fill_paged_cache
-    rc, bc = fill_paged_cache(ref, be, tables, seq, pos, block, nslots, Hkv, D, rng)
-    want = np.zeros_like(q)
-    ref.paged_attention(want, q, rc, 0, tables, seq, pos, block, D ** -0.5)
-    out = be.alloc(q.shape)
-    be.paged_attention(out, dev(be, q), bc, 0, dev(be, tables), dev(be, seq), dev(be, pos), block, D ** -0.5)
-    close(be.download(out), want, 1e-5)
-    # rope at a wide head and far positions
-    x = rng.standard_normal((3, Hq, D)).astype(np.float32)
-    p = np.array([0, 300, 511], np.int32)
-    rw_ = x.copy()
-    ref.rope(rw_, rw_, p, 1e6)
-    xb = dev(be, x)
-    be.rope(xb, xb, dev(be, p), 1e6)
-    close(be.download(xb), rw_, 1e-4)
+    assert list(plan.experts_to_run()) == [0, 2, 3] and plan.counts.tolist() == [3, 0, 2, 1]
 
 
 @pytest.mark.cuda
@@ -303,96 +153,41 @@ def test_graph_step_capture_replay_and_fallback(gpu):
     be = create("cuda", num_streams=2)
     a = dev(be, np.arange(6, dtype=np.float32).reshape(2, 3))
     out = be.alloc((2, 3))
-    assert be.graph_step("add", lambda: be.add(out, a, a)) is True       # captured, then replayed
+    assert be.graph_step("add", be.add, out, a, a) is True          # captured, then replayed
     assert be.mode == "graph" and be.graph_captures == 1
     assert be.download(out).tolist() == [[0, 2, 4], [6, 8, 10]]
-    be.upload_into(a, np.ones((2, 3), np.float32))                      # new contents, same buffers
-    assert be.graph_step("add", lambda: be.add(out, a, a)) is True
+    be.upload_into(a, np.ones((2, 3), np.float32))                  # new contents, same buffers
+    assert be.graph_step("add", be.add, out, a, a) is True
     assert be.download(out).tolist() == [[2.0] * 3] * 2 and be.graph_replays == 2
     # a step that needs the host cannot be captured: it runs in stream mode, now and later
-    assert be.graph_step("host", lambda: be.download(a)) is False
+    assert be.graph_step("host", be.download, a) is False
     assert be.mode == "stream" and "host" in be.graph_failures
-    assert be.graph_step("host", lambda: be.download(a)) is False
-    be.add(out, a, out)                                                 # the stream is still fine
+    assert be.graph_step("host", be.download, a) is False
+    be.add(out, a, out)                                             # the stream is still fine
     assert be.download(out).tolist() == [[3.0] * 3] * 2
-    plain = create("cuda", graphs=False)
+    plain = create("cuda", cuda_graphs=False)
     assert plain.graph_step("x", lambda: None) is False and plain.mode == "stream"
-
-
-# -- whole models ---------------------------------------------------------------------------------
-
-def _hf():
-    pytest.importorskip("transformers")
-    pytest.importorskip("torch")
-    import hf_models
-    return hf_models
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("case", ["mixtral", "mixtral_top1_tied", "qwen2_moe", "qwen2_moe_norm", "qwen3_moe", "olmoe"])
-def test_parity_fp32(gpu, case, model_cache):
-    """fp32 (disable_fp16): every logit within 1e-4 of the largest, through one prefill step (cuBLAS
-    for T > 32), small chunks (the skinny kernels, KV across chunks) and the emulator's tiled path."""
-    hm = _hf()
-    hf, col = hm.convert_case(model_cache, case)
-    V = hm.CASES[case][1]["vocab_size"]
-    ids = np.random.default_rng(11).integers(0, V, size=(2, 21))
-    want = hm.hf_logits(hf, ids)
-    scale = np.abs(want).max()
-    for chunk in (256, 6):
-        with Engine.open(col, backend="cuda", disable_fp16=1, prefill_chunk=chunk, max_seq_len=64) as eng:
-            got = eng.infer(ids)
-        err = np.abs(got - want).max() / scale
-        assert err < 1e-4, f"{case} prefill_chunk={chunk}: rel err {err:.3g}"
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("case", ["mixtral", "qwen3_moe"])
-def test_greedy_fp32_matches_transformers(gpu, case, model_cache):
-    hm = _hf()
-    hf, col = hm.convert_case(model_cache, case)
-    prompt = list(np.random.default_rng(2).integers(3, hm.CASES[case][1]["vocab_size"], size=7))
-    want = hm.hf_greedy(hf, prompt, 10)
-    with Engine.open(col, backend="cuda", disable_fp16=1, max_seq_len=64) as eng:
-        enable_graph_decode(eng)
-        got = eng.generate(prompt, max_new_tokens=10)
-        assert eng.backend.graph_replays > 0
-    assert got == want[:len(got)] and len(got) >= 1
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("case", ["mixtral", "qwen2_moe", "olmoe"])
-def test_fp16_teacher_forced_greedy(gpu, case, model_cache):
-    """An fp16 checkpoint in the default fp16 mode: at every position of a fixed sequence the greedy
-    choice agrees with transformers (fp32 compute on the same fp16 weights)."""
-    hm = _hf()
-    hf, col = hm.convert_case(model_cache, case, dtype="float16")
-    V = hm.CASES[case][1]["vocab_size"]
-    ids = np.random.default_rng(5).integers(0, V, size=(1, 40))
-    want = hm.hf_logits(hf, ids)[0]
-    for chunk in (256, 8):               # cuBLAS fp16 GEMMs (T = 40) / our kernels
-        with Engine.open(col, backend="cuda", prefill_chunk=chunk, max_seq_len=64) as eng:
-            assert eng.config["weight_dtype"] == "float16" and not eng.backend.fp32
-            got = eng.infer(ids)[0]
-        agree = float(np.mean(got.argmax(-1) == want.argmax(-1)))
-        err = np.abs(got - want).max() / np.abs(want).max()
-        assert agree >= 0.95 and err < 2e-2, f"{case} chunk={chunk}: agreement {agree:.2f}, rel err {err:.3g}"
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("streams", [1, 2])
-def test_graph_and_stream_modes_agree(gpu, streams, model_cache):
-    """The same batch decoded in stream mode and through captured graphs gives identical tokens;
-    graph mode really ran (captures, replays, mode == "graph")."""
-    hm = _hf()
-    hf, col = hm.convert_case(model_cache, "qwen2_moe")     # MoE + shared expert + a dense layer
+def test_graph_and_stream_modes_agree(gpu, streams, model_cache, monkeypatch):
+    """The same batch decoded in stream mode (cuda_graphs=False, and COLIBRI_CUDA_GRAPHS=0) and
+    through captured graphs gives identical tokens; graph mode really ran (captures, replays,
+    mode == "graph"), and the expert counts of the replayed decode steps equal the cpu backend's."""
+    from hf_models import convert_case
+    _, col = convert_case(model_cache, "qwen2_moe")     # MoE + shared expert + a dense layer
     rng = np.random.default_rng(4)
     prompts = [list(rng.integers(3, 101, size=n)) for n in (5, 9, 3)]
-    with Engine.open(col, backend="cuda", num_streams=streams, max_batch=4, max_seq_len=64) as eng:
+    kw = dict(num_streams=streams, max_batch=4, max_seq_len=64, disable_fp16=True)
+    with Engine.open(col, backend="cuda", cuda_graphs=False, **kw) as eng:
         stream_out = eng.generate_batch(prompts, max_new_tokens=7)
         assert eng.backend.mode == "stream" and eng.backend.graph_replays == 0
-    with Engine.open(col, backend="cuda", num_streams=streams, max_batch=4, max_seq_len=64) as eng:
-        enable_graph_decode(eng)
+    monkeypatch.setenv("COLIBRI_CUDA_GRAPHS", "0")
+    with Engine.open(col, backend="cuda", **kw) as eng:
+        assert eng.generate_batch(prompts, max_new_tokens=7) == stream_out and eng.backend.graph_replays == 0
+    monkeypatch.delenv("COLIBRI_CUDA_GRAPHS")
+    with Engine.open(col, backend="cuda", **kw) as eng:
         graph_out = eng.generate_batch(prompts, max_new_tokens=7)
         be = eng.backend
         assert be.graph_captures >= 1 and be.graph_replays >= be.graph_captures and not be.graph_failures, \
@@ -401,4 +196,11 @@ def test_graph_and_stream_modes_agree(gpu, streams, model_cache):
         captures, replays = be.graph_captures, be.graph_replays
         again = eng.generate_batch(prompts, max_new_tokens=7)    # the same shapes: replays only
         assert be.graph_captures == captures and be.graph_replays > replays
+        counts = eng.expert_counts
     assert graph_out == stream_out == again
+    from conftest import backend_available
+    if backend_available("cpu")[0]:         # required in CI (toolchains/cuda/Makefile): fails there if missing
+        with Engine.open(col, backend="cpu", max_batch=4, max_seq_len=64) as cpu:
+            assert cpu.generate_batch(prompts, max_new_tokens=7) == stream_out
+            cpu.generate_batch(prompts, max_new_tokens=7)
+            np.testing.assert_array_equal(counts, cpu.expert_counts)

@@ -12,7 +12,7 @@ import pytest
 
 from colibri_edge import Engine
 from colibri_edge.demo import SHIPPED, ensure_default_model
-from conftest import backend_available
+from conftest import fp32
 from hf_models import hf_greedy, hf_logits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,13 +50,9 @@ def oracle():
     return ids, cont, hf_logits(HF, full)[0]
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
-def test_greedy_matches_transformers(backend, oracle):
-    ok, detail = backend_available(backend)
-    if not ok:
-        pytest.skip(f"backend {backend} unavailable: {detail}")
+def test_greedy_matches_transformers(backend_name, oracle):
     ids, cont, want = oracle
-    with Engine.open(SHIPPED, backend=backend, disable_fp16=1) as eng:
+    with Engine.open(SHIPPED, backend=backend_name, **fp32(backend_name)) as eng:
         assert eng.codec.encode(PROMPT) == ids
         got = eng.generate(PROMPT, max_new_tokens=N_NEW, ignore_eos=True)
         logits = eng.infer(np.asarray(ids + cont))[0]

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from colibri_edge import (Engine, ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_OUT_OF_MEMORY)
+from conftest import fp32
 from hf_models import CASES, MODEL_TYPES, build_hf, convert_case, hf_greedy
 
 N_NEW = 32
@@ -23,7 +24,7 @@ def test_greedy_matches_transformers(backend_name, model_type, block, model_cach
         json.dump(hf_greedy(hf, prompt, N_NEW), open(key, "w"))
     want = json.load(open(key))
     with Engine.open(col, backend=backend_name, kv_block_size=block, max_seq_len=128, kv_cache_tokens=20 * block + 128,
-                     disable_fp16=1) as eng:
+                     **fp32(backend_name)) as eng:
         # fragment the pool first: hold every other block-run of other sequences
         held = []
         for i in range(6):
@@ -42,7 +43,7 @@ def test_greedy_matches_transformers(backend_name, model_type, block, model_cach
 def test_batch_equals_solo_and_one_token_per_sequence_per_step(backend_name, model_cache):
     _, col = convert_case(model_cache, "qwen2_moe")
     prompts = [[3, 4, 5], [9, 8, 7, 6, 5, 4, 3, 2, 1], [50, 60], [1, 2, 3, 4, 5, 6]]
-    with Engine.open(col, backend=backend_name, max_batch=4, max_seq_len=64, disable_fp16=1) as eng:
+    with Engine.open(col, backend=backend_name, max_batch=4, max_seq_len=64, **fp32(backend_name)) as eng:
         solo = [eng.generate(p, max_new_tokens=12, ignore_eos=True) for p in prompts]
         eng.runner.step_tokens.clear()
         batch = eng.generate_batch(prompts, max_new_tokens=12, ignore_eos=True)
@@ -56,7 +57,7 @@ def test_batch_equals_solo_and_one_token_per_sequence_per_step(backend_name, mod
 def test_batch_sequences_finish_at_different_times(backend_name, model_cache):
     _, col = convert_case(model_cache, "mixtral")
     prompts = [[3, 4, 5], [9, 8, 7, 6], [50, 60]]
-    with Engine.open(col, backend=backend_name, max_batch=2, max_seq_len=64, disable_fp16=1) as eng:
+    with Engine.open(col, backend=backend_name, max_batch=2, max_seq_len=64, **fp32(backend_name)) as eng:
         solo = [eng.generate(p, max_new_tokens=n, ignore_eos=True) for p, n in zip(prompts, (4, 9, 6))]
         # more prompts than max_batch: the third is admitted when the first finishes and is freed
         outs = [eng.generate_batch(prompts, max_new_tokens=9, ignore_eos=True)]
@@ -68,7 +69,7 @@ def test_kv_pool_exhaustion_fails_only_that_sequence(backend_name, model_cache):
     _, col = convert_case(model_cache, "olmoe")
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12], list(range(20, 40))]
     with Engine.open(col, backend=backend_name, max_batch=3, max_seq_len=64, kv_block_size=4,
-                     kv_cache_tokens=40, disable_fp16=1) as eng:
+                     kv_cache_tokens=40, **fp32(backend_name)) as eng:
         solo = [eng.generate(p, max_new_tokens=12, ignore_eos=True) for p in prompts]
         res = eng.generate_batch(prompts, max_new_tokens=12, return_errors=True, ignore_eos=True)
         assert eng.kv_free_blocks == eng.runner.pool.num_blocks
@@ -155,6 +156,63 @@ def test_stream_never_splits_utf8(backend_name, text_model):
         p.encode("utf-8")                                    # every piece is valid text
         assert not p.endswith("\ufffd") or p.count("\ufffd") == len(p)
     assert "".join(streamed) == eng.codec.decode(ids_again)
+
+
+def byte_fallback_tokenizer():
+    """A Llama/Mixtral-style SentencePiece BPE with byte fallback: a few whole-word tokens, every other
+    character as its UTF-8 bytes <0xNN>, Metaspace spaces."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    words = ["\u2581hello", "\u2581world", "\u2581", "h", "e", "l", "o", "w", "r", "d", "\u2581colibr"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for w in words:
+        vocab.setdefault(w, len(vocab))
+    merges = [("\u2581", "h"), ("\u2581h", "e"), ("\u2581he", "l"), ("\u2581hel", "l"), ("\u2581hell", "o")]
+    for m in merges:
+        vocab.setdefault("".join(m), len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens(["<s>", "</s>"])
+    return tok
+
+
+TEXTS = ["héllo 世界 🐦 colibrí ✓", "中文：日本語、한국어。", "emoji 👩‍👩‍👧 🇫🇷 ok", "def f(x):\n    return x ** 2  # ∑",
+         "hello world", "a\u0301 e\u0301 \u00e9"]
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "byte_fallback"])
+def test_stream_decoder_pieces_join_to_decode(kind, tmp_path):
+    """DecodeStream pieces never split a character, never show U+FFFD while more bytes can come,
+    join to exactly decode(ids); a special token in the middle is skipped as decode() skips it; a
+    tail cut off inside a character still comes out at flush, as replacement characters after the
+    complete text."""
+    from colibri_edge.demo import byte_level_tokenizer
+    from colibri_edge.textio import StreamDecoder, TextCodec
+    tok = byte_level_tokenizer() if kind == "byte_level" else byte_fallback_tokenizer()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    codec = TextCodec(str(tmp_path), {})
+    special = tok.token_to_id("<|endoftext|>" if kind == "byte_level" else "</s>")
+    multi = 0
+    for text in TEXTS:
+        ids = codec.encode(text)
+        ids = ids[:len(ids) // 2] + [special] + ids[len(ids) // 2:]
+        dec = StreamDecoder(codec)
+        pieces = [dec.push(t) for t in ids]
+        tail = dec.flush()
+        assert "".join(pieces) + tail == codec.decode(ids)
+        assert all("\ufffd" not in p for p in pieces) and "\ufffd" not in tail, (text, pieces)
+        multi += sum(1 for p in pieces if not p)        # tokens that waited for the rest of a character
+        # cut off inside the last multi-byte character: the incomplete tail still comes out at flush
+        cut = next((i for i in range(len(ids) - 1, 0, -1) if "\ufffd" in codec.decode(ids[:i])), None)
+        if cut is not None:
+            dec = StreamDecoder(codec)
+            pieces = [dec.push(t) for t in ids[:cut]]
+            tail = dec.flush()
+            done = "".join(pieces)
+            assert tail and set(tail) == {"\ufffd"}             # the unfinished character's bytes
+            assert codec.decode(ids).startswith(done) and len(done) < len(codec.decode(ids))
+    assert multi > 0
 
 
 def test_eos_and_stop_strings_end_generation(backend_name, text_model):

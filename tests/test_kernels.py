@@ -1,18 +1,30 @@
-"""Every backend's kernels against the NumPy reference, on odd shapes (not multiples of any
-work-group or SIMD width), one token and many, top-k 1 to 4, every weight type the backend runs."""
+"""Every backend's kernels against the NumPy reference: every op, every weight type the backend
+declares (int8 included), in every variant of conftest.KERNEL_VARIANTS (threads, queues, streams,
+cuBLAS on/off), on odd shapes (not multiples of any work-group, warp or SIMD width), one token and
+many, shapes that reach each GEMM path (skinny / tiled / cuBLAS on CUDA, GEMV / blocked elsewhere),
+top-k 1 to 8, up to 300 experts."""
 import numpy as np
 import pytest
 
 from colibri_edge.backends import create
-from colibri_edge.backends.base import FFN
-from colibri_edge.dtypes import narrow
+from colibri_edge.backends.base import FFN, plan_buffers
+from colibri_edge.dtypes import STORAGE, narrow, quantize_rows, widen
 from colibri_edge import routing
 
-SHAPES = [(1, 37, 29), (7, 64, 33), (33, 19, 130)]   # (T, K, N)
+# (T, K, N): GEMV, blocks of 4, odd sizes, K past one shared-memory chunk, T > 32 (tiled / cuBLAS)
+MATMUL_SHAPES = [(1, 37, 29), (7, 64, 33), (33, 19, 130), (8, 64, 40), (32, 130, 70), (5, 1100, 20),
+                 (3, 1101, 9), (100, 19, 130), (70, 1030, 17)]
+# (T, k, E, H, I): decode steps, odd sizes, one expert taking every token, >= 32 rows per expert
+# (tiled), assignments past one align chunk over many experts
+MOE_SHAPES = [(1, 1, 7, 29, 23), (1, 2, 7, 29, 23), (13, 3, 7, 29, 23), (13, 4, 7, 29, 23),
+              (1, 8, 128, 64, 48), (3, 2, 8, 33, 17), (2, 2, 4, 600, 520), (300, 2, 4, 40, 24),
+              (1100, 2, 300, 16, 10)]
+TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 3e-3, "int8": 1e-5}
 
 
-def _pair(name, **kw):
-    return create("reference"), create(name, **kw)
+def backend(spec):
+    name, opts = spec
+    return create("reference"), create(name, **opts)
 
 
 def dev(be, host):
@@ -23,43 +35,53 @@ def dev(be, host):
 
 def close(a, b, tol=2e-5):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    scale = max(1.0, np.abs(a).max())
+    scale = max(1.0, np.abs(b).max())
     assert np.abs(a - b).max() <= tol * scale, f"max abs err {np.abs(a - b).max():.3g} (scale {scale:.3g})"
 
 
-def _weight_dtypes(be):
-    return [d for d in ("float32", "float16", "bfloat16") if d in be.weight_dtypes]
+def stored(w32, wd):
+    """float32 [rows, cols] -> (stored array, row scales or None) in weight type wd."""
+    return quantize_rows(w32) if wd == "int8" else (narrow(w32, wd), None)
 
 
-@pytest.mark.parametrize("T,K,N", SHAPES)
-def test_matmul(fast_backend_name, T, K, N, rng):
-    ref, be = _pair(fast_backend_name)
+def upload(be, st, wd):
+    return be.upload(st[0], wd, scales=st[1])
+
+
+def plan_bufs(be, A, E):
+    return {n: be.alloc(s, d) for n, (s, d) in plan_buffers(A, E).items()}
+
+
+@pytest.mark.parametrize("T,K,N", MATMUL_SHAPES)
+def test_matmul(kernel_backend, T, K, N, rng):
+    ref, be = backend(kernel_backend)
     x = rng.standard_normal((T, K)).astype(np.float32)
     w32 = rng.standard_normal((N, K)).astype(np.float32)
     bias = rng.standard_normal(N).astype(np.float32)
-    for wd in _weight_dtypes(be):
-        raw = narrow(w32, wd)
+    cublas16 = be.name == "cuda" and be.use_cublas and T > 32
+    for wd in be.weight_dtypes:
+        st = stored(w32, wd)
         for b in (None, bias):
             want = np.zeros((T, N), np.float32)
-            ref.matmul(want, x, ref.upload(raw, wd), None if b is None else ref.upload(b))
+            ref.matmul(want, x, upload(ref, st, wd), None if b is None else ref.upload(b))
             out = be.alloc((T, N))
-            be.matmul(out, dev(be, x), be.upload(raw, wd), None if b is None else be.upload(b))
-            close(be.download(out), want, 1e-5 if wd == "float32" else 2e-3)
+            be.matmul(out, dev(be, x), upload(be, st, wd), None if b is None else be.upload(b))
+            close(be.download(out), want, 3e-3 if cublas16 and wd == "float16" else TOL[wd])
 
 
 @pytest.mark.parametrize("T", [1, 5, 70])
-def test_embed_rmsnorm_add(fast_backend_name, T, rng):
-    ref, be = _pair(fast_backend_name)
+def test_embed_rmsnorm_add(kernel_backend, T, rng):
+    ref, be = backend(kernel_backend)
     V, H = 53, 45
     table = rng.standard_normal((V, H)).astype(np.float32)
     ids = rng.integers(0, V, T).astype(np.int32)
-    for wd in _weight_dtypes(be):
-        raw = narrow(table, wd)
+    for wd in be.weight_dtypes:
+        st = stored(table, wd)
         want = np.zeros((T, H), np.float32)
-        ref.embed(want, ref.upload(raw, wd), ids)
+        ref.embed(want, upload(ref, st, wd), ids)
         out = be.alloc((T, H))
-        be.embed(out, be.upload(raw, wd), dev(be, ids))
-        close(be.download(out), want)
+        be.embed(out, upload(be, st, wd), dev(be, ids))
+        close(be.download(out), want, 1e-6)
     x = rng.standard_normal((T, H)).astype(np.float32) * 3
     g = (1 + 0.1 * rng.standard_normal(H)).astype(np.float32)
     want = np.zeros_like(x)
@@ -67,10 +89,13 @@ def test_embed_rmsnorm_add(fast_backend_name, T, rng):
     out = be.alloc((T, H))
     be.rmsnorm(out, dev(be, x), be.upload(g), 1e-6)
     close(be.download(out), want)
-    # in place, as the scheduler uses it for q/k norms
-    xb = dev(be, x)
+    xb = dev(be, x)                       # in place, as the scheduler runs q/k norms
     be.rmsnorm(xb, xb, be.upload(g), 1e-6)
     close(be.download(xb), want)
+    rows = dev(be, x)                     # a gather from a plain float32 buffer (the logit rows)
+    sel = be.alloc((3, H))
+    be.embed(sel, rows, dev(be, np.array([T - 1, 0, T - 1], np.int32)))
+    np.testing.assert_array_equal(be.download(sel), x[[T - 1, 0, T - 1]])
     y = rng.standard_normal((T, H)).astype(np.float32)
     gate = rng.standard_normal((T, 1)).astype(np.float32)
     for gt in (None, gate):
@@ -81,100 +106,172 @@ def test_embed_rmsnorm_add(fast_backend_name, T, rng):
         close(be.download(out), want)
 
 
-@pytest.mark.parametrize("T,heads,D", [(1, 3, 8), (9, 5, 24), (40, 2, 64)])
-def test_rope(fast_backend_name, T, heads, D, rng):
-    ref, be = _pair(fast_backend_name)
+@pytest.mark.parametrize("wd", ["float16", "bfloat16"])
+def test_widening_is_exact_for_every_bit_pattern(kernel_backend, wd):
+    """The in-kernel widening (fpext half / vload_half / cvt, bf16 shift) equals dtypes.widen on all
+    65536 patterns: zeros, subnormals, infinities and NaNs included."""
+    _, be = backend(kernel_backend)
+    if wd not in be.weight_dtypes:
+        pytest.skip(f"{be.name} does not declare {wd}")
+    raw = np.arange(65536, dtype=np.uint16).view(STORAGE[wd]).reshape(256, 256)
+    out = be.alloc((256, 256))
+    be.embed(out, be.upload(raw, wd), dev(be, np.arange(256, dtype=np.int32)))
+    got, want = be.download(out), widen(raw, wd)
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+
+
+@pytest.mark.parametrize("T,heads,D,theta", [(1, 3, 8, 1e4), (9, 5, 24, 1e4), (40, 2, 64, 1e4), (3, 8, 256, 1e6)])
+def test_rope(kernel_backend, T, heads, D, theta, rng):
+    ref, be = backend(kernel_backend)
     x = rng.standard_normal((T, heads, D)).astype(np.float32)
-    pos = rng.integers(0, 500, T).astype(np.int32)
+    pos = rng.integers(0, 512, T).astype(np.int32)
     want = x.copy()
-    ref.rope(want, want, pos, 10000.0)
+    ref.rope(want, want, pos, theta)
     xb = dev(be, x)
-    be.rope(xb, xb, dev(be, pos), 10000.0)
+    be.rope(xb, xb, dev(be, pos), theta)
     close(be.download(xb), want, 1e-4)
 
 
 def fill_paged_cache(ref, be, tables, seq, pos, block, nslots, Hkv, D, rng):
-    """Both backends' caches holding the same random K/V history for every position up to each
-    token's, through each sequence's block table. -> (reference cache, backend cache)."""
-    rcache, bcache = ref.alloc_kv(1, nslots, Hkv, D), be.alloc_kv(1, nslots, Hkv, D)
+    """Both backends' caches (K, V) holding the same random history for every position up to each
+    token's, through each sequence's block table. -> ((rK, rV), (bK, bV))."""
+    rK, rV = np.zeros((nslots, Hkv, D), np.float32), np.zeros((nslots, Hkv, D), np.float32)
+    bK, bV = be.alloc((nslots, Hkv, D)), be.alloc((nslots, Hkv, D))
     for s in np.unique(seq):
         n = int(pos[seq == s].max()) + 1
         j = np.arange(n)
         slots = (tables[s, j // block] * block + j % block).astype(np.int32)
         k = rng.standard_normal((n, Hkv, D)).astype(np.float32)
         v = rng.standard_normal((n, Hkv, D)).astype(np.float32)
-        ref.kv_write(rcache, 0, k, v, slots)
-        be.kv_write(bcache, 0, dev(be, k), dev(be, v), dev(be, slots))
-    return rcache, bcache
+        ref.kv_write(rK, rV, k, v, slots)
+        be.kv_write(bK, bV, dev(be, k), dev(be, v), dev(be, slots))
+    return (rK, rV), (bK, bV)
 
 
-@pytest.mark.parametrize("block", [1, 7, 16])
-def test_paged_attention(fast_backend_name, block, rng):
-    ref, be = _pair(fast_backend_name)
-    Hq, Hkv, D, nslots = 6, 2, 20, 8 * 16
-    # two sequences with scattered block tables; a prefill chunk of 5 for seq 0 and one decode for seq 1
+@pytest.mark.parametrize("Hq,Hkv,D,block,nslots", [(6, 2, 20, 1, 128), (6, 2, 20, 7, 128), (6, 2, 20, 16, 128),
+                                                   (8, 2, 128, 16, 400), (4, 4, 256, 5, 400), (3, 1, 6, 1, 400)])
+def test_paged_attention(kernel_backend, Hq, Hkv, D, block, nslots, rng):
+    """Two sequences with scattered block tables: a prefill chunk of one and decode of the other,
+    up to the tables' last position."""
+    ref, be = backend(kernel_backend)
     nblocks = nslots // block
     perm = rng.permutation(nblocks).astype(np.int32)
     maxb = nblocks // 2
     tables = np.stack([perm[:maxb], perm[maxb:2 * maxb]]).astype(np.int32)
+    last = maxb * block - 1
     seq = np.array([0, 0, 0, 0, 0, 1], np.int32)
-    pos = np.array([3, 4, 5, 6, 7, min(29, maxb * block - 1)], np.int32)
+    pos = np.array([last - 4, last - 3, last - 2, last - 1, last, min(29, last)], np.int32)
     T = len(seq)
     q = rng.standard_normal((T, Hq, D)).astype(np.float32)
-    rcache, bcache = fill_paged_cache(ref, be, tables, seq, pos, block, nslots, Hkv, D, rng)
+    (rK, rV), (bK, bV) = fill_paged_cache(ref, be, tables, seq, pos, block, nslots, Hkv, D, rng)
     want = np.zeros_like(q)
-    ref.paged_attention(want, q, rcache, 0, tables, seq, pos, block, D ** -0.5)
+    ref.paged_attention(want, q, rK, rV, tables, seq, pos, block, D ** -0.5)
     out = be.alloc((T, Hq, D))
-    be.paged_attention(out, dev(be, q), bcache, 0, dev(be, tables), dev(be, seq), dev(be, pos), block, D ** -0.5)
+    be.paged_attention(out, dev(be, q), bK, bV, dev(be, tables), dev(be, seq), dev(be, pos), block, D ** -0.5)
     close(be.download(out), want, 1e-5)
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, 4])
-@pytest.mark.parametrize("T", [1, 13])
-def test_route_align_ffn_combine(fast_backend_name, k, T, rng):
-    ref, be = _pair(fast_backend_name)
-    E, H, I = 7, 29, 23
-    logits = rng.standard_normal((T, E)).astype(np.float32)
-    logits[0, 1] = logits[0, 4] = 9.0          # an exact tie: both backends must pick expert 1 first
-    for mode, kk in (("topk", k), ("gated", E)):
-        rid, rw = np.zeros((T, kk), np.int32), np.zeros((T, kk), np.float32)
-        ref.route(rid, rw, logits, kk, mode, True)
-        bid, bw = be.alloc((T, kk), np.int32), be.alloc((T, kk))
-        be.route(bid, bw, dev(be, logits), kk, mode, True)
-        np.testing.assert_array_equal(be.download(bid), rid)
-        close(be.download(bw), rw, 1e-6)
-    assert rid.shape[1] == E and (k < 2 or ref_first_tie_ok(logits, k))
-    rid, rw = np.zeros((T, k), np.int32), np.zeros((T, k), np.float32)
-    ref.route(rid, rw, logits, k, "topk", False)
-    for wd in _weight_dtypes(be):
-        experts_host = [[narrow(rng.standard_normal(s).astype(np.float32) / np.sqrt(s[1]), wd)
-                         for s in [(I, H), (I, H), (H, I)]] for _ in range(E)]
-        rex = [FFN(*(ref.upload(m, wd) for m in ms)) for ms in experts_host]
-        bex = [FFN(*(be.upload(m, wd) for m in ms)) for ms in experts_host]
-        x = rng.standard_normal((T, H)).astype(np.float32)
-        rplan = ref.align(None, rid, T, E, k)
-        y = np.zeros((T * k, H), np.float32)
-        ref.grouped_ffn(y, x, rex, rplan, np.zeros((T * k, 2 * I), np.float32))
-        resid = rng.standard_normal((T, H)).astype(np.float32)
-        want = resid.copy()
-        ref.combine(want, y, rw, rplan)
-        bplan_bufs = be.alloc_plan(T * k, E) if hasattr(be, "alloc_plan") else None
-        bplan = be.align(bplan_bufs, dev(be, rid), T, E, k)
-        np.testing.assert_array_equal(np.asarray(bplan.counts), np.asarray(rplan.counts))
-        by = be.alloc((T * k, H))
-        be.grouped_ffn(by, dev(be, x), bex, bplan, be.alloc((T * k, 2 * I)))
-        out = dev(be, resid)
-        be.combine(out, by, dev(be, rw), bplan)
-        close(be.download(out), want, 1e-5 if wd == "float32" else 3e-3)
+@pytest.mark.parametrize("normalize", [True, False])
+def test_route_ties_and_many_experts(kernel_backend, normalize, rng):
+    """Exact ties go to the lower expert id, within a SIMD lane or warp and across them."""
+    ref, be = backend(kernel_backend)
+    for T, E, k in ((13, 7, 4), (5, 300, 8)):
+        logits = rng.standard_normal((T, E)).astype(np.float32)
+        logits[0, 1] = logits[0, 4] = 9.0
+        if E > 40:
+            logits[1, [7, 39, 40, 299]] = 6.0
+        for mode, kk in (("topk", k), ("gated", E)) if E < 40 else (("topk", k),):
+            rid, rw = np.zeros((T, kk), np.int32), np.zeros((T, kk), np.float32)
+            ref.route(rid, rw, logits, kk, mode, normalize)
+            bid, bw = be.alloc((T, kk), np.int32), be.alloc((T, kk))
+            be.route(bid, bw, dev(be, logits), kk, mode, normalize)
+            np.testing.assert_array_equal(be.download(bid), rid)
+            close(be.download(bw), rw, 1e-6)
+            if mode == "topk":
+                assert rid[0, :2].tolist() == [1, 4] and (E < 40 or rid[1, :4].tolist() == [7, 39, 40, 299])
 
 
-def ref_first_tie_ok(logits, k):
-    ids, _ = routing.route(logits, k)
-    return ids[0, 0] == 1 and ids[0, 1] == 4
-
-
-def test_align_worked_example():
+def test_align_worked_example(kernel_backend):
+    """routing.align's docstring example, on the device: offsets, order, inverse, the counts and the
+    per-expert tally added to."""
+    _, be = backend(kernel_backend)
     offsets, order, inverse = routing.align(np.array([[2, 0], [0, 3], [2, 0]], np.int32), 4)
     assert offsets.tolist() == [0, 3, 3, 5, 6]
     assert order.tolist() == [1, 2, 5, 0, 4, 3]
     assert inverse.tolist() == [3, 0, 1, 5, 4, 2]
+    tally = dev(be, np.array([10, 0, 0, 1], np.int32))
+    plan = be.align(plan_bufs(be, 6, 4), dev(be, np.array([[2, 0], [0, 3], [2, 0]], np.int32)), 3, 4, 2, tally)
+    assert be.download(plan.offsets).tolist() == [0, 3, 3, 5, 6]
+    assert be.download(plan.order).tolist() == [1, 2, 5, 0, 4, 3]
+    assert be.download(plan.inverse).tolist() == [3, 0, 1, 5, 4, 2]
+    assert list(plan.experts_to_run()) == [0, 2, 3]
+    assert be.download(tally).tolist() == [13, 0, 2, 2]
+
+
+@pytest.mark.parametrize("T,k,E,H,I", MOE_SHAPES)
+def test_route_align_ffn_combine(kernel_backend, T, k, E, H, I, rng):
+    """The MoE layer as the scheduler runs it: route, align, grouped SwiGLU of the chosen experts,
+    combine into the residual, for every weight type."""
+    ref, be = backend(kernel_backend)
+    logits = rng.standard_normal((T, E)).astype(np.float32)
+    rid, rw = np.zeros((T, k), np.int32), np.zeros((T, k), np.float32)
+    ref.route(rid, rw, logits, k, "topk", True)
+    bid, bw = be.alloc((T, k), np.int32), be.alloc((T, k))
+    be.route(bid, bw, dev(be, logits), k, "topk", True)
+    np.testing.assert_array_equal(be.download(bid), rid)
+    rplan = ref.align(None, rid, T, E, k)
+    for wd in be.weight_dtypes:
+        mats = [[stored(rng.standard_normal(s).astype(np.float32) / np.sqrt(s[1]), wd) for s in [(I, H), (I, H), (H, I)]]
+                for _ in range(E)]
+        rex = [FFN(*(upload(ref, m, wd) for m in ms)) for ms in mats]
+        bex = [FFN(*(upload(be, m, wd) for m in ms)) for ms in mats]
+        x = rng.standard_normal((T, H)).astype(np.float32)
+        y = np.zeros((T * k, H), np.float32)
+        ref.grouped_ffn(y, x, rex, rplan, None)
+        resid = rng.standard_normal((T, H)).astype(np.float32)
+        want = resid.copy()
+        ref.combine(want, y, rw, rplan)
+        bplan = be.align(plan_bufs(be, T * k, E), bid, T, E, k)
+        np.testing.assert_array_equal(be.download(bplan.order), rplan.order)
+        np.testing.assert_array_equal(be.download(bplan.inverse), rplan.inverse)
+        np.testing.assert_array_equal(bplan.experts_to_run(), np.flatnonzero(rplan.counts))
+        by = be.alloc((T * k, H))
+        be.grouped_ffn(by, dev(be, x), bex, bplan, be.alloc((T * k, I)))
+        close(be.download(by), y, TOL[wd])
+        out = dev(be, resid)
+        be.combine(out, by, dev(be, rw), bplan)
+        close(be.download(out), want, TOL[wd])
+
+
+def test_results_do_not_depend_on_queues(rng):
+    """Several queues / streams split a layer's experts: the results are bit-identical to one."""
+    from conftest import backend_available
+    from colibri_edge.backends import backend_class
+    ran = 0
+    for name in ("opencl", "cuda"):
+        if not backend_available(name)[0] or "num_streams" not in backend_class(name).OPTIONS:
+            continue
+        T, E, k, H, I = 21, 9, 3, 37, 29
+        logits = rng.standard_normal((T, E)).astype(np.float32)
+        x = rng.standard_normal((T, H)).astype(np.float32)
+        mats = [[rng.standard_normal(s).astype(np.float32) / np.sqrt(s[1]) for s in [(I, H), (I, H), (H, I)]]
+                for _ in range(E)]
+        outs = []
+        for n in (1, 2, 4):
+            be = create(name, num_streams=n)
+            ex = [FFN(*(be.upload(m) for m in ms)) for ms in mats]
+            ids, w = be.alloc((T, k), np.int32), be.alloc((T, k))
+            be.route(ids, w, dev(be, logits), k, "topk", True)
+            plan = be.align(plan_bufs(be, T * k, E), ids, T, E, k)
+            y = be.alloc((T * k, H))
+            be.grouped_ffn(y, dev(be, x), ex, plan, be.alloc((T * k, I)))
+            out = dev(be, x)
+            be.combine(out, y, w, plan)
+            outs.append(be.download(out))
+        for o in outs[1:]:
+            np.testing.assert_array_equal(o, outs[0])
+        ran += 1
+    if not ran:
+        pytest.skip("no backend with queues or streams here")

@@ -1,9 +1,17 @@
-"""Whole-model parity with Hugging Face transformers (the oracle), on every backend present:
-tiny random checkpoints of every supported model type, converted with `colibri convert`."""
+"""Whole-model parity on every backend, in every engine variant of conftest.ENGINE_VARIANTS
+(prefill chunks reaching each matmul path, block sizes, queue and stream counts):
+  * against transformers (the oracle) on tiny random checkpoints of every supported model type,
+    converted with `colibri convert`: float32 logits within 1e-4 of the largest, a batch, a single
+    prompt and ragged lengths, with the same expert ids as the reference backend at every token;
+  * against the reference backend on the same stored weights, for every weight type the backend
+    declares (float16, bfloat16, int8: the reduced-precision kernels, not the rounding, are tested);
+  * decode through the paged cache equals a full prefill."""
 import numpy as np
 import pytest
 
-from colibri_edge import Engine
+from colibri_edge import Engine, ColibriError, COLIBRI_ERR_UNAVAILABLE
+from colibri_edge.backends import backend_class
+from colibri_edge.hooks import RoutingHook
 from hf_models import CASES, convert_case, hf_logits
 
 TOL = 1e-4   # max |colibri - transformers| / max |transformers logit|
@@ -13,16 +21,37 @@ def rel_err(got, want):
     return float(np.abs(got - want).max() / np.abs(want).max())
 
 
+class ExpertIds(RoutingHook):
+    """Records the expert ids every MoE layer chose, token by token."""
+
+    def __init__(self, engine):
+        self.be, self.ids = engine.backend, {}
+        engine.runner.hooks.append(self)
+
+    def on_route(self, layer, ids, weights, next_layer, predicted):
+        self.ids.setdefault(layer, []).append(np.array(self.be.download(ids)))
+
+    def by_layer(self):
+        return {l: np.concatenate(v) for l, v in self.ids.items()}
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_logits_match_transformers(backend_name, case, model_cache):
+def test_logits_match_transformers(engine_variant, case, model_cache):
+    name, opts = engine_variant
     hf, col = convert_case(model_cache, case)
     rng = np.random.default_rng(7)
     V = CASES[case][1]["vocab_size"]
     batch = rng.integers(0, V, size=(3, 13))
     want = hf_logits(hf, batch)
     assert np.abs(want).max() > 1.0, "test model's logits are too small to prove anything"
-    with Engine.open(col, backend=backend_name, max_seq_len=64, disable_fp16=1) as eng:
+    with Engine.open(col, backend="reference", max_seq_len=64) as ref:
+        ref_ids = ExpertIds(ref)
+        ref.infer(batch)
+    with Engine.open(col, backend=name, max_seq_len=64, **opts) as eng:
+        ids = ExpertIds(eng)
         got = eng.infer(batch)                       # a batch
+        expert_ids = ids.by_layer()
+        eng.runner.hooks.clear()
         single = eng.infer(batch[1])                 # a single prompt ([seq] -> [1, seq, V])
         ragged = eng.infer([batch[0][:5], batch[2]])  # different lengths
     assert got.shape == want.shape and got.dtype == np.float32
@@ -30,30 +59,78 @@ def test_logits_match_transformers(backend_name, case, model_cache):
     assert rel_err(single[0], want[1]) < TOL
     assert rel_err(ragged[0], hf_logits(hf, batch[:1, :5])[0]) < TOL
     assert rel_err(ragged[1], want[2]) < TOL
+    ref_ids = ref_ids.by_layer()                     # the same expert path for every token and layer
+    assert expert_ids.keys() == ref_ids.keys()
+    for layer in expert_ids:
+        np.testing.assert_array_equal(expert_ids[layer], ref_ids[layer], err_msg=f"{case} layer {layer}")
 
 
-def test_bfloat16_checkpoint(backend_name, model_cache):
-    """A bfloat16 checkpoint keeps bfloat16 weights; the oracle upcasts the same values to float32."""
-    hf, col = convert_case(model_cache, "qwen2_moe_norm", dtype="bfloat16")
-    from colibri_edge.backends import create
-    from colibri_edge import ColibriError, COLIBRI_ERR_UNAVAILABLE
-    with Engine.open(col, backend="reference") as probe_engine:
-        assert probe_engine.config["weight_dtype"] == "bfloat16"
-    ids = np.random.default_rng(3).integers(0, 90, size=(2, 9))
-    want = hf_logits(hf, ids)
-    if "bfloat16" not in create(backend_name).weight_dtypes:
-        with pytest.raises(ColibriError) as ei:         # refused at open, never a wrong result
+@pytest.mark.parametrize("case,wd", [("mixtral", "float16"), ("qwen2_moe", "bfloat16"), ("qwen3_moe", "float16"),
+                                     ("olmoe", "bfloat16"), ("mixtral_top1_tied", "int8"), ("qwen2_moe", "int8")])
+def test_logits_match_reference_on_stored_weights(engine_variant, case, wd, model_cache):
+    """The backend's reduced-precision kernels against the reference on the very same stored weights;
+    decode (generate_batch) agrees token for token."""
+    name, opts = engine_variant
+    if wd not in backend_class(name).weight_dtypes:
+        pytest.skip(f"{name} does not declare {wd} weights (refused at open: test_weight_type_refused)")
+    _, col = convert_case(model_cache, case, out_dtype=wd)
+    V = CASES[case][1]["vocab_size"]
+    rng = np.random.default_rng(7)
+    ids = rng.integers(0, V, (2, 21)).astype(np.int32)
+    ragged = [rng.integers(0, V, n).astype(np.int32) for n in (5, 33)]
+    tol = 1e-4                                       # every variant computes in float32
+    with Engine.open(col, backend="reference", max_seq_len=64) as ref, \
+            Engine.open(col, backend=name, max_seq_len=64, **opts) as eng:
+        assert rel_err(eng.infer(ids), ref.infer(ids)) < tol
+        for got, want in zip(eng.infer(ragged), ref.infer(ragged)):
+            assert rel_err(got, want) < tol
+        prompts = [list(ids[0, :7]), list(ids[1, :3])]
+        assert eng.generate_batch(prompts, max_new_tokens=6) == ref.generate_batch(prompts, max_new_tokens=6)
+
+
+def test_weight_type_refused(backend_name, model_cache):
+    """A weight type a backend does not declare is refused at open, never run wrongly."""
+    for wd in ("float16", "bfloat16", "int8"):
+        if wd in backend_class(backend_name).weight_dtypes:
+            continue
+        _, col = convert_case(model_cache, "mixtral_top1_tied", out_dtype=wd)
+        with pytest.raises(ColibriError) as ei:
             Engine.open(col, backend=backend_name)
-        assert ei.value.code == COLIBRI_ERR_UNAVAILABLE and "bfloat16" in ei.value.message
-        return
-    with Engine.open(col, backend=backend_name, disable_fp16=1) as eng:
-        assert rel_err(eng.infer(ids), want) < TOL
+        assert ei.value.code == COLIBRI_ERR_UNAVAILABLE and wd in ei.value.message
 
 
-def test_chunked_prefill_equals_one_pass(backend_name, model_cache):
-    """Prefill split into chunks through the paged cache gives the same logits as one pass."""
+def test_bfloat16_checkpoint(engine_variant, model_cache):
+    """A bfloat16 checkpoint keeps bfloat16 weights; the oracle upcasts the same values to float32."""
+    name, opts = engine_variant
+    hf, col = convert_case(model_cache, "qwen2_moe_norm", dtype="bfloat16")
+    if "bfloat16" not in backend_class(name).weight_dtypes:
+        pytest.skip(f"{name} does not declare bfloat16 weights")
+    ids = np.random.default_rng(3).integers(0, 90, size=(2, 9))
+    with Engine.open(col, backend=name, **opts) as eng:
+        assert eng.config["weight_dtype"] == "bfloat16"
+        assert rel_err(eng.infer(ids), hf_logits(hf, ids)) < TOL
+
+
+def test_chunked_prefill_equals_one_pass(engine_variant, model_cache):
+    """Prefill split into chunks of 7 through a paged cache of 3-token blocks gives the same logits."""
+    name, opts = engine_variant
     hf, col = convert_case(model_cache, "qwen3_moe")
     ids = np.random.default_rng(5).integers(0, 96, size=40)
-    with Engine.open(col, backend=backend_name, prefill_chunk=7, kv_block_size=3, disable_fp16=1) as eng:
+    with Engine.open(col, backend=name, **{**opts, "prefill_chunk": 7, "kv_block_size": 3}) as eng:
         got = eng.infer(ids)
     assert rel_err(got, hf_logits(hf, ids[None])) < TOL
+
+
+@pytest.mark.parametrize("case", ["mixtral", "qwen2_moe", "olmoe"])
+def test_decode_matches_prefill(engine_variant, case, model_cache):
+    """Paged decode (one token per step, several sequences) gives the logits of a full prefill."""
+    name, opts = engine_variant
+    _, col = convert_case(model_cache, case)
+    V = CASES[case][1]["vocab_size"]
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, V, 5).tolist(), rng.integers(0, V, 2).tolist()]
+    with Engine.open(col, backend=name, **{"kv_block_size": 3, **opts}) as eng:
+        gens = eng.generate_batch(prompts, max_new_tokens=6)
+        full = eng.infer([np.array(p + g[:-1]) for p, g in zip(prompts, gens)])
+    for p, g, logits in zip(prompts, gens, full):
+        assert np.argmax(logits[len(p) - 1:], axis=-1).tolist() == g

@@ -10,6 +10,7 @@ import pytest
 from colibri_edge import Engine
 from colibri_edge.simulate import replay
 from colibri_edge.trace import Trace, routing_stats
+from conftest import fp32
 from hf_models import convert_case
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,11 +21,11 @@ PROMPTS = [[5, 17, 3, 42, 8, 11, 29, 2, 60, 61], [7, 7, 1], [90, 12, 33, 4, 4, 4
 def test_results_never_depend_on_slots_or_policy(backend_name, policy, model_cache):
     _, col = convert_case(model_cache, "olmoe")          # 2 MoE layers x 8 experts, top-2
     ids = np.random.default_rng(0).integers(0, 99, size=(2, 12))
-    with Engine.open(col, backend=backend_name, disable_fp16=1) as e:
+    with Engine.open(col, backend=backend_name, **fp32(backend_name)) as e:
         want = e.infer(ids)
         want_gen = e.generate(PROMPTS[0], max_new_tokens=10, ignore_eos=True)
     for slots in (16, 5, 2):                             # all, in between, top_k
-        with Engine.open(col, backend=backend_name, expert_slots=slots, slot_policy=policy, disable_fp16=1) as e:
+        with Engine.open(col, backend=backend_name, expert_slots=slots, slot_policy=policy, **fp32(backend_name)) as e:
             np.testing.assert_array_equal(e.infer(ids), want)
             assert e.generate(PROMPTS[0], max_new_tokens=10, ignore_eos=True) == want_gen
             st = e.slot_stats

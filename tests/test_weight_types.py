@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from colibri_edge import Engine
-from colibri_edge.backends import create
+from colibri_edge.backends import backend_class
 from hf_models import CASES, MODEL_TYPES, convert_case, hf_greedy, hf_logits
 
 # max |logit error| / max |logit| against transformers at float32, per weight type. bfloat16 keeps 8
@@ -21,7 +21,7 @@ MIN_CLEAR = {"float16": 1 / 3, "bfloat16": 1 / 3, "int8": 0.0}
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 @pytest.mark.parametrize("wd", sorted(TOLERANCE))
 def test_teacher_forced_greedy(backend_name, model_type, wd, model_cache):
-    if wd not in create(backend_name).weight_dtypes:
+    if wd not in backend_class(backend_name).weight_dtypes:
         pytest.skip(f"{backend_name} does not declare {wd} weights")
     from colibri_edge.convert import convert
     import os

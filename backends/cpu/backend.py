@@ -1,9 +1,8 @@
-"""The cpu backend: Numba kernels (kernels.py) over NumPy buffers, on any x86-64 or ARM64 CPU.
+"""The cpu backend: Numba kernels (kernels.py: dense and attention; moe_kernels.py) over NumPy buffers, on any x86-64 or ARM64 CPU.
 
-Memory is host memory. Weights stay the read-only memmap views given to `upload`, only re-viewed
+Memory is host memory. Weights stay the read-only memmap views given to `to_device`, only re-viewed
 as their stored bits (float16 -> uint16, bfloat16 -> int16; see kernels.py), so pages of experts
-never routed to are never read. Every op writes into the buffer it is given and allocates nothing;
-the one piece of scratch of its own, the MoE plan, comes from `alloc_plan`, once.
+never routed to are never read. Every op writes into the buffer it is given and allocates nothing.
 
 Threads: COLIBRI_NUM_THREADS arrives as `num_threads` (0 = every thread Numba started, by default
 one per core) and sizes Numba's pool with numba.set_num_threads. That setting is per calling
@@ -21,11 +20,11 @@ import numpy as np
 from colibri_edge.dtypes import STORAGE
 from colibri_edge.errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
 from colibri_edge.modeldir import expert_sections
-from ..base import Backend as BackendBase, Plan, Weight
+from ..base import Backend as BackendBase, Plan, Weight, plan_buffers
 
-# weight type -> element type of the view the kernels read (the type picks the widening)
+# stored type -> element type of the view the kernels read (the type picks the widening)
 KERNEL_VIEW = {"float32": np.dtype(np.float32), "float16": np.dtype(np.uint16), "bfloat16": np.dtype(np.int16),
-               "int8": np.dtype(np.int8)}
+               "int8": np.dtype(np.int8), "uint8": np.dtype(np.uint8)}
 
 _thread_state = threading.local()     # the thread count set on this thread, if any
 
@@ -59,11 +58,12 @@ def _readonly(a: np.ndarray) -> np.ndarray:
 class Backend(BackendBase):
     name = "cpu"
     weight_dtypes = ("float32", "float16", "bfloat16", "int8")
+    OPTIONS = ("num_threads",)
 
-    def __init__(self, num_threads=0, **options):
+    def __init__(self, num_threads=0):
         import numba
-        from . import kernels
-        self.numba, self.k, self.options = numba, kernels, options
+        from . import kernels, moe_kernels
+        self.numba, self.k, self.m = numba, kernels, moe_kernels
         pool = numba.config.NUMBA_NUM_THREADS
         num_threads = int(num_threads or 0)
         if num_threads < 0 or num_threads > pool:
@@ -72,6 +72,7 @@ class Backend(BackendBase):
                                f"(or set NUMBA_NUM_THREADS={num_threads} before starting)")
         self.num_threads = num_threads or pool
         self.none = _readonly(np.zeros(0, np.float32))      # an absent bias or scales vector
+        self.no_tally = np.zeros(0, np.int32)
         self._warm_up()
 
     def _warm_up(self):
@@ -80,9 +81,10 @@ class Backend(BackendBase):
         and memory at backend creation, never inside a request."""
         T, H, I, E, k, D, B = 2, 8, 4, 3, 2, 4, 2
         f32, i32 = np.float32, np.int32
-        x, o, y, h = self.alloc((T, H)), self.alloc((T, H)), self.alloc((T * k, H)), self.alloc((T * k, 2 * I))
+        x, o, y, h = self.alloc((T, H)), self.alloc((T, H)), self.alloc((T * k, H)), self.alloc((T * k, I))
         ids, pos = self.alloc((T, k), i32), self.alloc((T,), i32)
         norm = self.upload(np.ones(H, f32))
+        bufs = {n: self.alloc(s, d) for n, (s, d) in plan_buffers(T * k, E).items()}
         for wd in self.weight_dtypes:
             sc = np.ones(H, f32) if wd == "int8" else None
             w = self.upload(np.zeros((H, H), STORAGE[wd]), wd, scales=sc)
@@ -90,8 +92,9 @@ class Backend(BackendBase):
             self.embed(x, w, pos)
             self.matmul(o, x, w)
             self.route(ids, self.alloc((T, k)), self.alloc((T, E)), k, "topk", True)
-            plan = self.align(self.alloc_plan(T * k, E), ids, T, E, k)
+            plan = self.align(bufs, ids, T, E, k, self.alloc((E,), i32))
             self.grouped_ffn(y, x, [ffn] * E, plan, h)
+        self.align(bufs, ids, T, E, k)
         self.embed(x, y, pos)
         self.matmul(o, x, self.upload(np.zeros((H, H), f32)), norm)
         self.rmsnorm(x, x, norm, 1e-6)
@@ -100,42 +103,43 @@ class Backend(BackendBase):
         self.combine(x, y, self.alloc((T, k)), plan)
         q, kv = self.alloc((T, 2, D)), self.alloc((T, 1, D))
         self.rope(q, q, pos, 10000.0)
-        cache = self.alloc_kv(1, 2 * B, 1, D)
-        self.kv_write(cache, 0, kv, kv, pos)
-        self.paged_attention(q.copy(), q, cache, 0, self.alloc((1, 2), i32), pos, pos, B, 0.5)
+        K, V = self.alloc((2 * B, 1, D)), self.alloc((2 * B, 1, D))
+        self.kv_write(K, V, kv, kv, pos)
+        self.paged_attention(q.copy(), q, K, V, self.alloc((1, 2), i32), pos, pos, B, 0.5)
 
     def _use_threads(self):
         if getattr(_thread_state, "n", None) != self.num_threads:
             self.numba.set_num_threads(self.num_threads)
             _thread_state.n = self.num_threads
 
-    def describe(self) -> str:
+    def summary(self) -> str:
         return f"cpu: {probe()[1]}, {self.num_threads} threads"
 
     # -- memory ------------------------------------------------------------------------------
     def alloc(self, shape, dtype=np.float32):
         return np.zeros(shape, dtype=dtype)
 
-    def upload(self, host, dtype="float32", scales=None):
-        if dtype not in KERNEL_VIEW:
-            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"cpu backend: unknown weight dtype {dtype!r}")
+    def to_device(self, host, dtype):
         arr = np.asarray(host)
-        if arr.dtype.itemsize != STORAGE[dtype].itemsize:
-            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT,
-                               f"cpu backend: {arr.dtype} data cannot hold {dtype} weights")
+        if arr.dtype.itemsize != KERNEL_VIEW[dtype].itemsize:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"cpu backend: {arr.dtype} data cannot hold {dtype}")
         if not arr.flags.c_contiguous:     # model tensors always are; this copies only odd inputs
             arr = np.ascontiguousarray(arr)
-        if (scales is None) != (dtype != "int8"):
-            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, "cpu backend: int8 weights, and only they, carry row scales")
-        if scales is not None:
-            scales = _readonly(np.ascontiguousarray(scales, dtype=np.float32))
-        return Weight(_readonly(arr.view(KERNEL_VIEW[dtype])), dtype, tuple(arr.shape), scales)
+        return _readonly(arr.view(KERNEL_VIEW[dtype]))
+
+    def view(self, buf, byte_offset, shape, dtype):
+        dt = KERNEL_VIEW[dtype]
+        n = int(np.prod(shape)) * dt.itemsize
+        return _readonly(buf[byte_offset:byte_offset + n].view(dt).reshape(shape))
 
     def upload_into(self, dst, host):
         dst[...] = host
 
     def download(self, buf):
         return np.array(buf)
+
+    def host_view(self, buf):
+        return buf
 
     # -- dense -------------------------------------------------------------------------------
     def _scales(self, w):
@@ -164,45 +168,27 @@ class Backend(BackendBase):
             self.k.gated_add(out, a, b, gate)
 
     # -- attention ---------------------------------------------------------------------------
-    def alloc_kv(self, num_layers, num_slots, kv_heads, head_dim):
-        return [(np.zeros((num_slots, kv_heads, head_dim), np.float32),
-                 np.zeros((num_slots, kv_heads, head_dim), np.float32)) for _ in range(num_layers)]
+    def kv_write(self, K, V, k, v, slots):
+        self.k.kv_write(K, V, k, v, slots)
 
-    def kv_write(self, cache, layer, k, v, slots):
-        k_cache, v_cache = cache[layer]
-        self.k.kv_write(k_cache, v_cache, k, v, slots)
-
-    def paged_attention(self, out, q, cache, layer, block_tables, seq_index, positions, block_size, scale):
-        k_cache, v_cache = cache[layer]
+    def paged_attention(self, out, q, K, V, block_tables, seq_index, positions, block_size, scale):
         self._use_threads()
-        self.k.paged_attention(out, q, k_cache, v_cache, block_tables, seq_index, positions,
-                               int(block_size), float(scale))
+        self.k.paged_attention(out, q, K, V, block_tables, seq_index, positions, int(block_size), float(scale))
 
     # -- MoE ---------------------------------------------------------------------------------
     def route(self, out_ids, out_w, logits, k, mode, normalize):
-        if mode not in ("topk", "gated"):
-            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"router_mode {mode!r}: cpu runs topk and gated")
-        self.k.route(out_ids, out_w, logits, mode == "gated", bool(normalize))
+        self.m.route(out_ids, out_w, logits, mode == "gated", bool(normalize))
 
-    def alloc_plan(self, max_assignments, num_experts):
-        """Plan buffers for up to max_assignments (T*k) rows and num_experts experts, filled by align."""
-        i32 = np.int32
-        return {"offsets": np.zeros(num_experts + 1, i32), "order": np.zeros(max_assignments, i32),
-                "inverse": np.zeros(max_assignments, i32), "counts": np.zeros(num_experts, i32),
-                "active": np.zeros(num_experts, i32)}
-
-    def align(self, plan_bufs, ids, num_tokens, num_experts, top_k):
-        A = num_tokens * top_k
-        if plan_bufs is None:              # a caller without alloc_plan (not the decode loop)
-            plan_bufs = self.alloc_plan(A, num_experts)
-        b = plan_bufs
-        if A > b["order"].shape[0] or num_experts > b["counts"].shape[0]:
-            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"plan of {A} rows / {num_experts} experts exceeds "
-                               f"alloc_plan({b['order'].shape[0]}, {b['counts'].shape[0]})")
-        order, inverse, counts = b["order"][:A], b["inverse"][:A], b["counts"][:num_experts]
-        offsets, active = b["offsets"][:num_experts + 1], b["active"][:num_experts]
-        n_active = self.k.align(offsets, order, inverse, counts, active, ids.reshape(-1)[:A])
-        return Plan(offsets, order, inverse, counts, num_tokens, top_k, active[:n_active])
+    def align(self, bufs, ids, num_tokens, num_experts, top_k, tally=None):
+        A, E = num_tokens * top_k, num_experts
+        if A > bufs["order"].shape[0] or E > bufs["counts"].shape[0]:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"plan of {A} rows / {E} experts exceeds its buffers "
+                               f"({bufs['order'].shape[0]} / {bufs['counts'].shape[0]})")
+        order, inverse, counts = bufs["order"][:A], bufs["inverse"][:A], bufs["counts"][:E]
+        offsets, active = bufs["offsets"][:E + 1], bufs["active"][:E]
+        n_active = self.m.align(offsets, order, inverse, counts, active, ids.reshape(-1)[:A],
+                                self.no_tally if tally is None else tally)
+        return Plan(offsets, order, inverse, counts, num_tokens, top_k, active[:n_active], num_experts=E)
 
     def grouped_ffn(self, out, x, experts, plan, scratch):
         """Per active expert: gate/up + SwiGLU into scratch (its rows, packed [n, I]), then down into
@@ -216,10 +202,10 @@ class Backend(BackendBase):
             ffn = experts[e]
             inter = ffn.gate.shape[0]
             act = flat[start * width:start * width + n * inter].reshape(n, inter)
-            self.k.swiglu_gate_up(act, x, plan.order, start, plan.top_k, ffn.gate.data, ffn.up.data,
+            self.m.swiglu_gate_up(act, x, plan.order, start, plan.top_k, ffn.gate.data, ffn.up.data,
                                   self._scales(ffn.gate), self._scales(ffn.up), self.num_threads)
             self.k.matmul(out[start:start + n], act, ffn.down.data, self._scales(ffn.down), self.none,
                           self.num_threads)
 
     def combine(self, out, y, w, plan):
-        self.k.combine(out, y, w, plan.inverse)
+        self.m.combine(out, y, w, plan.inverse)

@@ -3,7 +3,7 @@
 #include "colibri_common.cuh"
 
 #define ATT_WARPS 4        // warps per (token, head) CTA, each walking every 4th key
-#define ATT_MAX_DPL 8      // head_dim <= 32 * 8 = 256
+// ATT_MAX_DPL (head_dim <= 32 * ATT_MAX_DPL) comes from sources.py DEFINES
 
 // K[slots[t]] = k[t], V[slots[t]] = v[t];  k, v [T, Hkv*D] = [T, W]
 // grid ceil(T*W/256), block 256

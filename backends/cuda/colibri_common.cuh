@@ -10,6 +10,13 @@
 // (there __CUDACC__ is undefined and the emulator's header supplies the intrinsics).
 #pragma once
 
+// Constants the host needs too are defined once, in sources.py DEFINES, and passed as -D options
+// to NVRTC, to nvcc (toolchains/cuda) and to the emulator's g++: a build without them stops here.
+#if !defined(SK_ROWS) || !defined(SK_WARPS) || !defined(TBM) || !defined(TBN) || !defined(ATT_MAX_DPL) || \
+    !defined(ROUTE_MAXJ) || !defined(ALIGN_THREADS) || !defined(ALIGN_EPT)
+#error "build with the -D options of backends/cuda/sources.py (python3 backends/cuda/sources.py --defines)"
+#endif
+
 typedef unsigned short half_t;     // IEEE fp16 bits
 struct bf16_t { unsigned short v; };  // bfloat16 bits: the top half of an fp32
 typedef signed char i8_t;          // int8 weights: w[r, c] = q[r, c] * scale[r]  (fp32 row scales)

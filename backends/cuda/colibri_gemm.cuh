@@ -17,11 +17,10 @@
 #pragma once
 #include "colibri_common.cuh"
 
-#define SK_ROWS 8      // rows per skinny CTA (= block size BM of a skinny MoE plan)
-#define SK_WARPS 8     // columns per skinny CTA (256 threads)
+// SK_ROWS (rows per skinny CTA = block size BM of a skinny MoE plan), SK_WARPS (columns per skinny
+// CTA, 256 threads), TBM (rows per tiled CTA = BM of a tiled plan) and TBN (columns per tiled CTA)
+// come from sources.py DEFINES: the host sizes grids and plans with the same numbers.
 #define SK_KC 512      // K chunk of activation rows staged in shared memory (8 x 512 fp32 = 16 KiB)
-#define TBM 64         // rows per tiled CTA (= block size BM of a tiled MoE plan)
-#define TBN 64         // columns per tiled CTA
 #define TBK 16         // K step of the tiled loop
 
 // two consecutive weights (2-byte aligned for int8, 4 for fp16/bf16, 8 for fp32: K even, aligned matrix starts)

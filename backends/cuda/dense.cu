@@ -4,40 +4,78 @@
 
 // out[T,H] = table[ids[t], :] (* scales[ids[t]] for int8)   (table [V,H] fp32/fp16/bf16/int8, widened)
 // grid (ceil(H/256), T), block 256
-#define CE_EMBED(SUF, WT)                                                                           \
-    extern "C" __global__ void embed_##SUF(float* out, const WT* table, const float* scales, const int* ids, \
-                                           int T, int H) {                                           \
-        const int t = blockIdx.y, h = blockIdx.x * blockDim.x + threadIdx.x;                       \
-        if (t >= T || h >= H) return;                                                               \
-        const float v = to_f32(table[(size_t)ids[t] * H + h]);                                      \
-        out[(size_t)t * H + h] = scales ? v * scales[ids[t]] : v;                                   \
-    }
-CE_EMBED(f32, float)
-CE_EMBED(f16, half_t)
-CE_EMBED(bf16, bf16_t)
-CE_EMBED(i8, i8_t)
+template <typename WT>
+CE_DEV void embed_rows(float* out, const WT* table, const float* scales, const int* ids, int T, int H) {
+    const int t = blockIdx.y, h = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= T || h >= H) return;
+    const float v = to_f32(table[(size_t)ids[t] * H + h]);
+    out[(size_t)t * H + h] = scales ? v * scales[ids[t]] : v;
+}
+extern "C" __global__ void embed_f32(float* out, const float* table, const float* scales, const int* ids,
+                                    int T, int H) {
+    embed_rows(out, table, scales, ids, T, H);
+}
+extern "C" __global__ void embed_f16(float* out, const half_t* table, const float* scales, const int* ids,
+                                    int T, int H) {
+    embed_rows(out, table, scales, ids, T, H);
+}
+extern "C" __global__ void embed_bf16(float* out, const bf16_t* table, const float* scales, const int* ids,
+                                    int T, int H) {
+    embed_rows(out, table, scales, ids, T, H);
+}
+extern "C" __global__ void embed_i8(float* out, const i8_t* table, const float* scales, const int* ids,
+                                    int T, int H) {
+    embed_rows(out, table, scales, ids, T, H);
+}
 
 // out[T,N] = x[T,K] @ (W[N,K] * scales[N, None])^T (+ bias[N])     (scales: int8 only, else null)
-// skinny: grid (ceil(N/8), ceil(T/8)), block 256      tiled: grid (ceil(N/64), ceil(T/64)), block 256
-#define CE_MATMUL(SUF, WT)                                                                          \
-    extern "C" __global__ void matmul_skinny_##SUF(float* out, const float* x, const WT* W,          \
-                                                   const float* scales, const float* bias, int T,    \
-                                                   int N, int K) {                                   \
-        const int row0 = blockIdx.y * SK_ROWS;                                                      \
-        skinny_tile<WT, 0>(out, x, nullptr, 1, row0, min(SK_ROWS, T - row0), W, nullptr, scales,    \
-                           nullptr, bias, N, K, blockIdx.x * SK_WARPS);                              \
-    }                                                                                               \
-    extern "C" __global__ void matmul_tiled_##SUF(float* out, const float* x, const WT* W,           \
-                                                  const float* scales, const float* bias, int T,     \
-                                                  int N, int K) {                                    \
-        const int row0 = blockIdx.y * TBM;                                                          \
-        tiled_tile<WT, 0>(out, x, nullptr, 1, row0, min(TBM, T - row0), W, nullptr, scales, nullptr, \
-                          bias, N, K, blockIdx.x * TBN);                                            \
-    }
-CE_MATMUL(f32, float)
-CE_MATMUL(f16, half_t)
-CE_MATMUL(bf16, bf16_t)
-CE_MATMUL(i8, i8_t)
+// skinny: grid (ceil(N/SK_WARPS), ceil(T/SK_ROWS)), block 256   tiled: grid (ceil(N/TBN), ceil(T/TBM)), block 256
+template <typename WT>
+CE_DEV void matmul_skinny(float* out, const float* x, const WT* W, const float* scales, const float* bias, int T,
+                          int N, int K) {
+    const int row0 = blockIdx.y * SK_ROWS;
+    skinny_tile<WT, 0>(out, x, nullptr, 1, row0, min(SK_ROWS, T - row0), W, nullptr, scales, nullptr, bias, N, K,
+                       blockIdx.x * SK_WARPS);
+}
+template <typename WT>
+CE_DEV void matmul_tiled(float* out, const float* x, const WT* W, const float* scales, const float* bias, int T,
+                         int N, int K) {
+    const int row0 = blockIdx.y * TBM;
+    tiled_tile<WT, 0>(out, x, nullptr, 1, row0, min(TBM, T - row0), W, nullptr, scales, nullptr, bias, N, K,
+                      blockIdx.x * TBN);
+}
+extern "C" __global__ void matmul_skinny_f32(float* out, const float* x, const float* W, const float* scales,
+                                           const float* bias, int T, int N, int K) {
+    matmul_skinny(out, x, W, scales, bias, T, N, K);
+}
+extern "C" __global__ void matmul_skinny_f16(float* out, const float* x, const half_t* W, const float* scales,
+                                           const float* bias, int T, int N, int K) {
+    matmul_skinny(out, x, W, scales, bias, T, N, K);
+}
+extern "C" __global__ void matmul_skinny_bf16(float* out, const float* x, const bf16_t* W, const float* scales,
+                                           const float* bias, int T, int N, int K) {
+    matmul_skinny(out, x, W, scales, bias, T, N, K);
+}
+extern "C" __global__ void matmul_skinny_i8(float* out, const float* x, const i8_t* W, const float* scales,
+                                           const float* bias, int T, int N, int K) {
+    matmul_skinny(out, x, W, scales, bias, T, N, K);
+}
+extern "C" __global__ void matmul_tiled_f32(float* out, const float* x, const float* W, const float* scales,
+                                           const float* bias, int T, int N, int K) {
+    matmul_tiled(out, x, W, scales, bias, T, N, K);
+}
+extern "C" __global__ void matmul_tiled_f16(float* out, const float* x, const half_t* W, const float* scales,
+                                           const float* bias, int T, int N, int K) {
+    matmul_tiled(out, x, W, scales, bias, T, N, K);
+}
+extern "C" __global__ void matmul_tiled_bf16(float* out, const float* x, const bf16_t* W, const float* scales,
+                                           const float* bias, int T, int N, int K) {
+    matmul_tiled(out, x, W, scales, bias, T, N, K);
+}
+extern "C" __global__ void matmul_tiled_i8(float* out, const float* x, const i8_t* W, const float* scales,
+                                           const float* bias, int T, int N, int K) {
+    matmul_tiled(out, x, W, scales, bias, T, N, K);
+}
 
 // out[R,D] = x / sqrt(mean(x^2) + eps) * w[D]     (in place allowed: out == x)
 // grid R, block 32..1024 (a multiple of 32)

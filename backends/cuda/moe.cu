@@ -4,9 +4,8 @@
 // intermediate size.
 #include "colibri_gemm.cuh"
 
-#define ROUTE_MAXJ 16      // experts per lane: E <= 32 * 16 = 512
-#define ALIGN_THREADS 256
-#define ALIGN_EPT 4        // experts per align thread: E <= 256 * 4 = 1024
+// ROUTE_MAXJ (experts per lane: E <= 32 * ROUTE_MAXJ), ALIGN_THREADS and ALIGN_EPT (experts per
+// align thread: E <= ALIGN_THREADS * ALIGN_EPT) come from sources.py DEFINES
 #define ALIGN_CHUNK 2048   // assignments staged in shared memory per pass
 
 // logits [T,E] fp32 -> ids [T,k] int32, w [T,k] fp32.
@@ -103,6 +102,7 @@ static __device__ int block_exscan(int v, int* sm, int* total) {
 //   counts[e]  = #{a : ids[a] == e}          offsets[e] = counts[0] + ... + counts[e-1], offsets[E] = A
 //   order[offsets[e] + r] = the r-th a (ascending) with ids[a] == e,   inverse[order[i]] = i
 //   blocks[b] = (expert, first row, end row),  nblocks[0] = number of blocks
+//   tally[e] += counts[e]  when tally is not null
 // Worked example: ids = [[2,0],[0,3],[2,0]] (T=3, k=2, E=4), BM = 2
 //   a:       0 1 2 3 4 5          counts  = [3,0,2,1]      offsets = [0,3,3,5,6]
 //   expert:  2 0 0 3 2 0          order   = [1,2,5, 0,4, 3] inverse = [3,0,1,5,4,2]
@@ -113,7 +113,7 @@ static __device__ int block_exscan(int v, int* sm, int* total) {
 // and CTAs past nblocks[0] exit at once, so the launch needs no host copy of the plan.
 // one CTA of ALIGN_THREADS threads; thread i owns experts 4i .. 4i+3 (E <= 1024)
 extern "C" __global__ void moe_align(int* offsets, int* order, int* inverse, int* counts, int* blocks,
-                                     int* nblocks, const int* ids, int A, int E, int BM) {
+                                     int* nblocks, int* tally, const int* ids, int A, int E, int BM) {
     __shared__ int s_ids[ALIGN_CHUNK];
     __shared__ int s_scan[32];
     const int tid = threadIdx.x, e0 = tid * ALIGN_EPT;
@@ -148,6 +148,7 @@ extern "C" __global__ void moe_align(int* offsets, int* order, int* inverse, int
         if (e < E) {
             offsets[e] = off;
             counts[e] = c[q];
+            if (tally) tally[e] += c[q];     // tokens routed to e over the engine's life (graph replays too)
             for (int r = 0; r < c[q]; r += BM) {
                 blocks[3 * boff] = e;
                 blocks[3 * boff + 1] = off + r;
@@ -189,37 +190,115 @@ extern "C" __global__ void moe_align(int* offsets, int* order, int* inverse, int
 // a layer's experts in waves), return at once.
 // skinny (BM <= 8): grid (ceil(max_blocks / nparts), ceil(N / 8)), block 256
 // tiled (BM <= 64): grid (ceil(max_blocks / nparts), ceil(N / 64)), block 256
-#define CE_MOE(KIND, COLS, SUF, WT)                                                                 \
-    extern "C" __global__ void moe_gate_up_##KIND##_##SUF(                                           \
-        float* act, const float* x, const int* order, const int* blocks, const int* nblocks,         \
-        const u64* gate_tab, const u64* up_tab, const u64* gs_tab, const u64* us_tab,                \
-        const int* active, int k, int H, int I, int part, int nparts) {                              \
-        const int b = blockIdx.x * nparts + part;                                                   \
-        if (b >= nblocks[0]) return;                                                                \
-        const int e = blocks[3 * b], r0 = blocks[3 * b + 1], r1 = blocks[3 * b + 2];                \
-        if (active && !active[e]) return;                                                           \
-        KIND##_tile<WT, 1>(act, x, order, k, r0, r1 - r0, (const WT*)gate_tab[e], (const WT*)up_tab[e], \
-                           (const float*)gs_tab[e], (const float*)us_tab[e], nullptr, I, H,         \
-                           blockIdx.y * COLS);                                                       \
-    }                                                                                               \
-    extern "C" __global__ void moe_down_##KIND##_##SUF(                                              \
-        float* y, const float* act, const int* blocks, const int* nblocks, const u64* down_tab,      \
-        const u64* ds_tab, const int* active, int H, int I, int part, int nparts) {                  \
-        const int b = blockIdx.x * nparts + part;                                                   \
-        if (b >= nblocks[0]) return;                                                                \
-        const int e = blocks[3 * b], r0 = blocks[3 * b + 1], r1 = blocks[3 * b + 2];                \
-        if (active && !active[e]) return;                                                           \
-        KIND##_tile<WT, 0>(y, act, nullptr, 1, r0, r1 - r0, (const WT*)down_tab[e], nullptr,        \
-                           (const float*)ds_tab[e], nullptr, nullptr, H, I, blockIdx.y * COLS);     \
-    }
-CE_MOE(skinny, SK_WARPS, f32, float)
-CE_MOE(skinny, SK_WARPS, f16, half_t)
-CE_MOE(skinny, SK_WARPS, bf16, bf16_t)
-CE_MOE(skinny, SK_WARPS, i8, i8_t)
-CE_MOE(tiled, TBN, f32, float)
-CE_MOE(tiled, TBN, f16, half_t)
-CE_MOE(tiled, TBN, bf16, bf16_t)
-CE_MOE(tiled, TBN, i8, i8_t)
+template <typename WT, bool SKINNY>
+CE_DEV void moe_gate_up(float* act, const float* x, const int* order, const int* blocks, const int* nblocks,
+                        const u64* gate_tab, const u64* up_tab, const u64* gs_tab, const u64* us_tab,
+                        const int* active, int k, int H, int I, int part, int nparts) {
+    const int b = blockIdx.x * nparts + part;
+    if (b >= nblocks[0]) return;
+    const int e = blocks[3 * b], r0 = blocks[3 * b + 1], r1 = blocks[3 * b + 2];
+    if (active && !active[e]) return;
+    if constexpr (SKINNY)
+        skinny_tile<WT, 1>(act, x, order, k, r0, r1 - r0, (const WT*)gate_tab[e], (const WT*)up_tab[e],
+                           (const float*)gs_tab[e], (const float*)us_tab[e], nullptr, I, H, blockIdx.y * SK_WARPS);
+    else
+        tiled_tile<WT, 1>(act, x, order, k, r0, r1 - r0, (const WT*)gate_tab[e], (const WT*)up_tab[e],
+                          (const float*)gs_tab[e], (const float*)us_tab[e], nullptr, I, H, blockIdx.y * TBN);
+}
+template <typename WT, bool SKINNY>
+CE_DEV void moe_down(float* y, const float* act, const int* blocks, const int* nblocks, const u64* down_tab,
+                     const u64* ds_tab, const int* active, int H, int I, int part, int nparts) {
+    const int b = blockIdx.x * nparts + part;
+    if (b >= nblocks[0]) return;
+    const int e = blocks[3 * b], r0 = blocks[3 * b + 1], r1 = blocks[3 * b + 2];
+    if (active && !active[e]) return;
+    if constexpr (SKINNY)
+        skinny_tile<WT, 0>(y, act, nullptr, 1, r0, r1 - r0, (const WT*)down_tab[e], nullptr, (const float*)ds_tab[e],
+                           nullptr, nullptr, H, I, blockIdx.y * SK_WARPS);
+    else
+        tiled_tile<WT, 0>(y, act, nullptr, 1, r0, r1 - r0, (const WT*)down_tab[e], nullptr, (const float*)ds_tab[e],
+                          nullptr, nullptr, H, I, blockIdx.y * TBN);
+}
+extern "C" __global__ void moe_gate_up_skinny_f32(float* act, const float* x, const int* order, const int* blocks,
+        const int* nblocks, const u64* gate_tab, const u64* up_tab, const u64* gs_tab, const u64* us_tab,
+        const int* active, int k, int H, int I, int part, int nparts) {
+    moe_gate_up<float, true>(act, x, order, blocks, nblocks, gate_tab, up_tab, gs_tab, us_tab, active, k, H, I, part,
+                      nparts);
+}
+extern "C" __global__ void moe_down_skinny_f32(float* y, const float* act, const int* blocks, const int* nblocks,
+        const u64* down_tab, const u64* ds_tab, const int* active, int H, int I, int part, int nparts) {
+    moe_down<float, true>(y, act, blocks, nblocks, down_tab, ds_tab, active, H, I, part, nparts);
+}
+extern "C" __global__ void moe_gate_up_skinny_f16(float* act, const float* x, const int* order, const int* blocks,
+        const int* nblocks, const u64* gate_tab, const u64* up_tab, const u64* gs_tab, const u64* us_tab,
+        const int* active, int k, int H, int I, int part, int nparts) {
+    moe_gate_up<half_t, true>(act, x, order, blocks, nblocks, gate_tab, up_tab, gs_tab, us_tab, active, k, H, I, part,
+                      nparts);
+}
+extern "C" __global__ void moe_down_skinny_f16(float* y, const float* act, const int* blocks, const int* nblocks,
+        const u64* down_tab, const u64* ds_tab, const int* active, int H, int I, int part, int nparts) {
+    moe_down<half_t, true>(y, act, blocks, nblocks, down_tab, ds_tab, active, H, I, part, nparts);
+}
+extern "C" __global__ void moe_gate_up_skinny_bf16(float* act, const float* x, const int* order, const int* blocks,
+        const int* nblocks, const u64* gate_tab, const u64* up_tab, const u64* gs_tab, const u64* us_tab,
+        const int* active, int k, int H, int I, int part, int nparts) {
+    moe_gate_up<bf16_t, true>(act, x, order, blocks, nblocks, gate_tab, up_tab, gs_tab, us_tab, active, k, H, I, part,
+                      nparts);
+}
+extern "C" __global__ void moe_down_skinny_bf16(float* y, const float* act, const int* blocks, const int* nblocks,
+        const u64* down_tab, const u64* ds_tab, const int* active, int H, int I, int part, int nparts) {
+    moe_down<bf16_t, true>(y, act, blocks, nblocks, down_tab, ds_tab, active, H, I, part, nparts);
+}
+extern "C" __global__ void moe_gate_up_skinny_i8(float* act, const float* x, const int* order, const int* blocks,
+        const int* nblocks, const u64* gate_tab, const u64* up_tab, const u64* gs_tab, const u64* us_tab,
+        const int* active, int k, int H, int I, int part, int nparts) {
+    moe_gate_up<i8_t, true>(act, x, order, blocks, nblocks, gate_tab, up_tab, gs_tab, us_tab, active, k, H, I, part,
+                      nparts);
+}
+extern "C" __global__ void moe_down_skinny_i8(float* y, const float* act, const int* blocks, const int* nblocks,
+        const u64* down_tab, const u64* ds_tab, const int* active, int H, int I, int part, int nparts) {
+    moe_down<i8_t, true>(y, act, blocks, nblocks, down_tab, ds_tab, active, H, I, part, nparts);
+}
+extern "C" __global__ void moe_gate_up_tiled_f32(float* act, const float* x, const int* order, const int* blocks,
+        const int* nblocks, const u64* gate_tab, const u64* up_tab, const u64* gs_tab, const u64* us_tab,
+        const int* active, int k, int H, int I, int part, int nparts) {
+    moe_gate_up<float, false>(act, x, order, blocks, nblocks, gate_tab, up_tab, gs_tab, us_tab, active, k, H, I, part,
+                      nparts);
+}
+extern "C" __global__ void moe_down_tiled_f32(float* y, const float* act, const int* blocks, const int* nblocks,
+        const u64* down_tab, const u64* ds_tab, const int* active, int H, int I, int part, int nparts) {
+    moe_down<float, false>(y, act, blocks, nblocks, down_tab, ds_tab, active, H, I, part, nparts);
+}
+extern "C" __global__ void moe_gate_up_tiled_f16(float* act, const float* x, const int* order, const int* blocks,
+        const int* nblocks, const u64* gate_tab, const u64* up_tab, const u64* gs_tab, const u64* us_tab,
+        const int* active, int k, int H, int I, int part, int nparts) {
+    moe_gate_up<half_t, false>(act, x, order, blocks, nblocks, gate_tab, up_tab, gs_tab, us_tab, active, k, H, I, part,
+                      nparts);
+}
+extern "C" __global__ void moe_down_tiled_f16(float* y, const float* act, const int* blocks, const int* nblocks,
+        const u64* down_tab, const u64* ds_tab, const int* active, int H, int I, int part, int nparts) {
+    moe_down<half_t, false>(y, act, blocks, nblocks, down_tab, ds_tab, active, H, I, part, nparts);
+}
+extern "C" __global__ void moe_gate_up_tiled_bf16(float* act, const float* x, const int* order, const int* blocks,
+        const int* nblocks, const u64* gate_tab, const u64* up_tab, const u64* gs_tab, const u64* us_tab,
+        const int* active, int k, int H, int I, int part, int nparts) {
+    moe_gate_up<bf16_t, false>(act, x, order, blocks, nblocks, gate_tab, up_tab, gs_tab, us_tab, active, k, H, I, part,
+                      nparts);
+}
+extern "C" __global__ void moe_down_tiled_bf16(float* y, const float* act, const int* blocks, const int* nblocks,
+        const u64* down_tab, const u64* ds_tab, const int* active, int H, int I, int part, int nparts) {
+    moe_down<bf16_t, false>(y, act, blocks, nblocks, down_tab, ds_tab, active, H, I, part, nparts);
+}
+extern "C" __global__ void moe_gate_up_tiled_i8(float* act, const float* x, const int* order, const int* blocks,
+        const int* nblocks, const u64* gate_tab, const u64* up_tab, const u64* gs_tab, const u64* us_tab,
+        const int* active, int k, int H, int I, int part, int nparts) {
+    moe_gate_up<i8_t, false>(act, x, order, blocks, nblocks, gate_tab, up_tab, gs_tab, us_tab, active, k, H, I, part,
+                      nparts);
+}
+extern "C" __global__ void moe_down_tiled_i8(float* y, const float* act, const int* blocks, const int* nblocks,
+        const u64* down_tab, const u64* ds_tab, const int* active, int H, int I, int part, int nparts) {
+    moe_down<i8_t, false>(y, act, blocks, nblocks, down_tab, ds_tab, active, H, I, part, nparts);
+}
 
 // out[t,:] += sum_j w[t,j] * y[inverse[t*k + j], :]   (the residual add is fused)
 // grid (ceil(H/256), T), block 256

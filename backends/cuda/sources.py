@@ -3,28 +3,63 @@
 Each .cu is one cupy.RawModule. `#include "x.cuh"` lines of this folder are inlined here, so the
 text NVRTC compiles is self-contained (CuPy's kernel cache keys on that text, so editing a header
 recompiles what uses it). `toolchains/cuda` compiles the very same text with the same options.
+
+Constants both the host and the kernels need are defined here once (DEFINES) and passed to every
+compiler as -D options (`python3 backends/cuda/sources.py --defines` prints them for nvcc).
 """
 from __future__ import annotations
 
 import os
 import re
+import sys
 
 KERNEL_DIR = os.path.dirname(os.path.abspath(__file__))
 
+DEFINES = {
+    "SK_ROWS": 8,          # rows per skinny GEMM CTA: the block size BM of a skinny MoE plan
+    "SK_WARPS": 8,         # output columns per skinny CTA (one warp each, 256 threads)
+    "TBM": 64,             # rows per tiled GEMM CTA: BM of a tiled MoE plan
+    "TBN": 64,             # output columns per tiled CTA
+    "ATT_MAX_DPL": 8,      # head_dim values per lane in paged attention: head_dim <= 32 * 8
+    "ROUTE_MAXJ": 16,      # experts per lane in moe_route: E <= 32 * 16
+    "ALIGN_THREADS": 256,  # threads of the one-CTA moe_align
+    "ALIGN_EPT": 4,        # experts per align thread: E <= 256 * 4
+}
+MAX_HEAD_DIM = 32 * DEFINES["ATT_MAX_DPL"]
+MAX_ROUTE_EXPERTS = 32 * DEFINES["ROUTE_MAXJ"]
+MAX_ALIGN_EXPERTS = DEFINES["ALIGN_THREADS"] * DEFINES["ALIGN_EPT"]
+
 # options the backend passes to cupy.RawModule (CuPy adds the -arch of the device it runs on)
-NVRTC_OPTIONS = ("-std=c++17",)
+NVRTC_OPTIONS = ("-std=c++17", *(f"-D{k}={v}" for k, v in DEFINES.items()))
 
 # file -> the kernels the backend looks up in it (all must exist: the toolchain check verifies it)
-WEIGHT_SUFFIXES = ("f32", "f16", "bf16", "i8")     # float32, float16, bfloat16 (as uint16), int8 (+ row scales)
 KERNELS = {
-    "dense.cu": (*(f"embed_{s}" for s in WEIGHT_SUFFIXES),
-                 *(f"matmul_{kind}_{s}" for kind in ("skinny", "tiled") for s in WEIGHT_SUFFIXES),
+    "dense.cu": ("embed_f32", "embed_f16", "embed_bf16", "embed_i8",
+                 "matmul_skinny_f32", "matmul_skinny_f16", "matmul_skinny_bf16", "matmul_skinny_i8",
+                 "matmul_tiled_f32", "matmul_tiled_f16", "matmul_tiled_bf16", "matmul_tiled_i8",
                  "rmsnorm", "rope", "add", "f32_to_f16", "f16_to_f32_bias", "bias_add"),
     "attention.cu": ("kv_write", "paged_attention"),
     "moe.cu": ("moe_route", "moe_align", "moe_combine",
-               *(f"moe_{op}_{kind}_{s}" for op in ("gate_up", "down") for kind in ("skinny", "tiled")
-                 for s in WEIGHT_SUFFIXES)),
+               "moe_gate_up_skinny_f32", "moe_gate_up_skinny_f16", "moe_gate_up_skinny_bf16", "moe_gate_up_skinny_i8",
+               "moe_down_skinny_f32", "moe_down_skinny_f16", "moe_down_skinny_bf16", "moe_down_skinny_i8",
+               "moe_gate_up_tiled_f32", "moe_gate_up_tiled_f16", "moe_gate_up_tiled_bf16", "moe_gate_up_tiled_i8",
+               "moe_down_tiled_f32", "moe_down_tiled_f16", "moe_down_tiled_bf16", "moe_down_tiled_i8"),
 }
+
+# weight storage -> the kernels of each weight-reading op (bfloat16 is stored as uint16)
+EMBED = {"float32": "embed_f32", "float16": "embed_f16", "bfloat16": "embed_bf16", "int8": "embed_i8"}
+MATMUL_SKINNY = {"float32": "matmul_skinny_f32", "float16": "matmul_skinny_f16", "bfloat16": "matmul_skinny_bf16",
+                 "int8": "matmul_skinny_i8"}
+MATMUL_TILED = {"float32": "matmul_tiled_f32", "float16": "matmul_tiled_f16", "bfloat16": "matmul_tiled_bf16",
+                "int8": "matmul_tiled_i8"}
+MOE_SKINNY = {"float32": ("moe_gate_up_skinny_f32", "moe_down_skinny_f32"),
+              "float16": ("moe_gate_up_skinny_f16", "moe_down_skinny_f16"),
+              "bfloat16": ("moe_gate_up_skinny_bf16", "moe_down_skinny_bf16"),
+              "int8": ("moe_gate_up_skinny_i8", "moe_down_skinny_i8")}
+MOE_TILED = {"float32": ("moe_gate_up_tiled_f32", "moe_down_tiled_f32"),
+             "float16": ("moe_gate_up_tiled_f16", "moe_down_tiled_f16"),
+             "bfloat16": ("moe_gate_up_tiled_bf16", "moe_down_tiled_bf16"),
+             "int8": ("moe_gate_up_tiled_i8", "moe_down_tiled_i8")}
 
 _PRAGMA_ONCE = re.compile(r'^[ \t]*#[ \t]*pragma[ \t]+once[ \t]*$', re.M)
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"[ \t]*$', re.M)
@@ -49,3 +84,9 @@ def load_source(name: str, _seen=None) -> str:
 
 def kernel_files():
     return tuple(KERNELS)
+
+
+if __name__ == "__main__":          # `--defines`: the -D options, for nvcc in toolchains/cuda/Makefile
+    if sys.argv[1:] != ["--defines"]:
+        sys.exit("usage: sources.py --defines")
+    print(" ".join(f"-D{k}={v}" for k, v in DEFINES.items()))

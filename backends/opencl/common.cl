@@ -14,7 +14,13 @@
  *                        widened in-register, as_float(bits << 16)
  *   COLIBRI_HALF_MATH=1  only when the device reports cl_khr_fp16 and COLIBRI_DISABLE_FP16 is unset:
  *                        weight x activation products in half, accumulation in float
+ * Shared with the host, defined once there (runtime.py DEFINES) and passed to every build:
+ *   ROWS_PER_ITEM        tokens (rows) one work-item of matmul4 / ffn_gate_up computes: the float4
+ *                        lanes of dotw4, so it must be 4
  */
+#if ROWS_PER_ITEM != 4
+#error "ROWS_PER_ITEM comes from runtime.py (-DROWS_PER_ITEM=4): the float4 lanes of dotw4"
+#endif
 #ifndef WF16
 #define WF16 0
 #endif

@@ -29,12 +29,13 @@ __kernel void matmul1(ARG(float, out), const int ldo, CARG(float, x), const int 
     out[(size_t)t * ldo + n] = acc;
 }
 
-/* The same for blocks of four tokens: each weight row is read once per four tokens.
- * Rows past T are clamped to T-1 (valid memory, result discarded). global (N, ceil(T/4)) */
+/* The same for blocks of ROWS_PER_ITEM (4, the float4 lanes of dotw4) tokens: each weight row is
+ * read once per four tokens. Rows past T are clamped to T-1 (valid memory, result discarded).
+ * global (N, ceil(T / ROWS_PER_ITEM)) */
 __kernel void matmul4(ARG(float, out), const int ldo, CARG(float, x), const int ldx, CARG(WTYPE, w),
                       CARG(float, bias), const int has_bias, const int T, const int K, const int N)
 {
-    const int n = get_global_id(0), t0 = 4 * get_global_id(1);
+    const int n = get_global_id(0), t0 = ROWS_PER_ITEM * get_global_id(1);
     if (n >= N || t0 >= T)
         return;
     BIND(float, out); CBIND(float, x); CBIND(WTYPE, w); CBIND(float, bias);

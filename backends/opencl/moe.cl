@@ -58,18 +58,21 @@ __kernel void route(ARG(int, out_ids), ARG(float, out_w), CARG(float, logits), c
  *   counts[e] = #{a : ids[a] == e};   offsets[e] = sum_{e' < e} counts[e'],  offsets[E] = N
  *   order[offsets[e] + r] = the r-th assignment (ascending a) with ids[a] == e
  *   inverse[order[s]] = s
+ *   tally[e] += counts[e]  when has_tally (tokens routed to each expert, over the engine's life)
  * One work-group (size L); work-item i handles experts i, i + L, ... (no atomics: deterministic).
  * cnt: E local ints. global (L), local (L) */
-__kernel void align(ARG(int, offsets), ARG(int, order), ARG(int, inverse), CARG(int, ids), const int N,
-                    const int E, __local int* cnt)
+__kernel void align(ARG(int, offsets), ARG(int, order), ARG(int, inverse), ARG(int, tally), const int has_tally,
+                    CARG(int, ids), const int N, const int E, __local int* cnt)
 {
     const int i = get_local_id(0), L = get_local_size(0);
-    BIND(int, offsets); BIND(int, order); BIND(int, inverse); CBIND(int, ids);
+    BIND(int, offsets); BIND(int, order); BIND(int, inverse); BIND(int, tally); CBIND(int, ids);
     for (int e = i; e < E; e += L) {
         int c = 0;
         for (int a = 0; a < N; ++a)
             c += (ids[a] == e);
         cnt[e] = c;
+        if (has_tally)
+            tally[e] += c;
     }
     barrier(CLK_LOCAL_MEM_FENCE);
     if (i == 0) {
@@ -99,13 +102,13 @@ __kernel void align(ARG(int, offsets), ARG(int, order), ARG(int, inverse), CARG(
  *   act[row0 + r, i] = silu(g) * u,  g = gate[i] . x[tok(r)],  u = up[i] . x[tok(r)],
  *   silu(g) = g / (1 + exp(-g))
  * act: the scratch [T*k, lda] (first I columns used); x [T,H]; gate, up [I,H] (storage type).
- * Four rows per work-item (clamped), each gate/up row read once per four tokens.
- * global (I, ceil(n/4)) */
+ * ROWS_PER_ITEM (4: the float4 lanes of dotw4) rows per work-item, clamped; each gate/up row is
+ * read once per four tokens. global (I, ceil(n / ROWS_PER_ITEM)) */
 __kernel void ffn_gate_up(ARG(float, act), const int lda, CARG(float, x), CARG(int, order), const int row0,
                           const int n, const int topk, CARG(WTYPE, gate), CARG(WTYPE, up), const int H,
                           const int I)
 {
-    const int i = get_global_id(0), r0 = 4 * get_global_id(1);
+    const int i = get_global_id(0), r0 = ROWS_PER_ITEM * get_global_id(1);
     if (i >= I || r0 >= n)
         return;
     BIND(float, act); CBIND(float, x); CBIND(int, order); CBIND(WTYPE, gate); CBIND(WTYPE, up);

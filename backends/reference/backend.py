@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from colibri_edge.dtypes import widen
+from colibri_edge.dtypes import STORAGE, widen
 from colibri_edge import routing
 from ..base import Backend as BackendBase, Plan, Weight
 
@@ -20,25 +20,33 @@ def _f32(w):
     return widen(w.data, w.dtype, w.scales) if isinstance(w, Weight) else w
 
 
+def _storage(dtype):
+    return np.dtype(np.uint8) if dtype == "uint8" else STORAGE[dtype]
+
+
 class Backend(BackendBase):
     name = "reference"
     weight_dtypes = ("float32", "float16", "bfloat16", "int8")
-
-    def __init__(self, **options):
-        self.options = options
 
     # memory
     def alloc(self, shape, dtype=np.float32):
         return np.zeros(shape, dtype=dtype)
 
-    def upload(self, host, dtype="float32", scales=None):
-        return Weight(host, dtype, tuple(host.shape), scales)
+    def to_device(self, host, dtype):
+        return np.asarray(host).view(_storage(dtype))
+
+    def view(self, buf, byte_offset, shape, dtype):
+        n = int(np.prod(shape)) * _storage(dtype).itemsize
+        return buf[byte_offset:byte_offset + n].view(_storage(dtype)).reshape(shape)
 
     def upload_into(self, dst, host):
         dst[...] = host
 
     def download(self, buf):
         return np.array(buf)
+
+    def host_view(self, buf):
+        return buf
 
     # dense
     def embed(self, out, table, ids):
@@ -72,17 +80,11 @@ class Backend(BackendBase):
             out[...] = a + b / (1.0 + np.exp(-gate))
 
     # attention
-    def alloc_kv(self, num_layers, num_slots, kv_heads, head_dim):
-        return [(np.zeros((num_slots, kv_heads, head_dim), np.float32),
-                 np.zeros((num_slots, kv_heads, head_dim), np.float32)) for _ in range(num_layers)]
-
-    def kv_write(self, cache, layer, k, v, slots):
-        K, V = cache[layer]
+    def kv_write(self, K, V, k, v, slots):
         K[slots] = k
         V[slots] = v
 
-    def paged_attention(self, out, q, cache, layer, block_tables, seq_index, positions, block_size, scale):
-        K, V = cache[layer]
+    def paged_attention(self, out, q, K, V, block_tables, seq_index, positions, block_size, scale):
         Hq, Hkv = q.shape[1], K.shape[1]
         group = Hq // Hkv
         for t in range(q.shape[0]):
@@ -101,9 +103,12 @@ class Backend(BackendBase):
         out_ids[...] = ids
         out_w[...] = w
 
-    def align(self, plan_bufs, ids, num_tokens, num_experts, top_k):
+    def align(self, bufs, ids, num_tokens, num_experts, top_k, tally=None):
         offsets, order, inverse = routing.align(ids, num_experts)
-        return Plan(offsets, order, inverse, np.diff(offsets), num_tokens, top_k)
+        counts = np.diff(offsets)
+        if tally is not None:
+            tally += counts.astype(tally.dtype)
+        return Plan(offsets, order, inverse, counts, num_tokens, top_k, num_experts=num_experts)
 
     def grouped_ffn(self, out, x, experts, plan, scratch):
         k = plan.top_k

@@ -1,7 +1,8 @@
-"""The CUDA backend's short benchmark (run by gpu-check.sh): decode tokens/s in stream and graph
-mode, the device time of one decode step, the bandwidth that step achieves, and prefill tokens/s,
-on a synthetic Mixtral-shaped model written straight into a model directory (random weights, no
-transformers, no network).
+"""The CUDA backend's short benchmark (run by gpu-check.sh): decode tokens/s in stream mode
+(cuda_graphs=False: every op launched from the host) and graph mode (captured decode steps
+replayed), the device time of one decode step, the bandwidth that step achieves, and prefill
+tokens/s, on a synthetic Mixtral-shaped model written straight into a model directory (random
+weights, no transformers, no network).
 
     python toolchains/cuda/bench.py [--out bench.json] [--layers 8 --hidden 2048 ...]
 
@@ -20,10 +21,6 @@ import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 
 def write_model(path, a):
@@ -80,7 +77,8 @@ def device_step_ms(engine, graph, reps):
             return None
         run = lambda: g[0].launch(stream=be._s)            # noqa: E731
     else:
-        run = lambda: r._forward(1, 1)                      # noqa: E731 (same inputs: same KV slot rewritten)
+        views = r.views(1, 1)
+        run = lambda: r._forward(views)                     # noqa: E731 (same inputs: same KV slot rewritten)
     run()
     be.synchronize()
     t0 = time.perf_counter()
@@ -111,7 +109,6 @@ def main(argv=None):
     a = ap.parse_args(argv)
 
     from colibri_edge import Engine
-    from colibri_edge.backends.cuda.backend import graph_decode_hook
 
     res = {"model": {k: getattr(a, k) for k in ("layers", "hidden", "inter", "experts", "top_k", "heads", "kv_heads",
                                                 "head_dim", "vocab", "dtype")}}
@@ -128,10 +125,8 @@ def main(argv=None):
         for mode in ("stream", "graph"):
             t0 = time.perf_counter()
             with Engine.open(tmp, backend="cuda", max_batch=max(batches), max_seq_len=a.prefill + a.tokens + 16,
-                             prefill_chunk=a.prefill) as eng:
+                             prefill_chunk=a.prefill, cuda_graphs=mode == "graph") as eng:
                 res.setdefault("open_s", {})[mode] = round(time.perf_counter() - t0, 1)
-                if mode == "graph":
-                    graph_decode_hook(eng)
                 eng.generate(list(rng.integers(0, a.vocab, 16)), max_new_tokens=4)        # warm up
                 for B in batches:
                     prompts = [list(rng.integers(0, a.vocab, a.prompt)) for _ in range(B)]

@@ -75,15 +75,19 @@ def main():
     routed = {li: [] for li in moe_layers}        # per layer: [tokens, k] ids
     weights = {li: [] for li in moe_layers}
 
-    def observe(layer, ids, w):
-        routed[layer].append(np.array(eng.backend.download(ids)))
-        weights[layer].append(np.array(eng.backend.download(w)))
+    from colibri_edge.hooks import RoutingHook
 
-    eng.runner.observers.append(observe)
+    class Observe(RoutingHook):
+        def on_route(self, layer, ids, w, next_layer, predicted):
+            routed[layer].append(np.array(eng.backend.download(ids)))
+            weights[layer].append(np.array(eng.backend.download(w)))
+
+    hook = Observe()
+    eng.runner.hooks.append(hook)
     n = len(stream) // T * T
     for s in range(0, n, T):
         eng.infer(stream[s:s + T])
-    eng.runner.observers.remove(observe)
+    eng.runner.hooks.remove(hook)
     toks, src = stream[:n], src[:n]
 
     out = {"model": os.path.relpath(eng.path, train.REPO), "backend": eng.backend.name,

@@ -22,11 +22,7 @@ import subprocess
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, ROOT)
-
-from colibri_edge.backends.opencl import backend as ocl  # noqa: E402
+from colibri_edge.backends.opencl import runtime as ocl
 
 KERNELS = {
     "dense.cl": ["embed", "matmul1", "matmul4", "rmsnorm", "rope", "add", "zero"],
@@ -91,7 +87,7 @@ def offline_builds(clang):
             src = os.path.join(d, name)
             with open(src, "w") as f:
                 f.write(ocl.kernel_source(name))
-            p = subprocess.run(base + ext + defs + [src], capture_output=True, text=True)
+            p = subprocess.run(base + ext + ocl.DEFINES.split() + defs + [src], capture_output=True, text=True)
             tag = f"{name} {' '.join(defs)} ({what})"
             if p.returncode != 0:
                 failures += 1

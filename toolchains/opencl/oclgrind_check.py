@@ -113,8 +113,6 @@ def _child(model_dir, out_path, options="{}"):
     """Runs under Oclgrind: prefill + decode on the opencl backend; saves logits and tokens."""
     import json
     import numpy as np
-    sys.path.insert(0, ROOT)
-    import colibri_edge  # noqa: F401
     from colibri_edge import Engine
     eng = Engine.open(model_dir, backend="opencl", max_seq_len=32, max_batch=2, prefill_chunk=5,
                       kv_block_size=4, kv_cache_tokens=64, num_streams=2, **json.loads(options))
@@ -139,8 +137,7 @@ def _reference(model_dir):
 
 def check_models(workdir):
     import numpy as np
-    sys.path.insert(0, ROOT)
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    sys.path.insert(0, os.path.join(ROOT, "tests"))     # the tests' model builder (hf_models)
     import colibri_edge  # noqa: F401
     from hf_models import convert_case
     failures = []

@@ -348,8 +348,9 @@ class RawModule:
             src = os.path.join(d, "kernels.cu")
             with open(src, "w") as f:
                 f.write(self.code)
-            pre = subprocess.run(["g++", "-std=c++17", "-E", "-x", "c++", "-DEMU_KEEP_GLOBAL", "-include", EMU_HEADER,
-                                  src], capture_output=True, text=True)
+            defines = [o for o in self.options if o.startswith("-D")]   # NVRTC's -D options, as given
+            pre = subprocess.run(["g++", "-std=c++17", "-E", "-x", "c++", "-DEMU_KEEP_GLOBAL", *defines, "-include",
+                                  EMU_HEADER, src], capture_output=True, text=True)
             if pre.returncode:
                 raise CompileException(pre.stderr)
             sigs = {m.group(1): _parse_params(m.group(2)) for m in _SIG.finditer(pre.stdout)}
@@ -368,7 +369,7 @@ class RawModule:
                     f.write(self.code + "\n".join(wrappers) + "\n")
                 tmp = so + f".{os.getpid()}.tmp"
                 cc = subprocess.run(["g++", "-std=c++17", "-O2", "-g", "-fPIC", "-shared", "-fno-strict-aliasing",
-                                     "-Wno-unknown-pragmas", "-include", EMU_HEADER, "-o", tmp, full],
+                                     "-Wno-unknown-pragmas", *defines, "-include", EMU_HEADER, "-o", tmp, full],
                                     capture_output=True, text=True)
                 if cc.returncode:
                     raise CompileException(cc.stderr)

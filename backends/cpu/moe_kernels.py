@@ -1,0 +1,139 @@
+"""Numba kernels of the cpu backend's MoE layer: route, align, the grouped SwiGLU gate/up, combine.
+Output first; each docstring quotes the math. The widening, dot products and the stream layout of
+weight reads are kernels.py's (the down projection is kernels.matmul)."""
+import numpy as np
+from numba import njit, prange
+
+from .kernels import F0, F1, REDUCE, dot1, dot4, dot4x2, scaled, thread_rows
+
+
+@njit(error_model="numpy", inline="always")
+def silu_mul(g, u):
+    """silu(g) * u = g / (1 + exp(-g)) * u   (SwiGLU)"""
+    return g / (F1 + np.exp(-g)) * u
+
+
+@njit(error_model="numpy", inline="always")
+def store_swiglu(act, r, i, g, u, gate_scales, up_scales):
+    """act[r, i] = silu(g * gate_scales[i]) * (u * up_scales[i])   (empty scales = 1)"""
+    act[r, i] = silu_mul(scaled(g, gate_scales, i), scaled(u, up_scales, i))
+
+
+@njit(cache=True, error_model="numpy")
+def route(out_ids, out_w, logits, gated, normalize):
+    """logits [T,E] -> out_ids [T,k] int32, out_w [T,k] float32; p = softmax(logits[t]) in float32.
+    topk:  the k largest, ties to the lower expert id; w = p (/ sum of the k p when normalize).
+           Ranked by logit (softmax is monotone): selection by repeated arg-max with a strict >,
+           so an equal later expert never displaces an earlier one.
+    gated: k == E, ids = 0..E-1, w = p."""
+    T, E = logits.shape
+    k = out_ids.shape[1]
+    for t in range(T):
+        row = logits[t]
+        top = row[0]
+        for e in range(1, E):
+            top = max(top, row[e])
+        total = F0
+        for e in range(E):
+            total += np.exp(row[e] - top)
+        if gated:
+            for e in range(E):
+                out_ids[t, e] = e
+                out_w[t, e] = np.exp(row[e] - top) / total
+            continue
+        chosen = F0
+        for j in range(k):
+            best = -1
+            for e in range(E):
+                taken = False
+                for i in range(j):
+                    taken |= out_ids[t, i] == e
+                if not taken and (best < 0 or row[e] > row[best]):
+                    best = e
+            out_ids[t, j] = best
+            out_w[t, j] = np.exp(row[best] - top) / total
+            chosen += out_w[t, j]
+        if normalize:
+            for j in range(k):
+                out_w[t, j] /= chosen
+
+
+@njit(cache=True)
+def align(offsets, order, inverse, counts, active, ids, tally):
+    """Stable counting sort of assignments a = t*k + j by expert ids[a] (colibri_edge.routing.align):
+        counts[e] = #{a : ids[a] = e},  offsets = [0, cumsum(counts)]  ([E+1])
+        order[offsets[e] + r] = e's r-th assignment,  inverse[order[i]] = i
+        active[:n] = experts with counts > 0, ascending; returns n.
+        tally[e] += counts[e] when tally is not empty (tokens routed, over the engine's life)
+    While filling, counts[e] counts down e's assignments still to place (row = end - remaining),
+    so no cursor scratch is needed; it is restored at the end."""
+    E = counts.shape[0]
+    A = ids.shape[0]
+    for e in range(E):
+        counts[e] = 0
+    for a in range(A):
+        counts[ids[a]] += 1
+    n_active = 0
+    offsets[0] = 0
+    for e in range(E):
+        offsets[e + 1] = offsets[e] + counts[e]
+        if counts[e] > 0:
+            active[n_active] = e
+            n_active += 1
+    for a in range(A):
+        e = ids[a]
+        i = offsets[e + 1] - counts[e]
+        counts[e] -= 1
+        order[i] = a
+        inverse[a] = i
+    for e in range(E):
+        counts[e] = offsets[e + 1] - offsets[e]
+    if tally.shape[0]:
+        for e in range(E):
+            tally[e] += counts[e]
+    return n_active
+
+
+@njit(parallel=True, cache=True, fastmath=REDUCE, error_model="numpy")
+def swiglu_gate_up(act, x, order, start, top_k, gate, up, gate_scales, up_scales, threads):
+    """act[r,i] = silu(gate[i] . x[t_r] * gs[i]) * (up[i] . x[t_r] * us[i]),  t_r = order[start + r] // top_k
+        gate, up: weight [I,H];  gs, us: their float32 row scales [I] (int8) or empty;
+        x [T,H];  act [R,I];  silu(g) = g / (1 + exp(-g));  threads: as in matmul
+    Read as matmul reads a weight: each thread splits its range of I in two halves of h rows and
+    takes rows i and i+h of gate and of up together: four sequential streams per core, four
+    dot products per load of x. Every token of the expert uses the four rows while they are in
+    L1, so the expert's gate/up are read once per step."""
+    R, I = act.shape
+    for c in prange(threads):
+        lo, hi = thread_rows(c, threads, I)
+        h = (hi - lo) // 2
+        for i in range(lo, lo + h):
+            j = i + h
+            g0, g1, u0, u1 = gate[i], gate[j], up[i], up[j]
+            for r in range(0, R - 1, 2):
+                xa, xb = x[order[start + r] // top_k], x[order[start + r + 1] // top_k]
+                ga, gb, ua, ub, gc, gd, uc, ud = dot4x2(g0, g1, u0, u1, xa, xb)
+                store_swiglu(act, r, i, ga, ua, gate_scales, up_scales)
+                store_swiglu(act, r, j, gb, ub, gate_scales, up_scales)
+                store_swiglu(act, r + 1, i, gc, uc, gate_scales, up_scales)
+                store_swiglu(act, r + 1, j, gd, ud, gate_scales, up_scales)
+            if R % 2:
+                ga, gb, ua, ub = dot4(g0, g1, u0, u1, x[order[start + R - 1] // top_k])
+                store_swiglu(act, R - 1, i, ga, ua, gate_scales, up_scales)
+                store_swiglu(act, R - 1, j, gb, ub, gate_scales, up_scales)
+        for i in range(lo + 2 * h, hi):
+            for r in range(R):
+                xr = x[order[start + r] // top_k]
+                store_swiglu(act, r, i, dot1(gate, i, xr), dot1(up, i, xr), gate_scales, up_scales)
+
+
+@njit(cache=True, error_model="numpy")
+def combine(out, y, w, inverse):
+    """out[t] += sum_j w[t,j] * y[inverse[t*k + j]]        out [T,H], y [T*k,H], w [T,k]"""
+    T, k = w.shape
+    for t in range(T):
+        for h in range(out.shape[1]):
+            s = F0
+            for j in range(k):
+                s += w[t, j] * y[inverse[t * k + j], h]
+            out[t, h] += s

@@ -1,0 +1,336 @@
+"""The OpenCL runtime: platforms and devices, programs, launches, memory, queues, error translation.
+The ops (backend.py) sit on top of it; nothing here knows what a layer is.
+
+Kernels live in the .cl files beside this module (OpenCL C 1.2, built with -cl-std=CL1.2):
+    common.cl     macros shared by all (buffer+offset arguments, half loads, dot products)
+    dense.cl      embed, matmul1/matmul4 (GEMV / 4-token blocks), rmsnorm, rope, add, zero
+    attention.cl  kv_write, paged_attention
+    moe.cl        route, align, ffn_gate_up, combine
+dense.cl and moe.cl are built per weight type (float32; WF16=1: half read with vload_half; WBF16=1:
+bfloat16 widened in-register), and, for half weights on a device that reports cl_khr_fp16 (unless
+COLIBRI_DISABLE_FP16 / `disable_fp16`), with COLIBRI_HALF_MATH=1: half products, float accumulation.
+Constants the host and the kernels share are defined once, in DEFINES, and passed to every build.
+
+Buffers are pyopencl.array.Array; leading-dimension slices and reshapes are views, and every kernel
+takes (buffer, element offset) pairs so any view can be passed.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from colibri_edge.errors import (ColibriError, COLIBRI_ERR_BACKEND, COLIBRI_ERR_INVALID_ARGUMENT,
+                                 COLIBRI_ERR_OUT_OF_MEMORY, COLIBRI_ERR_UNAVAILABLE)
+from ..base import Backend as BackendBase
+from .platforms import INSTALL_HINT, _all_devices, _cl, _is_gpu_like, format_platforms
+
+KERNEL_DIR = os.path.dirname(os.path.abspath(__file__))
+KERNEL_FILES = ("dense.cl", "attention.cl", "moe.cl")
+WEIGHT_PROGRAMS = ("dense.cl", "moe.cl")        # built once per weight type
+CL_STD = "-cl-std=CL1.2"
+ROWS_PER_ITEM = 4                               # tokens per work-item of matmul4 / ffn_gate_up
+DEFINES = f"-DROWS_PER_ITEM={ROWS_PER_ITEM}"
+WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
+_HOST = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "uint8": np.uint8}
+
+# -- errors ----------------------------------------------------------------------------------------
+def _error(cl, e, where):
+    """An OpenCL exception -> ColibriError naming the OpenCL status and where it happened."""
+    def field(obj, name):
+        v = getattr(obj, name, None)
+        try:
+            return v() if callable(v) else v
+        except Exception:
+            return None
+    rec = e.args[0] if e.args and not isinstance(e.args[0], str) else None
+    code = field(e, "code")
+    if not isinstance(code, int):
+        code = field(rec, "code")
+    try:
+        name = cl.status_code.to_string(code, "<unknown %d>") if isinstance(code, int) else type(e).__name__
+    except Exception:
+        name = str(code)
+    routine = field(e, "routine") or field(rec, "routine") or ""
+    oom = name in ("MEM_OBJECT_ALLOCATION_FAILURE", "OUT_OF_RESOURCES", "OUT_OF_HOST_MEMORY", "INVALID_BUFFER_SIZE")
+    msg = f"OpenCL error CL_{name} ({code}) in {where}" + (f" [{routine}]" if routine else "")
+    if oom and where.startswith("alloc"):
+        return ColibriError(COLIBRI_ERR_OUT_OF_MEMORY, msg + ": device memory exhausted; use a smaller "
+                            "kv_cache_tokens / prefill_chunk or a smaller model")
+    return ColibriError(COLIBRI_ERR_BACKEND, msg)
+
+
+# -- sources and build options ---------------------------------------------------------------------
+def _read(name):
+    with open(os.path.join(KERNEL_DIR, name), encoding="utf-8") as f:
+        return f.read()
+
+
+def kernel_source(name):
+    """The text actually built for `name`: common.cl then the file (so a change to common.cl can
+    never hit a stale cached binary, and the offline check builds the very same text)."""
+    return _read("common.cl") + f'\n#line 1 "{name}"\n' + _read(name)
+
+
+def weight_options(dtype: str, half_math: bool = False) -> str:
+    """Build options of the weight programs (dense.cl, moe.cl) for matrices stored as `dtype`."""
+    if dtype == "float16":
+        return f"{CL_STD} {DEFINES} -DWF16=1 -DCOLIBRI_HALF_MATH={int(bool(half_math))}"
+    if dtype == "bfloat16":
+        return f"{CL_STD} {DEFINES} -DWBF16=1"
+    return f"{CL_STD} {DEFINES} -DWF16=0"
+
+
+def build_variants(fp16_device: bool, disable_fp16: bool = False):
+    """-> [(file, options)] the backend builds: every file, the weight programs per weight type."""
+    out = []
+    for f in KERNEL_FILES:
+        if f in WEIGHT_PROGRAMS:
+            out += [(f, weight_options(d, fp16_device and not disable_fp16)) for d in WEIGHT_DTYPES]
+        else:
+            out.append((f, f"{CL_STD} {DEFINES}"))
+    return out
+
+
+# -- shared per-process state: one context and one set of built programs per device ------------------
+_SHARED = {}
+
+
+class _Device:
+    def __init__(self, cl, dev):
+        self.dev = dev
+        self.ctx = cl.Context([dev])
+        self.programs = {}
+
+    def program(self, cl, name, options):
+        key = (name, options)
+        prg = self.programs.get(key)
+        if prg is None:
+            try:
+                prg = cl.Program(self.ctx, kernel_source(name)).build(options=options.split())
+            except cl.Error as e:
+                raise ColibriError(COLIBRI_ERR_BACKEND, f"building {name} ({options}) for {self.dev.name.strip()} "
+                                   f"failed: {e}") from None
+            self.programs[key] = prg
+        return prg
+
+
+def _pick_device(cl, device=None):
+    devs = _all_devices(cl)
+    if not devs:
+        raise ColibriError(COLIBRI_ERR_UNAVAILABLE, INSTALL_HINT)
+    if device is not None:
+        if isinstance(device, int) or str(device).isdigit():
+            i = int(device)
+            if not 0 <= i < len(devs):
+                raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"OpenCL device index {i} out of range "
+                                   f"(0..{len(devs) - 1})")
+            return devs[i][1]
+        for p, d in devs:
+            if str(device).lower() in f"{p.name} {d.name}".lower():
+                return d
+        raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"no OpenCL device matches {device!r}")
+    gpus = [d for _, d in devs if _is_gpu_like(d, cl)]
+    return (gpus or [devs[0][1]])[0]
+
+
+def _pow2_floor(n):
+    return 1 << (max(1, int(n)).bit_length() - 1)
+
+
+def roundup(n, m):
+    return -(-n // m) * m
+
+
+class OpenCLRuntime(BackendBase):
+    """Device, queues, programs and launches; memory as pyopencl arrays."""
+    name = "opencl"
+    weight_dtypes = WEIGHT_DTYPES
+    OPTIONS = ("num_streams", "disable_fp16", "device")
+
+    def __init__(self, num_streams=1, disable_fp16=False, device=None):
+        cl = self.cl = _cl()
+        import pyopencl.array as cla
+        self.cla = cla
+        if not isinstance(num_streams, (int, np.integer)) or isinstance(num_streams, bool) or num_streams < 1:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"num_streams={num_streams!r}: expected a positive integer")
+        dev = _pick_device(cl, device)
+        key = dev.int_ptr
+        if key not in _SHARED:
+            try:
+                _SHARED[key] = _Device(cl, dev)
+            except cl.Error as e:
+                raise _error(cl, e, "creating the OpenCL context") from None
+        self.shared = sh = _SHARED[key]
+        self.dev, self.ctx = dev, sh.ctx
+        try:
+            self.queues = [cl.CommandQueue(self.ctx, dev) for _ in range(int(num_streams))]
+        except cl.Error as e:
+            raise _error(cl, e, "creating command queues") from None
+        self.queue = self.queues[0]
+        self.fp16_device = "cl_khr_fp16" in dev.extensions.split()
+        self.half_math = self.fp16_device and not disable_fp16
+        self.max_wg = int(dev.max_work_group_size)
+        self._kernels, self._wg = {}, {}
+        for name, opts in build_variants(self.fp16_device, disable_fp16):
+            self.shared.program(cl, name, opts)
+        self._dummy = self.alloc((1,), np.float32)       # bound to an absent optional argument
+
+    @classmethod
+    def list_devices(cls):
+        return format_platforms().splitlines()
+
+    def summary(self):
+        return (f"opencl: {self.dev.name.strip()} ({self.dev.platform.name.strip()}, {self.dev.version.strip()}), "
+                f"{len(self.queues)} queue(s), fp16 math {'on' if self.half_math else 'off'}")
+
+    def translate_error(self, e, where):
+        return _error(self.cl, e, where) if isinstance(e, self.cl.Error) else None
+
+    # -- kernels -----------------------------------------------------------------------------------
+    def _kernel(self, file, name, wdtype="float32"):
+        key = (file, name, wdtype)
+        k = self._kernels.get(key)
+        if k is None:
+            opts = weight_options(wdtype, self.half_math) if file in WEIGHT_PROGRAMS else f"{CL_STD} {DEFINES}"
+            prg = self.shared.program(self.cl, file, opts)
+            k = self._kernels[key] = self.cl.Kernel(prg, name)   # per backend: set_arg is not thread safe
+            kmax = k.get_work_group_info(self.cl.kernel_work_group_info.WORK_GROUP_SIZE, self.dev)
+            mult = k.get_work_group_info(self.cl.kernel_work_group_info.PREFERRED_WORK_GROUP_SIZE_MULTIPLE,
+                                         self.dev)
+            self._wg[key] = (int(kmax), int(mult))
+        return k, key
+
+    def _local(self, kernel_key, want, pow2=False):
+        """A work-group size from what the device reports for this kernel: <= its maximum, a
+        multiple of its preferred multiple when possible, a power of two for tree reductions."""
+        kmax, mult = self._wg[kernel_key[1]]
+        n = max(1, min(want, kmax))
+        if pow2:
+            return _pow2_floor(n)
+        if mult and n >= mult:
+            n -= n % mult
+        return n
+
+    def _args(self, args):
+        out = []
+        for a in args:
+            if isinstance(a, self.cla.Array):
+                off = a.offset // a.dtype.itemsize
+                if off > 2**31 - 1:
+                    raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, "buffer view offset beyond 2^31 elements")
+                out += [a.base_data, np.int32(off)]
+            elif isinstance(a, (bool, int, np.integer)):
+                out.append(np.int32(a))
+            elif isinstance(a, (float, np.floating)):
+                out.append(np.float32(a))
+            else:
+                out.append(a)           # LocalMemory
+        return out
+
+    def _launch(self, kernel_key, gsize, lsize, *args, queue=None):
+        k, key = kernel_key
+        if any(g == 0 for g in gsize):
+            return
+        gsize = tuple(roundup(g, l) for g, l in zip(gsize, lsize))
+        try:
+            k(queue or self.queue, gsize, lsize, *self._args(args))
+        except self.cl.Error as e:
+            raise _error(self.cl, e, f"kernel {key[1]} ({key[0]})") from None
+
+    def _2d(self, kernel_key, n0, n1, want=64):
+        """A 2-D launch (n0, n1) with work-groups (l0, 1); l0 no larger than n0 needs (rounded up
+        to the preferred multiple), so small rows do not launch idle work-items."""
+        mult = self._wg[kernel_key[1]][1] or 1
+        l0 = self._local(kernel_key, min(want, roundup(n0, mult)))
+        return (n0, n1), (l0, 1)
+
+    # -- memory ------------------------------------------------------------------------------------
+    def alloc(self, shape, dtype=np.float32):
+        dtype = np.dtype(dtype)
+        try:
+            buf = self.cla.empty(self.queue, shape, dtype)
+        except self.cl.Error as e:
+            raise _error(self.cl, e, f"alloc of {shape} {dtype.name}") from None
+        if dtype.itemsize == 4:
+            k = self._kernel("dense.cl", "zero")
+            self._launch(k, (buf.size,), (self._local(k, 256),), buf, buf.size)
+        elif buf.size:
+            self.upload_into(buf, np.zeros(shape, dtype))
+        return buf
+
+    def to_device(self, host, dtype):
+        host = np.ascontiguousarray(host).view(_HOST[dtype])
+        try:
+            return self.cla.to_device(self.queue, host)
+        except self.cl.Error as e:
+            raise _error(self.cl, e, f"alloc/upload of {host.shape} {host.dtype}") from None
+
+    def view(self, buf, byte_offset, shape, dtype):
+        return self.cla.Array(self.queue, shape, _HOST[dtype], data=buf.base_data, offset=buf.offset + byte_offset)
+
+    def upload_into(self, dst, host):
+        host = np.ascontiguousarray(host, dtype=dst.dtype).reshape(dst.shape)
+        try:
+            dst.set(host, queue=self.queue)
+        except self.cl.Error as e:
+            raise _error(self.cl, e, "upload_into") from None
+
+    def download(self, buf):
+        try:
+            return buf.get(queue=self.queue)
+        except self.cl.Error as e:
+            raise _error(self.cl, e, "download (an earlier kernel may have failed)") from None
+
+    def synchronize(self):
+        try:
+            for q in self.queues:
+                q.finish()
+        except self.cl.Error as e:
+            raise _error(self.cl, e, "synchronize (an earlier kernel failed)") from None
+
+    # -- queues ------------------------------------------------------------------------------------
+    def _fork(self, n):
+        side = self.queues[1:1 + n]
+        if side:                # the side queues wait for everything already on the main queue
+            ev = self.cl.enqueue_marker(self.queue)
+            for q in side:
+                self.cl.enqueue_barrier(q, wait_for=[ev])
+        return side
+
+    def _join(self, side):      # the main queue waits for every side queue
+        self.cl.enqueue_barrier(self.queue, wait_for=[self.cl.enqueue_marker(q) for q in side])
+
+    # -- expert slots ------------------------------------------------------------------------------
+    def alloc_slots(self, num_slots, blob_bytes):
+        """N expert slots of one blob each: N device buffers of blob_bytes (uint8), allocated once.
+        One buffer per slot rather than one [N, blob_bytes] buffer: a slot load is then a whole-buffer
+        write at offset 0 (Oclgrind 21.10's uninitialized-value checker re-creates a buffer's shadow
+        on every host write, so a write at an offset would poison the rest of a shared buffer), no
+        element offset can pass 2^31, and no single allocation has to fit CL_DEVICE_MAX_MEM_ALLOC_SIZE."""
+        slots = []
+        for _ in range(num_slots):
+            try:
+                slots.append(self.cla.empty(self.queue, (blob_bytes,), np.uint8))
+            except self.cl.Error as e:
+                raise _error(self.cl, e, f"alloc of {num_slots} expert slots of {blob_bytes} bytes") from None
+        return slots
+
+    def load_slot(self, slots, slot, blob):
+        """Copy an expert's blob into a slot. Enqueued on the main (in-order) queue, so it lands after
+        every kernel already enqueued (which may still read the slot's previous expert) and before
+        every later one; blocking, so the prefetch thread returns only once the bytes are there."""
+        dst = slots[slot]
+        host = np.ascontiguousarray(blob, dtype=np.uint8).reshape(-1)
+        if host.size != dst.size:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"expert blob of {host.size} bytes for slots of {dst.size}")
+        try:
+            self.cl.enqueue_copy(self.queue, dst.base_data, host, is_blocking=True)
+        except self.cl.Error as e:
+            raise _error(self.cl, e, f"load_slot {slot}") from None
+
+    def close(self):
+        try:
+            self.synchronize()
+        except ColibriError:
+            pass

@@ -1,0 +1,79 @@
+"""The arena (DESIGN.md, "Memory"): every activation and scratch buffer of the largest step,
+declared once as name -> (shape, dtype) from the engine's limits. The scheduler allocates exactly
+this declaration at start (the decode loop allocates nothing) and `colibri inspect` sizes memory
+from it, so the two cannot drift apart.
+
+    R rows (tokens) in a step = max(prefill_chunk, max_batch), S sequences = max_batch,
+    k = the routing fan (top_k, or every expert in gated mode), E experts per MoE layer,
+    M = the MoE layers, P = the paged state pools, W = block-table width (ceil(max_seq_len / B)).
+
+The step's inputs (token ids, positions, which sequence each token is, the rows whose logits are
+wanted, and per paged pool the cache slot of each token and each sequence's block table) are one
+int32 buffer, `inputs`, filled on the host and uploaded once per step; `input_layout` gives each
+input's place in it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .backends.base import plan_buffers
+
+
+@dataclass(frozen=True)
+class Limits:
+    rows: int           # R
+    max_batch: int      # S
+    table_width: int    # W
+    paged_pools: int    # P
+
+
+def fan(cfg: dict) -> int:
+    return max(cfg["experts_per_layer"], 1) if cfg["router_mode"] == "gated" else cfg["top_k"]
+
+
+def input_layout(lim: Limits) -> dict:
+    """name -> (offset, shape) of the step inputs inside the int32 `inputs` buffer."""
+    R, S, W = lim.rows, lim.max_batch, lim.table_width
+    parts = [("tok", (R,)), ("pos", (R,)), ("seq", (R,)), ("rows", (R,))]
+    for p in range(lim.paged_pools):
+        parts += [(f"slots{p}", (R,)), (f"tables{p}", (S, W))]
+    out, off = {}, 0
+    for name, shape in parts:
+        out[name] = (off, shape)
+        off += int(np.prod(shape))
+    return out
+
+
+def buffers(cfg: dict, lim: Limits) -> dict:
+    """name -> (shape, dtype) of every arena buffer (step inputs included)."""
+    R = lim.rows
+    H, hd, V = cfg["hidden_size"], cfg["head_dim"], cfg["vocab_size"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    E, k = max(cfg["experts_per_layer"], 1), fan(cfg)
+    M = sum(1 for l in cfg["layers"] if l["type"] != "dense")
+    inter = max(cfg["moe_intermediate_size"], cfg["intermediate_size"], cfg["shared_expert_intermediate_size"])
+    f32, i32 = np.float32, np.int32
+    spec = {
+        "x": ((R, H), f32), "h": ((R, H), f32), "o": ((R, H), f32),               # residual, normed, branch out
+        "q": ((R, nh, hd), f32), "k": ((R, nkv, hd), f32), "v": ((R, nkv, hd), f32),
+        "attn": ((R, nh, hd), f32),
+        "router": ((R, E), f32), "ids": ((R, k), i32), "w": ((R, k), f32),      # routing
+        "gate_logit": ((R, 1), f32),                                            # shared expert's gate
+        "y": ((R * k, H), f32), "scratch": ((R * k, inter), f32),               # expert outputs, gate/up act
+        "zeros": ((R, 1), i32),                                                 # ids of the 1-expert plan
+        "pred_router": ((R, E), f32), "pred_ids": ((R, k), i32), "pred_w": ((R, k), f32),   # prefetch, traces
+        "sel": ((R, H), f32), "logits": ((R, V), f32),
+        "expert_counts": ((max(M, 1), E), i32),                                 # tokens routed, on the device
+        "inputs": ((sum(int(np.prod(s)) for _, s in input_layout(lim).values()),), i32),
+    }
+    for name, sd in plan_buffers(R * k, E).items():                             # align's plan, MoE layers
+        spec[f"plan.{name}"] = sd
+    for name, sd in plan_buffers(R, 1).items():                                 # ... and dense MLPs
+        spec[f"dense_plan.{name}"] = sd
+    return spec
+
+
+def nbytes(spec: dict) -> int:
+    return sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in spec.values())

@@ -1,0 +1,173 @@
+"""Per-sequence state (DESIGN.md, "Memory"): one abstraction, with pool kinds.
+
+    PagedPool   blocks of B token positions for a group of layers that share one block table per
+                sequence (full-attention layers today; sliding-window and latent-attention groups
+                next). A token at position p lives in slot table[p // B] * B + p % B of every layer
+                of the group. Blocks are handed out as a sequence grows and returned at once.
+    FixedPool   one fixed-size slot per sequence for a group of layers (recurrent state: conv and
+                SSM / delta-rule state), taken when the sequence starts, returned when it ends.
+    States      an engine's pools: a sequence reserves in all of them at once (all or nothing), and
+                running out of any is COLIBRI_ERR_OUT_OF_MEMORY for that sequence alone.
+    SeqState    one sequence's place: its cached positions, a block table per paged pool, a slot per
+                fixed pool.
+
+A pool holds bookkeeping only; the storage is declared by the pool (`storage`: name -> shape per
+layer) and allocated by the scheduler on the backend, so `colibri inspect` sizes it from the same
+declaration. Adding a kind means a class with reserve / release / storage, and touches neither the
+other kinds nor the request layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_OUT_OF_MEMORY
+
+
+@dataclass
+class SeqState:
+    seq_id: int
+    cached: int = 0                                  # positions written (in every pool)
+    tables: list = field(default_factory=list)       # per paged pool: block ids, in position order
+    slots: list = field(default_factory=list)        # per fixed pool: the slot, or -1
+
+
+class PagedPool:
+    """Blocks of `block_size` positions for `layers`, each layer storing `per_token` float32 values
+    per position and per tensor (`tensors`, e.g. ("k", "v"), each [num_blocks * B, *per_token])."""
+    kind = "paged"
+
+    def __init__(self, name: str, layers, num_blocks: int, block_size: int, per_token: tuple,
+                 tensors=("k", "v"), hint: str = "kv_cache_tokens"):
+        self.name, self.layers = name, tuple(layers)
+        self.num_blocks, self.block_size = int(num_blocks), int(block_size)
+        self.per_token, self.tensors, self.hint = tuple(per_token), tuple(tensors), hint
+        # a stack, lowest id on top: reuse is deterministic and recently freed blocks stay warm
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def need(self, seq: SeqState, index: int, tokens: int) -> int:
+        return max(0, -(-tokens // self.block_size) - len(seq.tables[index]))
+
+    def shortfall(self, seq, index, tokens) -> str | None:
+        need = self.need(seq, index, tokens)
+        if need <= len(self._free):
+            return None
+        return (f"{self.name} pool exhausted: sequence {seq.seq_id} needs {need} more block(s) of "
+                f"{self.block_size} tokens, {len(self._free)} free of {self.num_blocks}; open the engine "
+                f"with a larger {self.hint} or run fewer sequences at once")
+
+    def grow(self, seq, index, tokens):
+        table = seq.tables[index]
+        for _ in range(self.need(seq, index, tokens)):
+            table.append(self._free.pop())
+
+    def release(self, seq, index):
+        table = seq.tables[index]
+        while table:
+            self._free.append(table.pop())
+
+    def storage(self) -> dict:
+        """(layer, tensor) -> shape of the float32 storage this pool needs."""
+        rows = self.num_blocks * self.block_size
+        return {(l, t): (rows, *self.per_token) for l in self.layers for t in self.tensors}
+
+    def bytes_per_token(self) -> int:
+        return 4 * len(self.layers) * len(self.tensors) * int(np.prod(self.per_token))
+
+    def usage(self) -> dict:
+        return {"kind": self.kind, "blocks": self.num_blocks, "free": self.free_blocks,
+                "block_size": self.block_size}
+
+
+class FixedPool:
+    """`num_slots` slots for `layers`, each layer storing tensors of the shapes in `per_seq`
+    (name -> shape) per slot: [num_slots, *shape] float32."""
+    kind = "fixed"
+
+    def __init__(self, name: str, layers, num_slots: int, per_seq: dict, hint: str = "max_batch"):
+        self.name, self.layers, self.num_slots = name, tuple(layers), int(num_slots)
+        self.per_seq, self.hint = dict(per_seq), hint
+        self._free = list(range(self.num_slots - 1, -1, -1))
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def shortfall(self, seq, index, tokens) -> str | None:
+        if seq.slots[index] >= 0 or self._free:
+            return None
+        return (f"{self.name} pool exhausted: sequence {seq.seq_id} needs a state slot, 0 free of "
+                f"{self.num_slots}; open the engine with a larger {self.hint} or run fewer sequences at once")
+
+    def grow(self, seq, index, tokens):
+        if seq.slots[index] < 0:
+            seq.slots[index] = self._free.pop()
+
+    def release(self, seq, index):
+        if seq.slots[index] >= 0:
+            self._free.append(seq.slots[index])
+            seq.slots[index] = -1
+
+    def storage(self) -> dict:
+        return {(l, t): (self.num_slots, *shape) for l in self.layers for t, shape in self.per_seq.items()}
+
+    def bytes_per_seq(self) -> int:
+        return 4 * len(self.layers) * sum(int(np.prod(s)) for s in self.per_seq.values())
+
+    def usage(self) -> dict:
+        return {"kind": self.kind, "slots": self.num_slots, "free": self.free_slots}
+
+
+class States:
+    """The per-sequence state pools of one engine."""
+
+    def __init__(self, pools, max_seq_len: int):
+        self.pools = list(pools)
+        self.paged = [p for p in self.pools if p.kind == "paged"]
+        self.fixed = [p for p in self.pools if p.kind == "fixed"]
+        self.max_seq_len = max_seq_len
+
+    def new(self, seq_id: int) -> SeqState:
+        return SeqState(seq_id, tables=[[] for _ in self.paged], slots=[-1] * len(self.fixed))
+
+    def reserve(self, seq: SeqState, new_tokens: int):
+        """Make room for `new_tokens` more positions in every pool, all or nothing."""
+        total = seq.cached + new_tokens
+        if total > self.max_seq_len:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT,
+                               f"sequence of {total} tokens is longer than max_seq_len={self.max_seq_len}; "
+                               "open the engine with a larger max_seq_len or shorten the input")
+        kinds = [(p, i) for i, p in enumerate(self.paged)] + [(p, i) for i, p in enumerate(self.fixed)]
+        for p, i in kinds:
+            why = p.shortfall(seq, i, total)
+            if why is not None:
+                raise ColibriError(COLIBRI_ERR_OUT_OF_MEMORY, why)
+        for p, i in kinds:
+            p.grow(seq, i, total)
+
+    def release(self, seq: SeqState):
+        for i, p in enumerate(self.paged):
+            p.release(seq, i)
+        for i, p in enumerate(self.fixed):
+            p.release(seq, i)
+        seq.cached = 0
+
+    def storage(self) -> dict:
+        """(pool index, layer, tensor) -> shape, for every pool."""
+        return {(j, *key): shape for j, p in enumerate(self.pools) for key, shape in p.storage().items()}
+
+    def usage(self) -> dict:
+        return {p.name: p.usage() for p in self.pools}
+
+
+def attention_pools(cfg: dict, num_blocks: int, block_size: int) -> list:
+    """The pools a model's layer plan needs. Every layer today is full attention with a paged KV
+    cache of K and V [Hkv, D] per position, all in one group."""
+    layers = [l["layer_id"] for l in cfg["layers"]]
+    return [PagedPool("KV cache", layers, num_blocks, block_size,
+                      (cfg["num_key_value_heads"], cfg["head_dim"]))]
