@@ -82,6 +82,19 @@ def engine_variant(request):
     return request.param
 
 
+def _default_precision(opts):
+    return {k: v for k, v in opts.items() if k != "disable_fp16"}
+
+
+@pytest.fixture(params=[pytest.param((b, _default_precision(o)), id=i.id) for i in _pairs(ENGINE_VARIANTS, ALL_BACKENDS)
+                        for b, o in [i.values[0]]])
+def precision_variant(request):
+    """engine_variant in the backend's default precision (fp16 compute where it has one): how the
+    reduced-precision suites (test_weight_types.py) run."""
+    _need(request.param[0])
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("models"))

@@ -1,4 +1,6 @@
-"""Reduced-precision weights on every backend that declares them: logits within a stated tolerance
+"""Reduced-precision weights on every backend that declares them, in each engine variant at the
+backend's default precision (fp16 compute on CUDA and on OpenCL devices with cl_khr_fp16; prefill
+chunks reaching cuBLAS / tiled / skinny kernels): logits within a stated tolerance
 of transformers at float32, and teacher-forced greedy agreement (transformers' greedy continuation
 fed back; Colibri's argmax must match at every position, excused only where transformers' top-2
 margin is below ten times the measured logit error)."""
@@ -20,9 +22,10 @@ MIN_CLEAR = {"float16": 1 / 3, "bfloat16": 1 / 3, "int8": 0.0}
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 @pytest.mark.parametrize("wd", sorted(TOLERANCE))
-def test_teacher_forced_greedy(backend_name, model_type, wd, model_cache):
+def test_teacher_forced_greedy(precision_variant, model_type, wd, model_cache):
+    backend_name, opts = precision_variant
     if wd not in backend_class(backend_name).weight_dtypes:
-        pytest.skip(f"{backend_name} does not declare {wd} weights")
+        pytest.skip(f"{backend_name} does not declare {wd} weights (refused at open: test_parity.py)")
     from colibri_edge.convert import convert
     import os
     hf, _ = convert_case(model_cache, model_type)
@@ -33,7 +36,7 @@ def test_teacher_forced_greedy(backend_name, model_type, wd, model_cache):
     cont = hf_greedy(hf, prompt, 24)
     seq = np.array(prompt + cont)
     want = hf_logits(hf, seq[None])[0]
-    with Engine.open(col, backend=backend_name) as eng:
+    with Engine.open(col, backend=backend_name, **opts) as eng:
         got = eng.infer(seq)[0]
     err = np.abs(got - want).max(axis=-1)                 # measured logit error at each position
     assert err.max() / np.abs(want).max() < TOLERANCE[wd], f"{wd}: rel err {err.max() / np.abs(want).max():.2e}"
