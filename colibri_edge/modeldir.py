@@ -16,29 +16,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import validate
 from .dtypes import QUANTIZED, STORAGE, itemsize, narrow, quantize_rows
-from .errors import (ColibriError, COLIBRI_ERR_INVALID_MODEL, COLIBRI_ERR_INVALID_MODEL_TYPE,
-                     invalid_model)
+from .errors import invalid_model
 
-FORMAT_VERSION = 1
 ALIGN = 4096
 WEIGHTS_FILE = "colibri_weights.bin"
-SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
-LAYER_TYPES = ("dense", "moe", "moe_shared")
-ROUTER_MODES = ("topk", "gated")
-QK_NORMS = ("none", "per_head", "full")
-
-# field -> python type(s) every config.json must carry
-REQUIRED_CONFIG = {
-    "format_version": int, "model_type": str, "num_hidden_layers": int, "hidden_size": int,
-    "intermediate_size": int, "moe_intermediate_size": int, "num_attention_heads": int,
-    "num_key_value_heads": int, "head_dim": int, "vocab_size": int, "max_position_embeddings": int,
-    "rope_theta": (int, float), "rms_norm_eps": (int, float), "tie_word_embeddings": bool,
-    "experts_per_layer": int, "top_k": int, "router_dtype": str, "router_mode": str,
-    "norm_topk_prob": bool, "shared_expert_intermediate_size": int, "shared_expert_gate": bool,
-    "attention_bias": bool, "attention_out_bias": bool, "qk_norm": str, "eos_token_ids": list,
-    "weight_dtype": str, "layers": list,
-}
+FORMAT_VERSION, SUPPORTED_MODEL_TYPES = validate.FORMAT_VERSION, validate.SUPPORTED_MODEL_TYPES
 
 
 def align_up(n: int, a: int = ALIGN) -> int:
@@ -215,88 +199,8 @@ class ExpertRecord:
     activation_fn: str
 
 
-def _load_json(path, kind):
-    if not os.path.exists(path):
-        raise invalid_model(path, "(file)", f"missing; a model directory needs {kind}. "
-                            "Create one with `colibri convert HF_DIR OUT_DIR`.")
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise invalid_model(path, "(json)", f"not valid JSON ({e}); re-run `colibri convert`") from None
-
-
-def _check_type(path, field, value, typ):
-    ok = isinstance(value, typ) and not (typ is int and isinstance(value, bool))
-    if typ == (int, float):
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not ok:
-        want = typ.__name__ if isinstance(typ, type) else "number"
-        raise invalid_model(path, field, f"expected {want}, got {value!r}")
-
-
 def validate_config(cfg: dict, path: str = "config.json") -> dict:
-    if not isinstance(cfg, dict):
-        raise invalid_model(path, "(root)", "expected a JSON object")
-    mt = cfg.get("model_type")
-    if mt not in SUPPORTED_MODEL_TYPES:
-        raise ColibriError(COLIBRI_ERR_INVALID_MODEL_TYPE,
-                           f"{path}: field 'model_type': {mt!r} is not supported; supported: "
-                           f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-    for field, typ in REQUIRED_CONFIG.items():
-        if field not in cfg:
-            raise invalid_model(path, field, "missing")
-        _check_type(path, field, cfg[field], typ)
-    if cfg["format_version"] != FORMAT_VERSION:
-        raise invalid_model(path, "format_version", f"is {cfg['format_version']}, this Colibri reads "
-                            f"{FORMAT_VERSION}; re-convert the model")
-    for field in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
-                  "head_dim", "vocab_size", "max_position_embeddings"):
-        if cfg[field] <= 0:
-            raise invalid_model(path, field, f"must be positive, got {cfg[field]}")
-    if cfg["num_attention_heads"] % cfg["num_key_value_heads"]:
-        raise invalid_model(path, "num_key_value_heads", "must divide num_attention_heads")
-    if cfg["head_dim"] % 2:
-        raise invalid_model(path, "head_dim", "must be even for rotary embeddings")
-    if cfg["weight_dtype"] not in STORAGE:
-        raise invalid_model(path, "weight_dtype", f"{cfg['weight_dtype']!r}; expected one of {list(STORAGE)}")
-    if cfg["router_mode"] not in ROUTER_MODES:
-        raise invalid_model(path, "router_mode", f"{cfg['router_mode']!r}; expected one of {ROUTER_MODES}")
-    if cfg["router_dtype"] != "float32":
-        raise invalid_model(path, "router_dtype", "the router always runs in float32")
-    if cfg["qk_norm"] not in QK_NORMS:
-        raise invalid_model(path, "qk_norm", f"{cfg['qk_norm']!r}; expected one of {QK_NORMS}")
-    if not 1 <= cfg["top_k"] <= max(cfg["experts_per_layer"], 1):
-        raise invalid_model(path, "top_k", f"must be in 1..experts_per_layer, got {cfg['top_k']}")
-    layers = cfg["layers"]
-    if len(layers) != cfg["num_hidden_layers"]:
-        raise invalid_model(path, "layers", f"has {len(layers)} entries, num_hidden_layers is "
-                            f"{cfg['num_hidden_layers']}")
-    next_expert = 0
-    for i, layer in enumerate(layers):
-        f = f"layers[{i}]"
-        if not isinstance(layer, dict):
-            raise invalid_model(path, f, "expected an object")
-        for k in ("layer_id", "type", "moe_expert_start", "moe_num_experts"):
-            if k not in layer:
-                raise invalid_model(path, f"{f}.{k}", "missing")
-        if layer["layer_id"] != i:
-            raise invalid_model(path, f"{f}.layer_id", f"expected {i}, got {layer['layer_id']}")
-        if layer["type"] not in LAYER_TYPES:
-            raise invalid_model(path, f"{f}.type", f"{layer['type']!r}; expected one of {LAYER_TYPES}")
-        if layer["type"] == "dense":
-            if layer["moe_num_experts"] != 0:
-                raise invalid_model(path, f"{f}.moe_num_experts", "a dense layer has 0 experts")
-        else:
-            if layer["moe_num_experts"] != cfg["experts_per_layer"]:
-                raise invalid_model(path, f"{f}.moe_num_experts",
-                                    f"expected experts_per_layer={cfg['experts_per_layer']}")
-            if layer["moe_expert_start"] != next_expert:
-                raise invalid_model(path, f"{f}.moe_expert_start", f"expected {next_expert}")
-            next_expert += layer["moe_num_experts"]
-    if cfg["shared_expert_intermediate_size"] <= 0 and any(l["type"] == "moe_shared" for l in layers):
-        raise invalid_model(path, "shared_expert_intermediate_size", "must be positive with moe_shared layers")
-    return cfg
+    return validate.config(cfg, path)
 
 
 class ModelDir:
@@ -309,30 +213,33 @@ class ModelDir:
             raise invalid_model(self.path, "(directory)", "not a directory; pass a model directory "
                                 "made by `colibri convert`")
         p = lambda n: os.path.join(self.path, n)
-        self.config = validate_config(_load_json(p("config.json"), "config.json"), p("config.json"))
-        self.tensors = _load_json(p("tensors.json"), "tensors.json")
-        experts = _load_json(p("experts.json"), "experts.json")
+        self.config = validate.config(validate.load_json(p("config.json"), "config.json"), p("config.json"))
+        self.tensors = validate.load_json(p("tensors.json"), "tensors.json")
+        experts = validate.load_json(p("experts.json"), "experts.json")
         wpath = p(WEIGHTS_FILE)
-        if not os.path.exists(wpath):
-            raise invalid_model(wpath, "(file)", "missing weights file; re-run `colibri convert`")
+        self.file_size = validate.regular_file(wpath, "its weights file (re-run `colibri convert`)")
         self.weights_path = wpath
-        self.file_size = os.path.getsize(wpath)
         self._validate_tensors(p("tensors.json"))
         self.experts = self._validate_experts(experts, p("experts.json"))
         self._validate_no_overlap()
-        # file_size may be 0 only for an empty model, which validation already refused
-        self.mmap = np.memmap(wpath, dtype=np.uint8, mode="r")
-        self.generation_config = self._optional_json("generation_config.json")
-        self.tokenizer_config = self._optional_json("tokenizer_config.json")
+        try:            # file_size is > 0: validation proved every tensor inside it
+            self.mmap = np.memmap(wpath, dtype=np.uint8, mode="r")
+        except (OSError, ValueError) as e:
+            raise invalid_model(wpath, "(file)", f"cannot be mapped ({e})") from None
+        V = self.config["vocab_size"]
+        self.generation_config = self._optional_json("generation_config.json",
+                                                     lambda o, f: validate.generation_config(o, f, V))
+        self.tokenizer_config = self._optional_json("tokenizer_config.json", validate.tokenizer_config)
+        tok = p("tokenizer.json")
+        if os.path.lexists(tok):
+            validate.regular_file(tok, "a tokenizer (tokenizer.json)")
 
-    def _optional_json(self, name):
+    def _optional_json(self, name, check):
         path = os.path.join(self.path, name)
-        return _load_json(path, name) if os.path.exists(path) else {}
+        return check(validate.load_json(path, name), path) if os.path.lexists(path) else {}
 
     # -- validation -------------------------------------------------------------------------
     def _check_extent(self, path, field, off, size):
-        if not isinstance(off, int) or isinstance(off, bool) or off < 0:
-            raise invalid_model(path, field, f"offset must be a non-negative integer, got {off!r}")
         if off % ALIGN:
             raise invalid_model(path, field, f"offset {off} is not {ALIGN}-byte aligned")
         if off + size > self.file_size:
@@ -342,12 +249,16 @@ class ModelDir:
     def _validate_tensors(self, path):
         if not isinstance(self.tensors, dict):
             raise invalid_model(path, "(root)", "expected an object name -> tensor")
-        for name, (shape, dtype) in expected_tensors(self.config).items():
+        want = expected_tensors(self.config)
+        extra = sorted(set(self.tensors) - set(want))
+        if extra:
+            raise invalid_model(path, extra[0], "is not a tensor of this layer plan; the engine would ignore it, "
+                                "so the directory does not match its config.json: re-run `colibri convert`")
+        for name, (shape, dtype) in want.items():
             if name not in self.tensors:
                 raise invalid_model(path, name, "missing tensor required by config.json")
             rec = self.tensors[name]
-            if not isinstance(rec, dict) or not {"offset", "shape", "dtype"} <= set(rec):
-                raise invalid_model(path, name, "needs offset, shape and dtype")
+            validate.tensor_record(path, name, rec)
             if list(rec["shape"]) != list(shape):
                 raise invalid_model(path, f"{name}.shape", f"expected {list(shape)}, got {rec['shape']}")
             if rec["dtype"] != dtype:
@@ -371,19 +282,14 @@ class ModelDir:
         size = expert_blob_bytes(H, I, wd)
         for i, (rec, (layer, local)) in enumerate(zip(experts, want)):
             f = f"[{i}]"
-            try:
-                r = ExpertRecord(**{k: rec[k] for k in ExpertRecord.__dataclass_fields__})
-            except (KeyError, TypeError) as e:
-                raise invalid_model(path, f + ".(record)", f"missing field {e}") from None
+            validate.expert_record(path, i, rec)
+            r = ExpertRecord(**{k: rec[k] for k in ExpertRecord.__dataclass_fields__})
             if (r.id, r.layer, r.local_id) != (i, layer, local):
                 raise invalid_model(path, f + ".id/layer/local_id",
                                     f"expected id {i}, layer {layer}, local_id {local}")
             if (r.hidden_size, r.intermediate_size, r.dtype) != (H, I, wd):
                 raise invalid_model(path, f + ".hidden_size/intermediate_size/dtype",
                                     f"expected {H}, {I}, {wd} from config.json")
-            if r.activation_fn != "swiglu":
-                raise invalid_model(path, f + ".activation_fn", f"{r.activation_fn!r} is not implemented; "
-                                    "only 'swiglu'")
             if r.weight_size != size:
                 raise invalid_model(path, f + ".weight_size", f"is {r.weight_size}, gate+up+down of "
                                     f"[{I},{H}] {wd} need {size}")

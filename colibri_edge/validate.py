@@ -1,0 +1,316 @@
+"""Refuse, never guess: every file and every JSON value of a model directory checked for type and
+range before anything uses it. A failure is COLIBRI_ERR_INVALID_MODEL (or _INVALID_MODEL_TYPE)
+naming the file, the field and what was expected; nothing else escapes.
+
+    regular_file   exists, is a regular file (not a directory, link, device or fifo), readable
+    load_json      size-bounded, UTF-8, parsed with a nesting limit
+    config         config.json: every field typed and ranged, the layer plan consistent
+    tensor_index   tensors.json: every record's offset / shape / dtype / nbytes
+    expert_index   experts.json: every record's fields
+    generation_config, tokenizer_config   the fields of these Hugging Face files the engine reads
+
+Sizes are bounded twice: by sane maxima here (a hidden size of 2^31 is refused as such), and by
+what the weights file holds (modeldir checks every extent against its size), so no size a file
+declares is ever allocated before it is proven.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+
+from .errors import ColibriError, COLIBRI_ERR_INVALID_MODEL_TYPE, invalid_model
+
+FORMAT_VERSION = 1
+SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+LAYER_TYPES = ("dense", "moe", "moe_shared")
+ROUTER_MODES = ("topk", "gated")
+QK_NORMS = ("none", "per_head", "full")
+WEIGHT_TYPES = ("float32", "float16", "bfloat16", "int8")
+
+MAX_DIM = 1 << 20            # hidden, intermediate and head sizes
+MAX_HEADS = 1 << 12
+MAX_LAYERS = 1 << 12
+MAX_EXPERTS = 1 << 14
+MAX_VOCAB = 1 << 24
+MAX_POSITIONS = 1 << 24
+MAX_OFFSET = 1 << 50         # 1 PiB: far past any file, well inside int64 arithmetic
+MAX_JSON_DEPTH = 32
+JSON_LIMITS = {"config.json": 1 << 22, "tensors.json": 1 << 28, "experts.json": 1 << 28,
+               "generation_config.json": 1 << 22, "tokenizer_config.json": 1 << 26}
+
+
+# -- files -------------------------------------------------------------------------------------------
+def regular_file(path: str, what: str) -> int:
+    """-> the file's size; refuses a missing, linked, special or unreadable file by name."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise invalid_model(path, "(file)", f"missing; a model directory needs {what}. "
+                            "Create one with `colibri convert HF_DIR OUT_DIR`.") from None
+    except OSError as e:
+        raise invalid_model(path, "(file)", f"cannot be examined ({e.strerror})") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise invalid_model(path, "(file)", "is a symbolic link; a model directory holds its own files "
+                            "(copy the file in, or re-run `colibri convert`)")
+    if stat.S_ISDIR(st.st_mode):
+        raise invalid_model(path, "(file)", f"is a directory, not {what}; re-run `colibri convert`")
+    if not stat.S_ISREG(st.st_mode):
+        raise invalid_model(path, "(file)", f"is not a regular file (a device, socket or pipe), not {what}")
+    if not os.access(path, os.R_OK):
+        raise invalid_model(path, "(file)", "is not readable by this user; fix its permissions")
+    return st.st_size
+
+
+def _depth(obj, limit):
+    stack = [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if d > limit:
+            return False
+        if isinstance(o, dict):
+            stack += [(v, d + 1) for v in o.values()]
+        elif isinstance(o, list):
+            stack += [(v, d + 1) for v in o]
+    return True
+
+
+def load_json(path: str, what: str):
+    name = os.path.basename(path)
+    size = regular_file(path, what)
+    limit = JSON_LIMITS.get(name, 1 << 26)
+    if size > limit:
+        raise invalid_model(path, "(file)", f"is {size} bytes, more than a valid {name} can be ({limit}); "
+                            "re-run `colibri convert`")
+    try:
+        with open(path, "rb") as f:
+            text = f.read().decode("utf-8")
+        obj = json.loads(text)
+    except UnicodeDecodeError as e:
+        raise invalid_model(path, "(json)", f"not UTF-8 text ({e.reason} at byte {e.start}); re-run `colibri convert`") \
+            from None
+    except json.JSONDecodeError as e:
+        raise invalid_model(path, "(json)", f"not valid JSON ({e}); re-run `colibri convert`") from None
+    except RecursionError:
+        raise invalid_model(path, "(json)", f"nested deeper than {MAX_JSON_DEPTH} levels; not a {name}") from None
+    except OSError as e:
+        raise invalid_model(path, "(file)", f"cannot be read ({e.strerror})") from None
+    if not _depth(obj, MAX_JSON_DEPTH):
+        raise invalid_model(path, "(json)", f"nested deeper than {MAX_JSON_DEPTH} levels; not a {name}")
+    return obj
+
+
+# -- typed fields ------------------------------------------------------------------------------------
+def _int(path, field, v, lo, hi):
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise invalid_model(path, field, f"expected an integer, got {v!r:.60}")
+    if not lo <= v <= hi:
+        raise invalid_model(path, field, f"{v} is out of range [{lo}, {hi}]")
+    return v
+
+
+def _num(path, field, v, lo, hi, lo_open=False):
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise invalid_model(path, field, f"expected a number, got {v!r:.60}")
+    v = float(v)
+    if not math.isfinite(v):
+        raise invalid_model(path, field, f"{v} is not finite")
+    if v < lo or v > hi or (lo_open and v == lo):
+        raise invalid_model(path, field, f"{v} is out of range {'(' if lo_open else '['}{lo}, {hi}]")
+    return v
+
+
+def _bool(path, field, v):
+    if not isinstance(v, bool):
+        raise invalid_model(path, field, f"expected true or false, got {v!r:.60}")
+    return v
+
+
+def _enum(path, field, v, choices):
+    if not isinstance(v, str) or v not in choices:
+        raise invalid_model(path, field, f"{v!r:.60} is not one of {', '.join(choices)}")
+    return v
+
+
+def _obj(path, field, v):
+    if not isinstance(v, dict):
+        raise invalid_model(path, field, f"expected an object, got {type(v).__name__}")
+    return v
+
+
+def _list(path, field, v, max_len):
+    if not isinstance(v, list):
+        raise invalid_model(path, field, f"expected a list, got {type(v).__name__}")
+    if len(v) > max_len:
+        raise invalid_model(path, field, f"has {len(v)} entries, at most {max_len} are possible")
+    return v
+
+
+def _known(path, field, obj, allowed):
+    extra = sorted(set(obj) - set(allowed))
+    if extra:
+        raise invalid_model(path, f"{field}{extra[0]}", "is not a field this Colibri knows; the directory was "
+                            "written by another version or edited: re-run `colibri convert`")
+
+
+# -- config.json ---------------------------------------------------------------------------------------
+CONFIG_FIELDS = (
+    "format_version", "model_type", "architectures", "num_hidden_layers", "hidden_size", "intermediate_size",
+    "moe_intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+    "max_position_embeddings", "rope_theta", "rms_norm_eps", "tie_word_embeddings", "experts_per_layer", "top_k",
+    "router_dtype", "router_mode", "norm_topk_prob", "shared_expert_intermediate_size", "shared_expert_gate",
+    "attention_bias", "attention_out_bias", "qk_norm", "eos_token_ids", "bos_token_id", "weight_dtype", "layers")
+OPTIONAL = ("architectures", "bos_token_id")
+
+
+def config(cfg, path: str = "config.json") -> dict:
+    """config.json, every field typed and ranged; returns it (a dict of plain values)."""
+    _obj(path, "(root)", cfg)
+    mt = cfg.get("model_type")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ColibriError(COLIBRI_ERR_INVALID_MODEL_TYPE,
+                           f"{path}: field 'model_type': {mt!r:.60} is not supported; supported: "
+                           f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    for f in CONFIG_FIELDS:
+        if f not in cfg and f not in OPTIONAL:
+            raise invalid_model(path, f, "missing")
+    _known(path, "", cfg, CONFIG_FIELDS)
+    if _int(path, "format_version", cfg["format_version"], 0, 1 << 30) != FORMAT_VERSION:
+        raise invalid_model(path, "format_version", f"is {cfg['format_version']}, this Colibri reads "
+                            f"{FORMAT_VERSION}; re-convert the model")
+    if "architectures" in cfg:
+        for i, a in enumerate(_list(path, "architectures", cfg["architectures"], 64)):
+            if not isinstance(a, str):
+                raise invalid_model(path, f"architectures[{i}]", f"expected a string, got {a!r:.60}")
+    L = _int(path, "num_hidden_layers", cfg["num_hidden_layers"], 1, MAX_LAYERS)
+    H = _int(path, "hidden_size", cfg["hidden_size"], 1, MAX_DIM)
+    for f in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        _int(path, f, cfg[f], 0, MAX_DIM)
+    nh = _int(path, "num_attention_heads", cfg["num_attention_heads"], 1, MAX_HEADS)
+    nkv = _int(path, "num_key_value_heads", cfg["num_key_value_heads"], 1, MAX_HEADS)
+    hd = _int(path, "head_dim", cfg["head_dim"], 2, 1 << 12)
+    V = _int(path, "vocab_size", cfg["vocab_size"], 1, MAX_VOCAB)
+    _int(path, "max_position_embeddings", cfg["max_position_embeddings"], 1, MAX_POSITIONS)
+    _num(path, "rope_theta", cfg["rope_theta"], 1.0, 1e12, lo_open=True)
+    _num(path, "rms_norm_eps", cfg["rms_norm_eps"], 0.0, 1.0, lo_open=True)
+    E = _int(path, "experts_per_layer", cfg["experts_per_layer"], 0, MAX_EXPERTS)
+    _int(path, "top_k", cfg["top_k"], 1, max(E, 1))
+    _enum(path, "router_dtype", cfg["router_dtype"], ("float32",))
+    _enum(path, "router_mode", cfg["router_mode"], ROUTER_MODES)
+    _enum(path, "qk_norm", cfg["qk_norm"], QK_NORMS)
+    _enum(path, "weight_dtype", cfg["weight_dtype"], WEIGHT_TYPES)
+    for f in ("tie_word_embeddings", "norm_topk_prob", "shared_expert_gate", "attention_bias", "attention_out_bias"):
+        _bool(path, f, cfg[f])
+    if nh % nkv:
+        raise invalid_model(path, "num_key_value_heads", f"{nkv} does not divide num_attention_heads={nh}")
+    if hd % 2:
+        raise invalid_model(path, "head_dim", f"{hd} is odd; rotary embeddings need an even head_dim")
+    for i, e in enumerate(_list(path, "eos_token_ids", cfg["eos_token_ids"], 1024)):
+        _int(path, f"eos_token_ids[{i}]", e, 0, V - 1)
+    if cfg.get("bos_token_id") is not None:
+        _int(path, "bos_token_id", cfg["bos_token_id"], 0, V - 1)
+    layers = _list(path, "layers", cfg["layers"], MAX_LAYERS)
+    if len(layers) != L:
+        raise invalid_model(path, "layers", f"has {len(layers)} entries, num_hidden_layers is {L}")
+    next_expert = 0
+    for i, layer in enumerate(layers):
+        f = f"layers[{i}]"
+        _obj(path, f, layer)
+        for k in ("layer_id", "type", "moe_expert_start", "moe_num_experts"):
+            if k not in layer:
+                raise invalid_model(path, f"{f}.{k}", "missing")
+        _known(path, f"{f}.", layer, ("layer_id", "type", "moe_expert_start", "moe_num_experts"))
+        if _int(path, f"{f}.layer_id", layer["layer_id"], 0, MAX_LAYERS) != i:
+            raise invalid_model(path, f"{f}.layer_id", f"expected {i}, got {layer['layer_id']}")
+        kind = _enum(path, f"{f}.type", layer["type"], LAYER_TYPES)
+        start = _int(path, f"{f}.moe_expert_start", layer["moe_expert_start"], 0, MAX_LAYERS * MAX_EXPERTS)
+        n = _int(path, f"{f}.moe_num_experts", layer["moe_num_experts"], 0, MAX_EXPERTS)
+        if kind == "dense":
+            if n != 0:
+                raise invalid_model(path, f"{f}.moe_num_experts", "a dense layer has 0 experts")
+            if cfg["intermediate_size"] < 1:
+                raise invalid_model(path, "intermediate_size", "must be positive with dense layers")
+        else:
+            if n != E or E < 1:
+                raise invalid_model(path, f"{f}.moe_num_experts", f"expected experts_per_layer={E} (at least 1)")
+            if start != next_expert:
+                raise invalid_model(path, f"{f}.moe_expert_start", f"expected {next_expert}")
+            if cfg["moe_intermediate_size"] < 1:
+                raise invalid_model(path, "moe_intermediate_size", "must be positive with MoE layers")
+            next_expert += n
+        if kind == "moe_shared" and cfg["shared_expert_intermediate_size"] < 1:
+            raise invalid_model(path, "shared_expert_intermediate_size", "must be positive with moe_shared layers")
+    if any(l["type"] == "moe_shared" for l in layers) is False and cfg["shared_expert_gate"]:
+        raise invalid_model(path, "shared_expert_gate", "is true, but no layer has a shared expert")
+    return cfg
+
+
+# -- tensors.json / experts.json ----------------------------------------------------------------------
+def tensor_record(path: str, name: str, rec):
+    _obj(path, name, rec)
+    for k in ("offset", "shape", "dtype"):
+        if k not in rec:
+            raise invalid_model(path, f"{name}.{k}", "missing")
+    _known(path, f"{name}.", rec, ("offset", "shape", "dtype", "nbytes"))
+    _int(path, f"{name}.offset", rec["offset"], 0, MAX_OFFSET)
+    for i, d in enumerate(_list(path, f"{name}.shape", rec["shape"], 8)):
+        _int(path, f"{name}.shape[{i}]", d, 0, MAX_POSITIONS)
+    _enum(path, f"{name}.dtype", rec["dtype"], ("float32",) + WEIGHT_TYPES)
+    if "nbytes" in rec:
+        _int(path, f"{name}.nbytes", rec["nbytes"], 0, MAX_OFFSET)
+
+
+EXPERT_FIELDS = ("id", "layer", "local_id", "weight_offset", "weight_size", "hidden_size", "intermediate_size",
+                 "has_residual", "activation_fn", "dtype")
+
+
+def expert_record(path: str, i: int, rec) -> dict:
+    f = f"[{i}]"
+    _obj(path, f, rec)
+    for k in EXPERT_FIELDS:
+        if k not in rec:
+            raise invalid_model(path, f"{f}.{k}", "missing")
+    _known(path, f"{f}.", rec, EXPERT_FIELDS)
+    for k, hi in (("id", MAX_LAYERS * MAX_EXPERTS), ("layer", MAX_LAYERS), ("local_id", MAX_EXPERTS),
+                  ("weight_offset", MAX_OFFSET), ("weight_size", MAX_OFFSET), ("hidden_size", MAX_DIM),
+                  ("intermediate_size", MAX_DIM)):
+        _int(path, f"{f}.{k}", rec[k], 0, hi)
+    _bool(path, f"{f}.has_residual", rec["has_residual"])
+    if rec["has_residual"]:
+        raise invalid_model(path, f"{f}.has_residual", "residual experts are not implemented")
+    _enum(path, f"{f}.activation_fn", rec["activation_fn"], ("swiglu",))
+    _enum(path, f"{f}.dtype", rec["dtype"], WEIGHT_TYPES)
+    return rec
+
+
+# -- generation_config.json / tokenizer_config.json ------------------------------------------------------
+def generation_config(obj, path: str, vocab: int) -> dict:
+    _obj(path, "(root)", obj)
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        v = obj.get(key)
+        if v is None:
+            continue
+        vals = v if isinstance(v, list) else [v]
+        if len(vals) > 1024:
+            raise invalid_model(path, key, f"has {len(vals)} ids")
+        for i, t in enumerate(vals):
+            _int(path, f"{key}[{i}]" if isinstance(v, list) else key, t, 0, vocab - 1)
+    return obj
+
+
+def tokenizer_config(obj, path: str) -> dict:
+    _obj(path, "(root)", obj)
+    tpl = obj.get("chat_template")
+    if tpl is not None and not isinstance(tpl, str):
+        for i, t in enumerate(_list(path, "chat_template", tpl, 64)):
+            _obj(path, f"chat_template[{i}]", t)
+            if not isinstance(t.get("name"), str) or not isinstance(t.get("template"), str):
+                raise invalid_model(path, f"chat_template[{i}]", "a named template needs string 'name' and 'template'")
+    for key, v in obj.items():
+        if key.endswith("_token") and v is not None and not isinstance(v, str):
+            if not isinstance(v, dict) or not isinstance(v.get("content"), str):
+                raise invalid_model(path, key, f"expected a string or {{\"content\": string}}, got {v!r:.60}")
+    if "add_bos_token" in obj and obj["add_bos_token"] is not None:
+        _bool(path, "add_bos_token", obj["add_bos_token"])
+    return obj
