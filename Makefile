@@ -5,12 +5,13 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 export PIP_DISABLE_PIP_VERSION_CHECK = 1
 
-.PHONY: demo test test-fast bench toolchains gpu-check clean help
+.PHONY: demo test test-fast bench fuzz toolchains gpu-check clean help
 
 help:
 	@echo "make demo   - create .venv, install, run the embedded default model"
 	@echo "make test   - install test dependencies, run toolchain checks and the test suite"
 	@echo "make bench  - benchmarks against llama.cpp and transformers (installs llama-cpp-python)"
+	@echo "make fuzz   - the whole fuzz campaign: 10,000 model-directory mutations on reference, 1,000 on cpu and opencl"
 
 $(VENV)/.base: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +49,10 @@ $(VENV)/.bench: $(VENV)/.test
 
 bench: $(VENV)/.bench
 	$(MAKE) -C benchmarks all PY=$(abspath $(PY))
+
+# the whole campaign (`make test` runs a slice of it: tests/test_validation.py)
+fuzz: $(VENV)/.test
+	$(PY) tests/fuzz.py --cases 10000 --backend reference,cpu,opencl --cpu-cases 1000 --report fuzz-report.md
 
 gpu-check:
 	bash toolchains/cuda/gpu-check.sh

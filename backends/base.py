@@ -17,6 +17,7 @@ Optional -- each has its default below, and the core never probes a backend with
     host_view(buf)                  host access to a small buffer (logits)          a download
     synchronize()                   wait for queued work                            nothing to wait for
     graph_step(key, fn, *args)      capture a decode step once, replay it after     run fn
+    memory_available(), copies_weights   what Engine.open may allocate; device copies   host memory / False
     list_devices()                  device/platform lines for `colibri backends`    none
     alloc_slots/load_slot/slot_ffn  expert slot pool storage                        one [N, blob] buffer
     _fork(n)/_join(side)            side queues for independent experts             no side queues
@@ -272,6 +273,15 @@ class Backend:
         raise NotImplementedError
 
     # -- optional capabilities ---------------------------------------------------------------
+    copies_weights = False         # True: weights are copied into the backend's memory (a device), so
+                                   # they count against memory_available; host backends map them
+
+    def memory_available(self) -> tuple:
+        """-> (bytes the engine may still allocate on this backend, what limits it): compared with
+        what Engine.open needs before anything is allocated. Host backends: colibri_edge.memory."""
+        from colibri_edge.memory import host_available
+        return host_available()
+
     def graph_step(self, key, fn, *args) -> bool:
         """Run fn(*args), a step that only launches this backend's ops on fixed buffers. A backend
         with graph capture (CUDA) captures it the first time `key` is seen and replays it after;

@@ -14,6 +14,7 @@ input's place in it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,7 +43,7 @@ def input_layout(lim: Limits) -> dict:
     out, off = {}, 0
     for name, shape in parts:
         out[name] = (off, shape)
-        off += int(np.prod(shape))
+        off += math.prod(shape)
     return out
 
 
@@ -53,7 +54,9 @@ def buffers(cfg: dict, lim: Limits) -> dict:
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     E, k = max(cfg["experts_per_layer"], 1), fan(cfg)
     M = sum(1 for l in cfg["layers"] if l["type"] != "dense")
-    inter = max(cfg["moe_intermediate_size"], cfg["intermediate_size"], cfg["shared_expert_intermediate_size"])
+    types = {l["type"] for l in cfg["layers"]}          # the widest FFN the plan runs (sizes it does not use
+    inter = max([cfg["intermediate_size"]] * ("dense" in types) + [cfg["moe_intermediate_size"]] * (M > 0) +
+                [cfg["shared_expert_intermediate_size"]] * ("moe_shared" in types) + [1])   # are never allocated)
     f32, i32 = np.float32, np.int32
     spec = {
         "x": ((R, H), f32), "h": ((R, H), f32), "o": ((R, H), f32),               # residual, normed, branch out
@@ -66,7 +69,7 @@ def buffers(cfg: dict, lim: Limits) -> dict:
         "pred_router": ((R, E), f32), "pred_ids": ((R, k), i32), "pred_w": ((R, k), f32),   # prefetch, traces
         "sel": ((R, H), f32), "logits": ((R, V), f32),
         "expert_counts": ((max(M, 1), E), i32),                                 # tokens routed, on the device
-        "inputs": ((sum(int(np.prod(s)) for _, s in input_layout(lim).values()),), i32),
+        "inputs": ((sum(math.prod(s) for _, s in input_layout(lim).values()),), i32),
     }
     for name, sd in plan_buffers(R * k, E).items():                             # align's plan, MoE layers
         spec[f"plan.{name}"] = sd
@@ -76,4 +79,4 @@ def buffers(cfg: dict, lim: Limits) -> dict:
 
 
 def nbytes(spec: dict) -> int:
-    return sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in spec.values())
+    return sum(math.prod(shape) * np.dtype(dt).itemsize for shape, dt in spec.values())

@@ -271,6 +271,15 @@ def _expert_sources(src: SafetensorsIndex, cfg: dict, layer: int, j: int):
     raise invalid_model(f"model.layers.{layer}", f"experts.{j}", "expert weights not found in the checkpoint")
 
 
+def _finite(hf_dir, name, arr):
+    """A tensor holding NaN or inf is refused, named: it would give NaN logits wherever it is read."""
+    if not np.isfinite(arr).all():
+        bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
+        raise invalid_model(os.path.join(hf_dir, "*.safetensors"), name,
+                            f"holds {bad} NaN or inf value(s) of {arr.size}; the checkpoint is damaged (or was "
+                            "saved after a diverged step): convert a sound one")
+
+
 def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool = True) -> dict:
     """Convert; returns the Colibri config written."""
     if dtype is not None and dtype not in WEIGHT_DTYPES:
@@ -305,6 +314,7 @@ def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool 
                 raise invalid_model(os.path.join(hf_dir, "*.safetensors"), hf_name,
                                     f"missing (needed for {what} by the config)")
             arr = src.float32(hf_name)
+            _finite(hf_dir, hf_name, arr)
             if tuple(arr.shape) != tuple(shape):
                 raise invalid_model(os.path.join(hf_dir, "*.safetensors"), hf_name,
                                     f"shape {list(arr.shape)}, config implies {list(shape)}")
@@ -312,7 +322,10 @@ def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool 
             used.add(hf_name)
         else:
             getters, src_names = _expert_sources(src, cfg, *what)
-            w.add_expert(what[0], what[1], *(g() for g in getters), cfg["weight_dtype"])
+            mats = [g() for g in getters]
+            for m, part in zip(mats, ("gate", "up", "down")):
+                _finite(hf_dir, f"{src_names[0].rsplit('.', 2)[0]} (expert {what[1]} of layer {what[0]}, {part})", m)
+            w.add_expert(what[0], what[1], *mats, cfg["weight_dtype"])
             used.update(src_names)
     if cfg["tie_word_embeddings"]:
         used.add("lm_head.weight")

@@ -7,6 +7,7 @@ its own KV pool, arena and counters.
 """
 from __future__ import annotations
 
+import numbers
 import os
 import threading
 import time
@@ -16,17 +17,38 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import knobs, sampling
-from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_OUT_OF_MEMORY
+from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_MODEL
 from .modeldir import ModelDir
 from .scheduler import Runner
 
 _MODEL_CACHE: "weakref.WeakValueDictionary[str, ModelDir]" = weakref.WeakValueDictionary()
+
+
+def nonfinite(where: str) -> ColibriError:
+    """The outcome of NaN or inf logits: the weights (opening never scans them: pages of experts never
+    routed are never read) or an expert routed to hold non-finite values."""
+    return ColibriError(COLIBRI_ERR_INVALID_MODEL, f"the model produced non-finite logits (NaN or inf) for {where}: "
+                        "its weights, or an expert it routed to, hold NaN or inf values; convert it again from a sound "
+                        "checkpoint (`colibri convert` refuses non-finite tensors)")
 _MODEL_LOCK = threading.Lock()
 
 
+def _identity(path: str):
+    """What makes two opens of a directory the same model: its files' inode, size and mtime (a model
+    converted again into the same directory is a new model, never the old mapping)."""
+    out = [os.path.realpath(path)]
+    for name in ("config.json", "tensors.json", "experts.json", "colibri_weights.bin"):
+        try:
+            st = os.stat(os.path.join(path, name))
+            out.append((st.st_ino, st.st_size, st.st_mtime_ns))
+        except OSError:
+            out.append(None)
+    return tuple(out)
+
+
 def open_model_dir(path: str) -> ModelDir:
-    """One ModelDir (and so one memmap) per directory per process."""
-    key = os.path.realpath(path)
+    """One ModelDir (and so one memmap) per model directory per process."""
+    key = _identity(path)
     with _MODEL_LOCK:
         m = _MODEL_CACHE.get(key)
         if m is None:
@@ -61,18 +83,17 @@ class Engine:
         self.options, not_applicable = knobs.backend_options(cls, {
             "num_streams": num_streams, "disable_fp16": disable_fp16, "num_threads": num_threads,
             "cuda_graphs": cuda_graphs, "device": device})
-        max_seq_len = cfg["max_position_embeddings"] if max_seq_len is None else max_seq_len
-        for name, v in (("max_seq_len", max_seq_len), ("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-                raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{name}={v!r}: must be a positive integer")
-        if max_seq_len > cfg["max_position_embeddings"]:
+        max_pos = cfg["max_position_embeddings"]
+        max_seq_len = max_pos if max_seq_len is None else max_seq_len
+        if isinstance(max_seq_len, numbers.Integral) and not isinstance(max_seq_len, bool) and max_seq_len > max_pos:
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"max_seq_len={max_seq_len} exceeds the model's "
-                               f"max_position_embeddings={cfg['max_position_embeddings']}")
+                               f"max_position_embeddings={max_pos}")
+        max_seq_len = sampling.integer("max_seq_len", max_seq_len, 1, max_pos)
+        max_batch = sampling.integer("max_batch", max_batch, 1, 1 << 16)
+        prefill_chunk = sampling.integer("prefill_chunk", prefill_chunk, 1, 1 << 20)
         if kv_cache_tokens is None:
             kv_cache_tokens = min(max_seq_len * max_batch, max(4096, max_seq_len))
-        if not isinstance(kv_cache_tokens, (int, np.integer)) or isinstance(kv_cache_tokens, bool) \
-                or kv_cache_tokens < 1:
-            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"kv_cache_tokens={kv_cache_tokens!r}: must be positive")
+        kv_cache_tokens = sampling.integer("kv_cache_tokens", kv_cache_tokens, 1, 1 << 40)
         wd = cfg["weight_dtype"]
         if wd not in cls.weight_dtypes:
             from .errors import COLIBRI_ERR_UNAVAILABLE
@@ -86,6 +107,9 @@ class Engine:
         rows = max(self.prefill_chunk, self.max_batch)
         slots = knobs.resolve("COLIBRI_EXPERT_SLOTS", expert_slots)
         policy = knobs.resolve("COLIBRI_SLOT_POLICY", slot_policy)
+        if slots > len(self.model.experts):
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"expert_slots={slots}: the model has only "
+                               f"{len(self.model.experts)} experts; leave it unset to keep every expert resident")
         self.runner = Runner(self.model, self.backend, rows, self.max_batch, self.max_seq_len,
                              -(-int(kv_cache_tokens) // block), block,
                              expert_slots=slots or None, slot_policy=policy)
@@ -213,16 +237,31 @@ class Engine:
                 finally:
                     for seq, _ in group:
                         self.runner.free(seq)
+            for j, r in enumerate(results):
+                if not np.isfinite(r.max()):
+                    raise nonfinite(f"input {j}")
             return results if as_list else np.stack(results)
 
     def _prompt_ids(self, prompt):
         if isinstance(prompt, str):
             ids = self.codec.encode(prompt)
         elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+            for j, m in enumerate(prompt):
+                if not isinstance(m, dict) or not isinstance(m.get("role"), str) or \
+                        not isinstance(m.get("content"), str):
+                    raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"chat message {j}: expected "
+                                       "{'role': str, 'content': str}, got " + f"{m!r:.80}")
             ids = self.codec.encode(self.codec.render_chat(list(prompt)), add_special_tokens=False)
         else:
             ids = prompt
         return self._check_ids(ids)
+
+    @staticmethod
+    def _check_prompts(prompts):
+        if not isinstance(prompts, (list, tuple)) or not prompts or len(prompts) > 1 << 16:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"prompts={prompts!r:.80}: expected a non-empty list "
+                               "of prompts (strings, token id lists or chat message lists)")
+        return list(prompts)
 
     def generate(self, prompt, max_new_tokens=32, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=None,
                  ignore_eos=False):
@@ -234,6 +273,9 @@ class Engine:
 
     def chat(self, messages, **kw):
         """Messages rendered with the model's chat template; returns the reply's text."""
+        if not isinstance(messages, (list, tuple)) or not messages or not isinstance(messages[0], dict):
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"messages={messages!r:.80}: expected a list of "
+                               "{'role': str, 'content': str} (use generate() for a plain prompt)")
         ids = self.generate(messages, **kw)
         return self.codec.decode(ids)
 
@@ -242,8 +284,10 @@ class Engine:
         """Yields text pieces as they are generated; a piece never splits a UTF-8 character."""
         from .textio import StreamDecoder
         dec = StreamDecoder(self.codec)
-        for tok in self._generate_iter([prompt], max_new_tokens, temperature, top_p, top_k, seed, stop, ignore_eos):
-            _, token, _ = tok
+        for _, token, err in self._generate_iter([prompt], max_new_tokens, temperature, top_p, top_k, seed, stop,
+                                                 ignore_eos):
+            if err is not None:
+                raise err
             piece = dec.push(token)
             if piece:
                 yield piece
@@ -256,6 +300,8 @@ class Engine:
         """Decode several sequences together; each is freed as it finishes. Returns a list of id lists.
         A sequence that cannot continue (KV pool exhausted) fails alone: with return_errors its entry
         is the ColibriError, otherwise the first such error is raised after the others finish."""
+        prompts = self._check_prompts(prompts)
+        return_errors = sampling.flag("return_errors", return_errors)
         outs = [[] for _ in prompts]
         errors = [None] * len(prompts)
         for i, token, err in self._generate_iter(prompts, max_new_tokens, temperature, top_p, top_k, seed, stop,
@@ -273,10 +319,8 @@ class Engine:
 
     def _generate_iter(self, prompts, max_new_tokens, temperature, top_p, top_k, seed, stop, ignore_eos=False):
         """Yields (index, token, None) per generated token, or (index, None, error) when a sequence fails."""
-        sampling.check_params(temperature, top_p, top_k)
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"max_new_tokens={max_new_tokens!r}: must be >= 0")
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        temperature, top_p, top_k = sampling.check_params(temperature, top_p, top_k)
+        max_new_tokens, seed, stops, ignore_eos = sampling.check_generation(max_new_tokens, seed, stop, ignore_eos)
         if stops:
             self.codec  # stop strings need the tokenizer
         with self._lock:
@@ -288,7 +332,11 @@ class Engine:
             waiting = list(range(len(prompts)))
 
             def choose(i, st):
-                """Sample sequence i's next token; -> (token, done)."""
+                """Sample sequence i's next token; -> (token, done), or (None, NaN error) when its logits are not
+                finite (max is NaN or +inf exactly then, and allocates nothing)."""
+                if not np.isfinite(st["logits"].max()):
+                    st["logits"] = None
+                    return None, nonfinite(f"sequence {i} at position {st['seq'].cached}")
                 tok = sampling.sample(st["logits"], temperature, top_p, top_k, rng)
                 st["logits"] = None
                 st["produced"].append(tok)
@@ -306,8 +354,8 @@ class Engine:
                     finished = []
                     for i, st in live.items():
                         tok, done = choose(i, st)
-                        yield i, tok, None
-                        if done:
+                        yield (i, tok, None) if tok is not None else (i, None, done)
+                        if tok is None or done:
                             finished.append(i)
                     for i in finished:
                         self.runner.free(live.pop(i)["seq"])
@@ -332,8 +380,8 @@ class Engine:
                         for (i, seq), logits in zip(admitted, lasts):
                             st = live[i] = {"seq": seq, "produced": [], "logits": logits}
                             tok, done = choose(i, st)
-                            yield i, tok, None
-                            if done:
+                            yield (i, tok, None) if tok is not None else (i, None, done)
+                            if tok is None or done:
                                 self.runner.free(live.pop(i)["seq"])
                     if not live:
                         continue

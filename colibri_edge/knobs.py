@@ -4,20 +4,25 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
 
 KNOBS = {
     # name: (default, parser description)
     "COLIBRI_BACKEND": ("auto", "one of auto, cpu, opencl, cuda, reference"),
-    "COLIBRI_NUM_STREAMS": (1, "a positive integer"),
-    "COLIBRI_KV_BLOCK_SIZE": (16, "a positive integer"),
-    "COLIBRI_ROUTER_WARMUP": (0, "a non-negative integer"),
+    "COLIBRI_NUM_STREAMS": (1, "an integer from 1 to 64"),
+    "COLIBRI_KV_BLOCK_SIZE": (16, "an integer from 1 to 65536"),
+    "COLIBRI_ROUTER_WARMUP": (0, "an integer from 0 to 1000"),
     "COLIBRI_DISABLE_FP16": (0, "0 or 1"),
-    "COLIBRI_NUM_THREADS": (0, "a positive integer (0: all available cores)"),
-    "COLIBRI_EXPERT_SLOTS": (0, "a positive integer (0: every expert resident, no slot pool)"),
+    "COLIBRI_NUM_THREADS": (0, "an integer from 0 to 4096 (0: all available cores)"),
+    "COLIBRI_EXPERT_SLOTS": (0, "a non-negative integer (0: every expert resident, no slot pool)"),
     "COLIBRI_SLOT_POLICY": ("lru", "one of lru, lfu, prefetch"),
     "COLIBRI_CUDA_GRAPHS": (1, "0 or 1 (0 runs CUDA decode steps on streams)"),
 }
+# upper bounds (far past any real use; a larger value is a mistake, refused before anything is sized by it)
+UPPER = {"COLIBRI_NUM_STREAMS": 64, "COLIBRI_KV_BLOCK_SIZE": 1 << 16, "COLIBRI_ROUTER_WARMUP": 1000,
+         "COLIBRI_NUM_THREADS": 4096, "COLIBRI_EXPERT_SLOTS": 1 << 24}
 # Engine.open option -> its knob, for the options a backend may or may not take (Backend.OPTIONS)
 BACKEND_KNOBS = {"num_streams": "COLIBRI_NUM_STREAMS", "disable_fp16": "COLIBRI_DISABLE_FP16",
                  "num_threads": "COLIBRI_NUM_THREADS", "cuda_graphs": "COLIBRI_CUDA_GRAPHS"}
@@ -25,6 +30,9 @@ BACKEND_KNOBS = {"num_streams": "COLIBRI_NUM_STREAMS", "disable_fp16": "COLIBRI_
 
 def _parse(name, raw):
     default, what = KNOBS[name]
+    if not isinstance(raw, (str, int, np.integer)) or isinstance(raw, bool) and name not in (
+            "COLIBRI_DISABLE_FP16", "COLIBRI_CUDA_GRAPHS"):
+        raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{name}={raw!r:.60}: expected {what}")
     if name == "COLIBRI_BACKEND":
         if raw not in ("auto", "cpu", "opencl", "cuda", "reference"):
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{name}={raw!r}: expected {what}")
@@ -41,6 +49,7 @@ def _parse(name, raw):
         raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{name}={raw!r}: expected {what}") from None
     bad = (v < 1 if name in ("COLIBRI_NUM_STREAMS", "COLIBRI_KV_BLOCK_SIZE") else
            v not in (0, 1) if name in ("COLIBRI_DISABLE_FP16", "COLIBRI_CUDA_GRAPHS") else v < 0)
+    bad = bad or v > UPPER.get(name, 1 << 24)
     if bad:
         raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{name}={raw!r}: expected {what}")
     return v

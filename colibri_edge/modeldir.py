@@ -11,6 +11,7 @@ so it can be mapped, copied to a device or evicted as one unit.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -146,11 +147,19 @@ class ModelWriter:
             self.add_tensor(name, q, dtype)
             self.add_tensor(name + ".scales", scales, "float32")
             return
-        raw = narrow(array, dtype) if array.dtype == np.float32 else array
-        if raw.dtype != STORAGE[dtype]:
-            raise ValueError(f"{name}: array of {raw.dtype} is not stored {dtype}")
+        raw = self._stored(array, dtype, name)
         off, n = self._write_aligned([raw])
         self.tensors[name] = {"offset": off, "shape": list(raw.shape), "dtype": dtype, "nbytes": n}
+
+    @staticmethod
+    def _stored(array, dtype, what):
+        """Data in storage type: already stored as dtype, or floats narrowed to it (float64 via float32)."""
+        array = np.asarray(array)
+        if array.dtype == STORAGE[dtype]:
+            return array
+        if array.dtype.kind != "f":
+            raise ValueError(f"{what}: array of {array.dtype} is not stored {dtype}")
+        return narrow(np.asarray(array, np.float32), dtype)
 
     def add_expert(self, layer: int, local_id: int, gate, up, down, dtype: str, activation_fn="swiglu"):
         """gate [I,H], up [I,H], down [H,I] as float32 (or already in storage dtype)."""
@@ -163,7 +172,7 @@ class ModelWriter:
                     b = np.frombuffer(part.tobytes(), np.uint8)
                     chunks += [b, np.zeros(_pad64(b.size) - b.size, np.uint8)]
         else:
-            chunks = [narrow(m, dtype) if m.dtype == np.float32 else m for m in (gate, up, down)]
+            chunks = [self._stored(m, dtype, f"expert {local_id} of layer {layer}") for m in (gate, up, down)]
         off, n = self._write_aligned(chunks)
         self.experts.append({
             "id": len(self.experts), "layer": layer, "local_id": local_id, "weight_offset": off,
@@ -263,7 +272,7 @@ class ModelDir:
                 raise invalid_model(path, f"{name}.shape", f"expected {list(shape)}, got {rec['shape']}")
             if rec["dtype"] != dtype:
                 raise invalid_model(path, f"{name}.dtype", f"expected {dtype}, got {rec['dtype']}")
-            nbytes = int(np.prod(shape)) * itemsize(dtype)
+            nbytes = math.prod(shape) * itemsize(dtype)
             if rec.get("nbytes", nbytes) != nbytes:
                 raise invalid_model(path, f"{name}.nbytes", f"expected {nbytes} for shape {list(shape)}")
             rec["nbytes"] = nbytes
@@ -311,7 +320,7 @@ class ModelDir:
         """The stored bytes of a tensor, viewed with its storage dtype and shape (no copy)."""
         r = self.tensors[name]
         dt = STORAGE[r["dtype"]]
-        n = int(np.prod(r["shape"]))
+        n = math.prod(r["shape"])
         return self.mmap[r["offset"]:r["offset"] + n * dt.itemsize].view(dt).reshape(r["shape"])
 
     def tensor_dtype(self, name: str) -> str:

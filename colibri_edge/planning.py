@@ -5,7 +5,7 @@ Arena and per-sequence state bytes come from the declarations the engine allocat
 """
 from __future__ import annotations
 
-import numpy as np
+import math
 
 from . import arena
 from .dtypes import itemsize
@@ -25,7 +25,7 @@ def engine_memory(cfg: dict, max_seq_len: int, max_batch: int, prefill_chunk: in
     blocks = -(-kv_tokens // block_size)
     lim, states = layout(cfg, max(prefill_chunk, max_batch), max_batch, max_seq_len, blocks, block_size)
     return {"arena_bytes": arena.nbytes(arena.buffers(cfg, lim)),
-            "state_bytes": sum(4 * int(np.prod(s)) for s in states.storage().values()),
+            "state_bytes": sum(4 * math.prod(s) for s in states.storage().values()),
             "kv_tokens": blocks * block_size}
 
 

@@ -15,10 +15,12 @@ and every expert resident goes through the backend's graph_step (a CUDA graph re
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from . import arena, program
-from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
+from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_OUT_OF_MEMORY
 from .modeldir import ModelDir
 from .hooks import RoutingHook  # noqa: F401  (re-exported: the hook interface)
 from .state import States, attention_pools
@@ -66,12 +68,18 @@ class Runner:
         self.block_size = block_size
         self.limits, self.states = layout(cfg, max_rows, max_batch, max_seq_len, num_kv_blocks, block_size)
         self.top_k = arena.fan(cfg)
+        self.spec = arena.buffers(cfg, self.limits)
+        self._check_memory(expert_slots)
         self.slot_pool = None
-        if expert_slots is not None:
-            from .slots import SlotPool
-            self.slot_pool = SlotPool(backend, model, expert_slots, slot_policy)
-        self.program = program.build(model, backend, self.states.paged, resident=self.slot_pool is None)
-        self._alloc()
+        try:
+            if expert_slots is not None:
+                from .slots import SlotPool
+                self.slot_pool = SlotPool(backend, model, expert_slots, slot_policy)
+            self.program = program.build(model, backend, self.states.paged, resident=self.slot_pool is None)
+            self._alloc()
+        except MemoryError:                 # what the check could not see (another process took it)
+            raise ColibriError(COLIBRI_ERR_OUT_OF_MEMORY, f"allocating the engine's memory failed: "
+                               f"{self.need_text}; open it with smaller limits") from None
         self.steps = 0
         self.step_tokens = []            # tokens computed in each step (bounded window)
         self.hooks: list = []            # RoutingHook: traces, observers, the prefetch policy
@@ -80,22 +88,43 @@ class Runner:
         self._views = {}
 
     # -- setup ------------------------------------------------------------------------------
+    def _check_memory(self, expert_slots):
+        """Everything the engine allocates at open, against what the backend has, before any of it."""
+        from .modeldir import expert_blob_bytes
+        from .planning import human
+        cfg, be = self.cfg, self.be
+        need = {"arena (max_batch, prefill_chunk)": arena.nbytes(self.spec),
+                "KV cache (kv_cache_tokens)": sum(4 * math.prod(s) for s in self.states.storage().values())}
+        blob = expert_blob_bytes(cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["weight_dtype"])
+        if expert_slots is not None:
+            need["expert slots (expert_slots)"] = int(expert_slots) * blob
+        if be.copies_weights:
+            need["weights"] = sum(r["nbytes"] for r in self.model.tensors.values()) + \
+                (0 if expert_slots is not None else blob * len(self.model.experts))
+        total = sum(need.values())
+        self.need_text = f"{human(total)} (" + ", ".join(f"{k} {human(v)}" for k, v in need.items()) + ")"
+        avail, what = be.memory_available()
+        if total > avail:
+            raise ColibriError(COLIBRI_ERR_OUT_OF_MEMORY,
+                               f"opening this engine needs {self.need_text}, but {what} leaves {human(avail)} on "
+                               f"the {be.name} backend; open it with a smaller max_batch, prefill_chunk, "
+                               "kv_cache_tokens or expert_slots")
+
     def _alloc(self):
         """The arena and the state storage: every buffer of the engine's life, allocated now."""
-        be, cfg = self.be, self.cfg
-        spec = arena.buffers(cfg, self.limits)
+        be, spec = self.be, self.spec
         self.a = a = {name: be.alloc(shape, dtype) for name, (shape, dtype) in spec.items()}
         self.arena_bytes = arena.nbytes(spec)
         layout = arena.input_layout(self.limits)
         flat, self.h_inputs = a["inputs"], np.zeros(a["inputs"].shape, np.int32)
-        self.inputs = {n: flat[o:o + int(np.prod(s))].reshape(s) for n, (o, s) in layout.items()}
-        self.h = {n: self.h_inputs[o:o + int(np.prod(s))].reshape(s) for n, (o, s) in layout.items()}
+        self.inputs = {n: flat[o:o + math.prod(s)].reshape(s) for n, (o, s) in layout.items()}
+        self.h = {n: self.h_inputs[o:o + math.prod(s)].reshape(s) for n, (o, s) in layout.items()}
         self.h_slots = [self.h[f"slots{p}"] for p in range(len(self.states.paged))]
         self.h_tables = [self.h[f"tables{p}"] for p in range(len(self.states.paged))]
         self.plan_bufs = {n[5:]: buf for n, buf in a.items() if n.startswith("plan.")}
         self.dense_plan_bufs = {n[11:]: buf for n, buf in a.items() if n.startswith("dense_plan.")}
         self.state_storage = {key: be.alloc(shape, np.float32) for key, shape in self.states.storage().items()}
-        self.state_bytes = sum(4 * int(np.prod(s)) for s in self.states.storage().values())
+        self.state_bytes = sum(4 * math.prod(s) for s in self.states.storage().values())
         for layer in self.program.layers:
             m = layer.mixer
             m.K, m.V = self.state_storage[(m.pool, layer.index, "k")], self.state_storage[(m.pool, layer.index, "v")]

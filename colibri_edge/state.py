@@ -18,9 +18,8 @@ other kinds nor the request layer.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_OUT_OF_MEMORY
 
@@ -33,6 +32,30 @@ class SeqState:
     slots: list = field(default_factory=list)        # per fixed pool: the slot, or -1
 
 
+class FreeList:
+    """Free ids 0..n-1 as a stack, lowest id on top: reuse is deterministic and recently freed ids stay
+    warm. Ids never handed out are implied (a high-water mark), so a pool of any size costs nothing
+    until it is used."""
+
+    def __init__(self, n: int):
+        self.n, self._next, self._back = n, 0, []
+
+    def __len__(self):
+        return len(self._back) + self.n - self._next
+
+    def __bool__(self):
+        return len(self) > 0
+
+    def pop(self) -> int:
+        if self._back:
+            return self._back.pop()
+        self._next += 1
+        return self._next - 1
+
+    def append(self, i: int):
+        self._back.append(i)
+
+
 class PagedPool:
     """Blocks of `block_size` positions for `layers`, each layer storing `per_token` float32 values
     per position and per tensor (`tensors`, e.g. ("k", "v"), each [num_blocks * B, *per_token])."""
@@ -43,8 +66,7 @@ class PagedPool:
         self.name, self.layers = name, tuple(layers)
         self.num_blocks, self.block_size = int(num_blocks), int(block_size)
         self.per_token, self.tensors, self.hint = tuple(per_token), tuple(tensors), hint
-        # a stack, lowest id on top: reuse is deterministic and recently freed blocks stay warm
-        self._free = list(range(self.num_blocks - 1, -1, -1))
+        self._free = FreeList(self.num_blocks)
 
     @property
     def free_blocks(self) -> int:
@@ -77,7 +99,7 @@ class PagedPool:
         return {(l, t): (rows, *self.per_token) for l in self.layers for t in self.tensors}
 
     def bytes_per_token(self) -> int:
-        return 4 * len(self.layers) * len(self.tensors) * int(np.prod(self.per_token))
+        return 4 * len(self.layers) * len(self.tensors) * math.prod(self.per_token)
 
     def usage(self) -> dict:
         return {"kind": self.kind, "blocks": self.num_blocks, "free": self.free_blocks,
@@ -92,7 +114,7 @@ class FixedPool:
     def __init__(self, name: str, layers, num_slots: int, per_seq: dict, hint: str = "max_batch"):
         self.name, self.layers, self.num_slots = name, tuple(layers), int(num_slots)
         self.per_seq, self.hint = dict(per_seq), hint
-        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._free = FreeList(self.num_slots)
 
     @property
     def free_slots(self) -> int:
@@ -117,7 +139,7 @@ class FixedPool:
         return {(l, t): (self.num_slots, *shape) for l in self.layers for t, shape in self.per_seq.items()}
 
     def bytes_per_seq(self) -> int:
-        return 4 * len(self.layers) * sum(int(np.prod(s)) for s in self.per_seq.values())
+        return 4 * len(self.layers) * sum(math.prod(s) for s in self.per_seq.values())
 
     def usage(self) -> dict:
         return {"kind": self.kind, "slots": self.num_slots, "free": self.free_slots}

@@ -3,13 +3,18 @@ from __future__ import annotations
 
 import os
 
-from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
+from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, invalid_model
 
 
 class TextCodec:
     def __init__(self, model_dir: str, tokenizer_config: dict):
         from tokenizers import Tokenizer
-        self.tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+        path = os.path.join(model_dir, "tokenizer.json")
+        try:
+            self.tok = Tokenizer.from_file(path)
+        except Exception as e:                  # tokenizers raises plain Exception for a bad file
+            raise invalid_model(path, "(file)", f"not a tokenizers file ({e}); copy the model's tokenizer.json "
+                                "again or re-run `colibri convert`") from None
         self.config = tokenizer_config or {}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list:
@@ -33,12 +38,17 @@ class TextCodec:
         def raise_exception(msg):
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"chat template: {msg}")
 
+        from jinja2 import TemplateError
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[ext.loopcontrols])
         env.globals["raise_exception"] = raise_exception
         special = {k: (v if isinstance(v, str) else (v or {}).get("content"))
                    for k, v in self.config.items() if k.endswith("_token")}
-        return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                **special)
+        try:
+            return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                    **special)
+        except TemplateError as e:
+            raise invalid_model("tokenizer_config.json", "chat_template", f"the template fails on these messages "
+                                f"({type(e).__name__}: {e})") from None
 
 
 class StreamDecoder:

@@ -241,8 +241,6 @@ def config(cfg, path: str = "config.json") -> dict:
             next_expert += n
         if kind == "moe_shared" and cfg["shared_expert_intermediate_size"] < 1:
             raise invalid_model(path, "shared_expert_intermediate_size", "must be positive with moe_shared layers")
-    if any(l["type"] == "moe_shared" for l in layers) is False and cfg["shared_expert_gate"]:
-        raise invalid_model(path, "shared_expert_gate", "is true, but no layer has a shared expert")
     return cfg
 
 

@@ -158,6 +158,15 @@ class CudaRuntime(BackendBase):
         if self._capturing:
             raise ColibriError(COLIBRI_ERR_BACKEND, f"{what} needs the host and cannot be captured in a CUDA graph")
 
+    copies_weights = True
+
+    def memory_available(self):
+        try:
+            free, total = _cupy().cuda.runtime.memGetInfo()
+        except Exception:
+            return 1 << 62, "no known limit"
+        return int(free), f"the GPU's free memory ({total / 2**30:.1f} GiB in all)"
+
     def summary(self) -> str:
         comp = "fp32 compute" if self.fp32 else "fp16 compute (cuBLAS prefill GEMMs), fp32 accumulation"
         return (f"cuda: {self.device_name} sm_{self.cc}, {comp}, {self.num_streams} stream(s), mode={self.mode} "

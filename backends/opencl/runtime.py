@@ -176,6 +176,20 @@ class OpenCLRuntime(BackendBase):
             self.shared.program(cl, name, opts)
         self._dummy = self.alloc((1,), np.float32)       # bound to an absent optional argument
 
+    copies_weights = True
+
+    def memory_available(self):
+        """The device's global memory (OpenCL has no query for what is free); on a CPU device (PoCL)
+        also no more than the host can give."""
+        room = int(self.dev.global_mem_size)
+        what = f"the OpenCL device's global memory ({int(self.dev.global_mem_size) / 2**30:.1f} GiB)"
+        if self.dev.type & self.cl.device_type.CPU:
+            from colibri_edge.memory import host_available
+            host, why = host_available()
+            if host < room:
+                return host, why
+        return room, what
+
     @classmethod
     def list_devices(cls):
         return format_platforms().splitlines()

@@ -474,7 +474,13 @@ def _mod(name, **attrs):
     return m
 
 
-runtime = _mod("cupy.cuda.runtime", getDeviceCount=lambda: 1, getDeviceProperties=_props,
+def _mem_info():
+    """(free, total) as cudaMemGetInfo: the emulated device's size less the live device arrays."""
+    total = _props()["totalGlobalMem"]
+    return max(0, total - sum(n for ref, _, n in _live if ref() is not None)), total
+
+
+runtime = _mod("cupy.cuda.runtime", getDeviceCount=lambda: 1, getDeviceProperties=_props, memGetInfo=_mem_info,
                CUDARuntimeError=CUDARuntimeError, streamCaptureModeRelaxed=2)
 driver = _mod("cupy.cuda.driver", CUDADriverError=CUDADriverError)
 compiler = _mod("cupy.cuda.compiler", CompileException=CompileException)

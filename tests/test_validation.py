@@ -1,0 +1,237 @@
+"""Nothing gets past validation: a slice of the fuzz campaign (tests/fuzz.py; `make fuzz` runs the
+whole of it), a named regression test for every escape the first campaign found, and a battery of
+bad API arguments after each of which the engine gives the same logits as before with its KV pool
+as free as before."""
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import fuzz
+from colibri_edge import (Engine, ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_MODEL,
+                          COLIBRI_ERR_OUT_OF_MEMORY, COLIBRI_ERR_UNAVAILABLE)
+from colibri_edge.modeldir import ModelDir
+from conftest import backend_available, fp32
+
+SLICE = {"reference": 1000, "cpu": 1000, "opencl": 300}
+
+
+@pytest.mark.parametrize("backend", sorted(SLICE))
+def test_fuzz_slice(backend, tmp_path):
+    ok, why = backend_available(backend)
+    if not ok:
+        pytest.skip(why)
+    t = fuzz.campaign(SLICE[backend], backend, seed=12, workdir=str(tmp_path))
+    print(fuzz.report([t]))
+    assert t["cases"] == SLICE[backend] and not t["defects"], fuzz.report([t])
+    o = t["by_outcome"]
+    assert o["ok"] > 0.05 * t["cases"] and o["coded"] > 0.5 * t["cases"]      # both paths really exercised
+    assert set(t["by_kind"]) == set(fuzz.KINDS)
+
+
+def test_fuzz_harness_counts_crashes_and_hangs(base):
+    """A planted crash and a planted hang are counted as such, and the worker comes back for the next case."""
+    w = fuzz.Worker("reference")
+    try:
+        assert w.run(base, 30, plant="crash")["outcome"] == "crash"
+        assert w.run(base, 2, plant="hang")["outcome"] == "hang"
+        r = w.run(base, 60)
+        assert r["outcome"] == "ok" and r["stage"] == "forward" and w.restarts == 2
+    finally:
+        w.close()
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return fuzz.build_base(str(tmp_path_factory.mktemp("fuzzbase") / "m"))
+
+
+@pytest.fixture
+def model(base, tmp_path):
+    dst = str(tmp_path / "m")
+    shutil.copytree(base, dst)
+    return dst
+
+
+def _edit(path, name, fn):
+    p = os.path.join(path, name)
+    obj = json.load(open(p))
+    fn(obj)
+    with open(p, "w") as f:
+        json.dump(obj, f)
+
+
+def _refused(path, *words, code=COLIBRI_ERR_INVALID_MODEL):
+    with pytest.raises(ColibriError) as ei:
+        Engine.open(path, backend="reference")
+    assert ei.value.code == code, ei.value
+    for w in words:
+        assert w in ei.value.message, (w, ei.value.message)
+    return ei.value
+
+
+# -- the escapes of the first campaign, each by name ------------------------------------------------
+@pytest.mark.parametrize("name", ["config.json", "tensors.json", "experts.json", "colibri_weights.bin",
+                                  "tokenizer_config.json", "generation_config.json", "tokenizer.json"])
+def test_file_replaced_by_a_directory(model, name):            # was IsADirectoryError
+    os.remove(os.path.join(model, name))
+    os.mkdir(os.path.join(model, name))
+    _refused(model, name, "is a directory")
+
+
+def test_file_replaced_by_a_link(model, tmp_path):
+    os.remove(os.path.join(model, "tensors.json"))
+    os.symlink("/dev/zero", os.path.join(model, "tensors.json"))
+    _refused(model, "tensors.json", "symbolic link")
+
+
+def test_tensor_shape_not_a_list(model):                      # was TypeError
+    _edit(model, "tensors.json", lambda t: t["layers.0.attn.wq"].update(shape=7))
+    _refused(model, "layers.0.attn.wq.shape", "expected a list")
+
+
+def test_deeply_nested_json(model):                           # was RecursionError
+    with open(os.path.join(model, "experts.json"), "w") as f:
+        f.write("[" * 100000 + "]" * 100000)
+    _refused(model, "experts.json", "nested deeper")
+
+
+def test_huge_intermediate_size(model):                       # was MemoryError asking for 12 TiB
+    _edit(model, "config.json", lambda c: c.update(intermediate_size=2 ** 31))
+    _refused(model, "intermediate_size", "out of range")
+    _edit(model, "config.json", lambda c: c.update(intermediate_size=2 ** 20))
+    _refused(model, "tensors.json", "layers.0.mlp.gate.shape")      # the tensors say otherwise
+
+
+@pytest.mark.parametrize("field,value", [("rms_norm_eps", float("nan")), ("rms_norm_eps", -1e-6), ("rms_norm_eps", 0),
+                                         ("rms_norm_eps", 1e30), ("rope_theta", float("nan")), ("rope_theta", -5.0),
+                                         ("rope_theta", float("inf")), ("rope_theta", 1e300), ("rope_theta", "1e4")])
+def test_absurd_norm_eps_and_rope_theta(model, field, value):  # were accepted, giving NaN logits
+    _edit(model, "config.json", lambda c: c.update({field: value}))
+    _refused(model, field)
+
+
+def test_unknown_fields_and_tensors_are_refused(model):
+    _edit(model, "config.json", lambda c: c.update(sliding_window=16))
+    _refused(model, "sliding_window", "not a field this Colibri knows")
+
+
+def test_extra_tensor_is_refused(model):
+    _edit(model, "tensors.json", lambda t: t.update({"layers.0.attn.extra": dict(t["norm"])}))
+    _refused(model, "layers.0.attn.extra", "not a tensor of this layer plan")
+
+
+def test_nonfinite_weights_give_their_own_outcome(model):
+    """Opening never scans the weights; NaN written over an expert is reported when it is used, for
+    that sequence alone, with its own message."""
+    with Engine.open(model, backend="reference") as eng:
+        e0 = eng.model.experts[0]
+        want = eng.generate([1, 2, 3], max_new_tokens=3, ignore_eos=True)
+    with open(os.path.join(model, "colibri_weights.bin"), "r+b") as f:      # every routed expert of layer 1
+        for e in ModelDir(model).experts[:4]:
+            f.seek(e.weight_offset)
+            f.write(np.full(e.weight_size // 4, np.nan, np.float32).tobytes())
+    with Engine.open(model, backend="reference", max_batch=2) as eng:
+        with pytest.raises(ColibriError) as ei:
+            eng.infer([1, 2, 3])
+        assert ei.value.code == COLIBRI_ERR_INVALID_MODEL and "non-finite logits" in ei.value.message
+        res = eng.generate_batch([[1, 2, 3], [4, 5]], max_new_tokens=3, return_errors=True, ignore_eos=True)
+        assert all(isinstance(r, ColibriError) and "non-finite" in r.message for r in res)
+        assert eng.kv_free_blocks == eng.runner.pool.num_blocks
+    assert want and e0.weight_size > 0
+
+
+def test_convert_refuses_nonfinite_tensors(tmp_path):
+    from colibri_edge.convert import convert
+    from hf_models import build_hf
+    from safetensors.numpy import load_file, save_file
+    hf = build_hf(str(tmp_path / "hf"), "olmoe")
+    st = os.path.join(hf, "model.safetensors")
+    tensors = load_file(st)
+    name = next(n for n in sorted(tensors) if "experts" in n)
+    tensors[name].reshape(-1)[3] = np.inf
+    save_file(tensors, st, metadata={"format": "pt"})
+    with pytest.raises(ColibriError) as ei:
+        convert(hf, str(tmp_path / "out"), progress=False)
+    assert ei.value.code == COLIBRI_ERR_INVALID_MODEL and "NaN or inf" in ei.value.message and "expert" in ei.value.message
+
+
+# -- bad API arguments --------------------------------------------------------------------------------
+BAD_CALLS = [
+    ("infer", ([],), {}), ("infer", ([[]],), {}), ("infer", ([1, 2, 10 ** 6],), {}), ("infer", ([-1, 3],), {}),
+    ("infer", ([0.5, 1.0],), {}), ("infer", (np.zeros((2, 0), int),), {}), ("infer", ([True, False],), {}),
+    ("infer", (list(range(40)),), {}), ("infer", ([[1, 2], 3],), {}), ("infer", ("text",), {}),
+    ("generate", ([1, 2],), {"temperature": float("nan")}), ("generate", ([1, 2],), {"temperature": -1}),
+    ("generate", ([1, 2],), {"temperature": "hot"}), ("generate", ([1, 2],), {"temperature": float("inf")}),
+    ("generate", ([1, 2],), {"top_p": 0}), ("generate", ([1, 2],), {"top_p": 1.5}),
+    ("generate", ([1, 2],), {"top_p": float("nan")}), ("generate", ([1, 2],), {"top_k": -1}),
+    ("generate", ([1, 2],), {"top_k": 2.5}), ("generate", ([1, 2],), {"top_k": True}),
+    ("generate", ([1, 2],), {"seed": "x"}), ("generate", ([1, 2],), {"seed": -1}), ("generate", ([1, 2],), {"seed": 2 ** 70}),
+    ("generate", ([1, 2],), {"seed": 1.5}), ("generate", ([1, 2],), {"stop": 123}), ("generate", ([1, 2],), {"stop": [1]}),
+    ("generate", ([1, 2],), {"stop": [""]}), ("generate", ([1, 2],), {"stop": ["x"] * 100}),
+    ("generate", ([1, 2],), {"max_new_tokens": -1}), ("generate", ([1, 2],), {"max_new_tokens": 1.5}),
+    ("generate", ([1, 2],), {"max_new_tokens": "3"}), ("generate", ([1, 2],), {"max_new_tokens": None}),
+    ("generate", ([1, 2],), {"ignore_eos": "yes"}), ("generate", ([],), {}), ("generate", (None,), {}),
+    ("generate", ([{"role": 1, "content": "x"}],), {}), ("generate", ([{"role": "user"}],), {}),
+    ("generate_batch", ("abc",), {}), ("generate_batch", ([],), {}), ("generate_batch", ([[1]],), {"return_errors": "x"}),
+    ("generate_batch", ([[1], [10 ** 9]],), {}), ("chat", ("not messages",), {}),
+    ("stream", ([1, 2],), {"temperature": -3}),
+]
+BAD_OPENS = [{"max_batch": 0}, {"max_batch": -1}, {"max_batch": 1.5}, {"max_batch": True}, {"max_batch": "4"},
+             {"max_seq_len": 10 ** 6}, {"max_seq_len": 0}, {"prefill_chunk": 0}, {"kv_cache_tokens": 0},
+             {"kv_cache_tokens": 2.0}, {"kv_block_size": 0}, {"kv_block_size": 2 ** 20}, {"kv_block_size": "big"},
+             {"expert_slots": 10 ** 9}, {"expert_slots": -2}, {"slot_policy": "mru"}, {"backend": "tpu"},
+             {"num_threads": -1}, {"router_warmup": 10 ** 6}, {"num_streams": 0}]
+# too large for any machine, and too large for a 64 MiB budget (the arena, the KV pool by its tokens and
+# by its block size)
+TOO_BIG = [{"kv_cache_tokens": 2 ** 39}, {"max_seq_len": 64, "max_batch": 2 ** 16, "kv_cache_tokens": 2 ** 38}]
+TOO_BIG_AT_64MIB = [{"max_batch": 4096, "prefill_chunk": 2 ** 16}, {"kv_cache_tokens": 2 ** 22},
+                    {"kv_block_size": 2 ** 16, "kv_cache_tokens": 2 ** 19}]
+
+
+def _probe(eng):
+    V = eng.config["vocab_size"]
+    return np.concatenate(eng.infer([np.arange(7) % V, (np.arange(11) * 3) % V]))
+
+
+def test_bad_api_arguments_are_coded_and_lose_nothing(backend_name, base, monkeypatch):
+    """Every bad call raises its code; after each the engine's logits are the same and its KV pool is
+    as free as before (nothing of the failed call stays behind)."""
+    with Engine.open(base, backend=backend_name, max_seq_len=32, max_batch=2, kv_cache_tokens=64, kv_block_size=4,
+                     **fp32(backend_name)) as eng:
+        want, free = _probe(eng), eng.kv_free_blocks
+        for name, args, kw in BAD_CALLS:
+            with pytest.raises(ColibriError) as ei:
+                r = getattr(eng, name)(*args, **kw)
+                if name == "stream":
+                    list(r)
+            assert ei.value.code == COLIBRI_ERR_INVALID_ARGUMENT, (name, args, kw, ei.value)
+            assert ei.value.message, (name, args, kw)
+            assert eng.kv_free_blocks == free, (name, args, kw)
+            np.testing.assert_array_equal(_probe(eng), want, err_msg=f"{name} {args} {kw}")
+        for kw in BAD_OPENS:
+            with pytest.raises(ColibriError) as ei:
+                Engine.open(base, **{"backend": backend_name, **kw})
+            assert ei.value.code in (COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_UNAVAILABLE), (kw, ei.value)
+        for kw in TOO_BIG:                                   # computed before anything is allocated
+            with pytest.raises(ColibriError) as ei:
+                Engine.open(base, backend=backend_name, **kw)
+            assert ei.value.code == COLIBRI_ERR_OUT_OF_MEMORY and "needs" in ei.value.message, (kw, ei.value)
+        monkeypatch.setattr(type(eng.backend), "memory_available", lambda self: (64 << 20, "a 64 MiB test budget"))
+        for kw in TOO_BIG_AT_64MIB:
+            with pytest.raises(ColibriError) as ei:
+                Engine.open(base, backend=backend_name, **kw)
+            assert ei.value.code == COLIBRI_ERR_OUT_OF_MEMORY and "64 MiB test budget" in ei.value.message, (kw, ei.value)
+        monkeypatch.undo()
+        np.testing.assert_array_equal(_probe(eng), want)
+        assert eng.kv_free_blocks == free
+
+
+def test_out_of_memory_names_the_numbers(base):
+    with pytest.raises(ColibriError) as ei:
+        Engine.open(base, backend="reference", kv_cache_tokens=2 ** 39)
+    m = ei.value.message
+    assert ei.value.code == COLIBRI_ERR_OUT_OF_MEMORY and "KV cache (kv_cache_tokens)" in m and "leaves" in m
+    assert "smaller" in m and any(u in m for u in ("TiB", "GiB"))
