@@ -21,7 +21,7 @@ $(VENV)/.base: pyproject.toml setup.py
 
 # torch is pinned to the CPU build on the CI disk (see pyproject.toml [test])
 $(VENV)/.test: $(VENV)/.base
-	$(PIP) install -q -e '.[test,opencl,cuda]'
+	$(PIP) install -q -e '.[test,opencl,cuda,gguf]'
 	touch $@
 
 demo: $(VENV)/.base

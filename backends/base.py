@@ -18,6 +18,7 @@ Optional -- each has its default below, and the core never probes a backend with
     synchronize()                   wait for queued work                            nothing to wait for
     graph_step(key, fn, *args)      capture a decode step once, replay it after     run fn
     memory_available(), copies_weights   what Engine.open may allocate; device copies   host memory / False
+    prepare(formats, max_cols)      warm the model's formats' kernels, size scratch  nothing
     list_devices()                  device/platform lines for `colibri backends`    none
     alloc_slots/load_slot/slot_ffn  expert slot pool storage                        one [N, blob] buffer
     _fork(n)/_join(side)            side queues for independent experts             no side queues
@@ -41,9 +42,10 @@ from colibri_edge.errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLI
 
 @dataclass
 class Weight:
-    """A weight matrix/vector resident on the backend. `data` is in storage dtype
-    (`dtype` is "float32", "float16", "bfloat16" or "int8"); shape is [out, in] for matrices.
-    int8 weights carry float32 `scales` [out]: w = data * scales[:, None]."""
+    """A weight matrix/vector resident on the backend. `data` is in storage dtype (`dtype` is one of
+    colibri_edge.dtypes.WEIGHT_DTYPES); shape is the logical [out, in] for matrices (a block format's
+    data is its bytes, [out, row_bytes], or the backend's view of them). int8 weights carry float32
+    `scales` [out]: w = data * scales[:, None]."""
     data: object
     dtype: str
     shape: tuple
@@ -161,40 +163,45 @@ class Backend:
         """Wait until everything queued has run (devices with queues)."""
 
     # -- the upload policy, written once --------------------------------------------------------
-    def upload(self, host: np.ndarray, dtype: str = "float32", scales=None) -> Weight:
+    def upload(self, host: np.ndarray, dtype: str = "float32", scales=None, shape=None) -> Weight:
         """Make a host tensor resident. Vectors (norms, biases) become float32 on every backend, so
-        only matrices need typed kernels; matrices keep their storage type, and quantised ones
-        (int8) carry their float32 row scales."""
+        only matrices need typed kernels; matrices keep their storage type (a block format's bytes
+        [N, row_bytes] with `shape` its logical [N, K]), and int8 ones carry their float32 row scales."""
         self.check_dtype(dtype)
         host = np.asarray(host)
+        shape = tuple(host.shape if shape is None else shape)
         if host.ndim <= 1:
             return Weight(self.to_device(np.ascontiguousarray(widen(host, dtype), np.float32), "float32"),
-                          "float32", tuple(host.shape))
+                          "float32", shape)
         if (scales is not None) != (dtype in QUANTIZED):
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{self.name}: {dtype} matrices "
                                f"{'need' if dtype in QUANTIZED else 'take no'} row scales")
         sc = None if scales is None else self.to_device(np.ascontiguousarray(scales, np.float32), "float32")
-        return Weight(self.to_device(np.ascontiguousarray(host), dtype), dtype, tuple(host.shape), sc)
+        return Weight(self.to_device(np.ascontiguousarray(host), dtype), dtype, shape, sc)
 
     def check_dtype(self, dtype: str):
         if dtype not in self.weight_dtypes:
             raise ColibriError(COLIBRI_ERR_UNAVAILABLE, f"the {self.name} backend runs "
                                f"{', '.join(self.weight_dtypes)} weights, not {dtype}")
 
-    def upload_expert(self, blob: np.ndarray, hidden: int, inter: int, dtype: str) -> FFN:
+    def upload_expert(self, blob: np.ndarray, hidden: int, inter: int, fmts) -> FFN:
         """One expert's contiguous blob (uint8) -> an FFN resident on the backend: the blob travels as
-        one unit (one buffer, one copy on a device) and gate, up, down are views into it."""
-        self.check_dtype(dtype)
-        return self.expert_views(self.to_device(np.asarray(blob, np.uint8), "uint8"), hidden, inter, dtype)
+        one unit (one buffer, one copy on a device) and gate, up, down are views into it. fmts: one
+        format, or (gate, up, down)."""
+        from colibri_edge.modeldir import expert_formats
+        for f in set(expert_formats(fmts)):
+            self.check_dtype(f)
+        return self.expert_views(self.to_device(np.asarray(blob, np.uint8), "uint8"), hidden, inter, fmts)
 
-    def expert_views(self, buf, hidden: int, inter: int, dtype: str) -> FFN:
+    def expert_views(self, buf, hidden: int, inter: int, fmts) -> FFN:
         """gate [I,H], up [I,H], down [H,I] (and int8 row scales) as views into one expert's blob,
         laid out as colibri_edge.modeldir.expert_sections says."""
+        from colibri_edge.dtypes import storage_shape
         from colibri_edge.modeldir import expert_sections
         ws = []
-        for _, shape, off, soff in expert_sections(hidden, inter, dtype)[0]:
+        for _, shape, fmt, off, soff in expert_sections(hidden, inter, fmts)[0]:
             sc = None if soff is None else self.view(buf, soff, (shape[0],), "float32")
-            ws.append(Weight(self.view(buf, off, shape, dtype), dtype, tuple(shape), sc))
+            ws.append(Weight(self.view(buf, off, storage_shape(fmt, shape), fmt), fmt, tuple(shape), sc))
         return FFN(*ws)
 
     # -- expert slots (colibri_edge.slots) ---------------------------------------------------
@@ -208,10 +215,10 @@ class Backend:
         or an event the next kernel waits on), never let a kernel read a half-written slot."""
         self.upload_into(slots[slot], np.asarray(blob, np.uint8).reshape(-1))
 
-    def slot_ffn(self, slots, slot: int, hidden: int, inter: int, dtype: str) -> FFN:
-        """The FFN whose weights are views into a slot: kernels read the slot, nothing else."""
-        self.check_dtype(dtype)
-        return self.expert_views(slots[slot], hidden, inter, dtype)
+    def slot_ffn(self, slots, slot: int, hidden: int, inter: int, fmts) -> FFN:
+        """The FFN whose weights are views into a slot (holding an expert of formats fmts): kernels
+        read the slot, nothing else."""
+        return self.expert_views(slots[slot], hidden, inter, fmts)
 
     # -- dense (required) --------------------------------------------------------------------
     def embed(self, out, table, ids):
@@ -275,6 +282,11 @@ class Backend:
     # -- optional capabilities ---------------------------------------------------------------
     copies_weights = False         # True: weights are copied into the backend's memory (a device), so
                                    # they count against memory_available; host backends map them
+
+    def prepare(self, formats: set, max_cols: int):
+        """Called once a model is known, before its weights are uploaded: the weight formats it uses
+        and its widest matrix row. A backend compiles and warms only those kernels and sizes its own
+        scratch here (nothing it will not run is compiled). Default: nothing to do."""
 
     def memory_available(self) -> tuple:
         """-> (bytes the engine may still allocate on this backend, what limits it): compared with

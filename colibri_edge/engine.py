@@ -94,11 +94,11 @@ class Engine:
         if kv_cache_tokens is None:
             kv_cache_tokens = min(max_seq_len * max_batch, max(4096, max_seq_len))
         kv_cache_tokens = sampling.integer("kv_cache_tokens", kv_cache_tokens, 1, 1 << 40)
-        wd = cfg["weight_dtype"]
-        if wd not in cls.weight_dtypes:
+        missing = sorted(self.model.formats - set(cls.weight_dtypes))
+        if missing:
             from .errors import COLIBRI_ERR_UNAVAILABLE
-            raise ColibriError(COLIBRI_ERR_UNAVAILABLE, f"backend {backend_name!r} does not run {wd} weights "
-                               f"(it runs {', '.join(cls.weight_dtypes)}); re-convert with "
+            raise ColibriError(COLIBRI_ERR_UNAVAILABLE, f"backend {backend_name!r} does not run {', '.join(missing)} "
+                               f"weights (it runs {', '.join(cls.weight_dtypes)}); re-convert with "
                                f"`colibri convert --dtype ...` or pick another backend")
         self.backend = cls(**self.options)
         self.backend.not_applicable = not_applicable

@@ -1,29 +1,35 @@
 """The model directory (DESIGN.md, "The model directory"): writer, read-only memmap reader, validation.
 
     <model>/config.json          hyper-parameters and the layer plan
-            experts.json         one record per routed expert: where its blob is
-            tensors.json         every non-expert tensor: name -> offset, shape, dtype
+            experts.json         one record per routed expert: where its blob is, its matrices' formats
+            tensors.json         every non-expert tensor: name -> offset, shape, dtype (its format)
             colibri_weights.bin  raw little-endian data, everything 4096-byte aligned
 
-One expert = one contiguous blob:  gate [I,H] | up [I,H] | down [H,I]   (row-major, weight dtype)
-so it can be mapped, copied to a device or evicted as one unit.
+One expert = one contiguous blob:  gate [I,H] | up [I,H] | down [H,I]   (row-major, each matrix in its
+own format: a Q4_K_M file mixes Q4_K and Q6_K), so it can be mapped, copied to a device or evicted as
+one unit. Every matrix of tensors.json may have its own format too (dtypes.WEIGHT_DTYPES); vectors,
+the router and the shared expert's gate are float32.
+
+Format versions: 2 (this one) records per-matrix formats ("formats" in experts.json); 1 had one
+weight type for the whole directory ("dtype"), and is still read.
 """
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import validate
-from .dtypes import QUANTIZED, STORAGE, itemsize, narrow, quantize_rows
+from .dtypes import (QUANTIZED, WEIGHT_DTYPES, fits, is_block, narrow, nbytes, quantize_rows, storage_dtype,
+                     storage_shape)
 from .errors import invalid_model
 
 ALIGN = 4096
 WEIGHTS_FILE = "colibri_weights.bin"
 FORMAT_VERSION, SUPPORTED_MODEL_TYPES = validate.FORMAT_VERSION, validate.SUPPORTED_MODEL_TYPES
+PLAIN = ("float32", "float16", "bfloat16")      # formats whose blob sections are not padded
 
 
 def align_up(n: int, a: int = ALIGN) -> int:
@@ -39,45 +45,49 @@ def _pad64(n: int) -> int:
     return (n + 63) // 64 * 64
 
 
-def expert_sections(hidden: int, inter: int, dtype: str):
-    """Layout of one expert blob: [(name, shape, offset, scales_offset or None)], and its size.
-    Unquantised: gate | up | down back to back. int8: each matrix, then its float32 row scales,
-    every section padded to 64 bytes (cache line; keeps the scales 4-byte aligned)."""
+def expert_formats(fmts) -> tuple:
+    """One format for all three matrices, or (gate, up, down)."""
+    return (fmts,) * 3 if isinstance(fmts, str) else tuple(fmts)
+
+
+def expert_sections(hidden: int, inter: int, fmts):
+    """Layout of one expert blob: [(name, shape, format, offset, scales_offset or None)], and its size.
+    float32/16 and bfloat16 sections lie back to back; int8 (followed by its float32 row scales) and
+    block-format sections are padded to 64 bytes (a cache line; keeps scales 4-byte aligned and
+    block rows where a device's loads want them)."""
     out, pos = [], 0
-    for name, shape in expert_matrix_shapes(hidden, inter):
-        n = shape[0] * shape[1] * itemsize(dtype)
-        if dtype in QUANTIZED:
-            out.append((name, shape, pos, pos + _pad64(n)))
+    for (name, shape), fmt in zip(expert_matrix_shapes(hidden, inter), expert_formats(fmts)):
+        n = nbytes(fmt, shape)
+        if fmt in QUANTIZED:
+            out.append((name, shape, fmt, pos, pos + _pad64(n)))
             pos += _pad64(n) + _pad64(4 * shape[0])
         else:
-            out.append((name, shape, pos, None))
-            pos += n
+            out.append((name, shape, fmt, pos, None))
+            pos += n if fmt in PLAIN else _pad64(n)
     return out, pos
 
 
-def expert_blob_bytes(hidden: int, inter: int, dtype: str) -> int:
-    return expert_sections(hidden, inter, dtype)[1]
+def expert_blob_bytes(hidden: int, inter: int, fmts) -> int:
+    return expert_sections(hidden, inter, fmts)[1]
 
 
-def expected_tensors(cfg: dict) -> dict:
-    """name -> (shape, dtype) of every non-expert tensor the config implies.
-
-    Matrices are stored [out, in] (as nn.Linear); norms, biases and the router are float32.
-    """
+def tensor_roles(cfg: dict) -> dict:
+    """name -> (shape, role) of every non-expert tensor the config implies; role "weight" (a matrix in
+    any weight format) or "float32" (norms, biases, the router and gates). Matrices are [out, in]."""
     H, V, hd = cfg["hidden_size"], cfg["vocab_size"], cfg["head_dim"]
-    nh, nkv, wd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["weight_dtype"]
-    f32 = "float32"
-    t = {"embed_tokens": ((V, H), wd), "norm": ((H,), f32)}
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    W, f32 = "weight", "float32"
+    t = {"embed_tokens": ((V, H), W), "norm": ((H,), f32)}
     if not cfg["tie_word_embeddings"]:
-        t["lm_head"] = ((V, H), wd)
+        t["lm_head"] = ((V, H), W)
     for layer in cfg["layers"]:
         p = f"layers.{layer['layer_id']}."
         t[p + "input_norm"] = ((H,), f32)
         t[p + "post_attention_norm"] = ((H,), f32)
-        t[p + "attn.wq"] = ((nh * hd, H), wd)
-        t[p + "attn.wk"] = ((nkv * hd, H), wd)
-        t[p + "attn.wv"] = ((nkv * hd, H), wd)
-        t[p + "attn.wo"] = ((H, nh * hd), wd)
+        t[p + "attn.wq"] = ((nh * hd, H), W)
+        t[p + "attn.wk"] = ((nkv * hd, H), W)
+        t[p + "attn.wv"] = ((nkv * hd, H), W)
+        t[p + "attn.wo"] = ((H, nh * hd), W)
         if cfg["attention_bias"]:
             t[p + "attn.bq"] = ((nh * hd,), f32)
             t[p + "attn.bk"] = ((nkv * hd,), f32)
@@ -92,22 +102,31 @@ def expected_tensors(cfg: dict) -> dict:
             t[p + "attn.k_norm"] = ((nkv * hd,), f32)
         if layer["type"] == "dense":
             inter = cfg["intermediate_size"]
-            t[p + "mlp.gate"] = ((inter, H), wd)
-            t[p + "mlp.up"] = ((inter, H), wd)
-            t[p + "mlp.down"] = ((H, inter), wd)
+            t[p + "mlp.gate"] = ((inter, H), W)
+            t[p + "mlp.up"] = ((inter, H), W)
+            t[p + "mlp.down"] = ((H, inter), W)
         else:
             t[p + "router"] = ((layer["moe_num_experts"], H), f32)
         if layer["type"] == "moe_shared":
             si = cfg["shared_expert_intermediate_size"]
-            t[p + "shared.gate"] = ((si, H), wd)
-            t[p + "shared.up"] = ((si, H), wd)
-            t[p + "shared.down"] = ((H, si), wd)
+            t[p + "shared.gate"] = ((si, H), W)
+            t[p + "shared.up"] = ((si, H), W)
+            t[p + "shared.down"] = ((H, si), W)
             if cfg["shared_expert_gate"]:
                 t[p + "shared.gate_logit"] = ((1, H), f32)
-    if wd in QUANTIZED:      # every quantised matrix carries its float32 row scales beside it
-        for name, (shape, dtype) in list(t.items()):
-            if dtype == wd:
-                t[name + ".scales"] = ((shape[0],), f32)
+    return t
+
+
+def expected_tensors(cfg: dict, fmt_of=None) -> dict:
+    """name -> (shape, dtype) of every non-expert tensor, for writers: matrices in fmt_of(name, shape)
+    (default: the config's weight_dtype), the rest float32; every int8 matrix carries its float32 row
+    scales beside it (name.scales)."""
+    fmt_of = fmt_of or (lambda name, shape: cfg["weight_dtype"])
+    t = {}
+    for name, (shape, role) in tensor_roles(cfg).items():
+        t[name] = (shape, fmt_of(name, shape) if role == "weight" else "float32")
+        if t[name][1] in QUANTIZED:
+            t[name + ".scales"] = ((shape[0],), "float32")
     return t
 
 
@@ -141,43 +160,62 @@ class ModelWriter:
             self._pos += c.nbytes
         return start, self._pos - start
 
-    def add_tensor(self, name: str, array: np.ndarray, dtype: str = "float32"):
-        if dtype in QUANTIZED and array.dtype == np.float32:
+    def add_tensor(self, name: str, array: np.ndarray, dtype: str = "float32", shape=None):
+        """A float array in the format `dtype` (quantised here), or data already stored in it (then
+        `shape` is its logical shape when that differs from the array's: the block formats)."""
+        array = np.asarray(array)
+        if dtype in QUANTIZED and array.dtype.kind == "f":
             q, scales = quantize_rows(array)
             self.add_tensor(name, q, dtype)
             self.add_tensor(name + ".scales", scales, "float32")
             return
-        raw = self._stored(array, dtype, name)
+        shape = tuple(array.shape if shape is None else shape)
+        raw = self._stored(array, dtype, shape, name)
         off, n = self._write_aligned([raw])
-        self.tensors[name] = {"offset": off, "shape": list(raw.shape), "dtype": dtype, "nbytes": n}
+        self.tensors[name] = {"offset": off, "shape": list(shape), "dtype": dtype, "nbytes": n}
 
     @staticmethod
-    def _stored(array, dtype, what):
+    def _stored(array, dtype, shape, what):
         """Data in storage type: already stored as dtype, or floats narrowed to it (float64 via float32)."""
         array = np.asarray(array)
-        if array.dtype == STORAGE[dtype]:
+        if array.dtype == storage_dtype(dtype) and array.shape == storage_shape(dtype, shape) and \
+                not (is_block(dtype) and array.dtype.kind == "f"):
             return array
         if array.dtype.kind != "f":
-            raise ValueError(f"{what}: array of {array.dtype} is not stored {dtype}")
+            raise ValueError(f"{what}: array of {array.dtype} {array.shape} is not stored {dtype} {shape}")
         return narrow(np.asarray(array, np.float32), dtype)
 
-    def add_expert(self, layer: int, local_id: int, gate, up, down, dtype: str, activation_fn="swiglu"):
-        """gate [I,H], up [I,H], down [H,I] as float32 (or already in storage dtype)."""
-        inter, hidden = gate.shape
-        if dtype in QUANTIZED:
-            chunks = []
-            for m in (gate, up, down):
-                q, sc = quantize_rows(m)
-                for part in (q, sc):
-                    b = np.frombuffer(part.tobytes(), np.uint8)
-                    chunks += [b, np.zeros(_pad64(b.size) - b.size, np.uint8)]
-        else:
-            chunks = [self._stored(m, dtype, f"expert {local_id} of layer {layer}") for m in (gate, up, down)]
+    def add_expert(self, layer: int, local_id: int, gate, up, down, fmts, activation_fn="swiglu", hidden=None,
+                   inter=None):
+        """gate [I,H], up [I,H], down [H,I] as float (quantised here to fmts: one format or (gate, up,
+        down)) or already stored in their formats (then give hidden and inter)."""
+        fmts = expert_formats(fmts)
+        if hidden is None:
+            inter, hidden = np.asarray(gate).shape
+        sections, size = expert_sections(hidden, inter, fmts)
+        chunks, pos = [], 0                      # written piece by piece: no copy of the whole blob
+
+        def put(at, arr):
+            nonlocal pos
+            if at > pos:
+                chunks.append(np.zeros(at - pos, np.uint8))
+            chunks.append(np.ascontiguousarray(arr).view(np.uint8).reshape(-1))
+            pos = at + chunks[-1].size
+        for (mname, shape, fmt, off, soff), m in zip(sections, (gate, up, down)):
+            m = np.asarray(m)
+            sc = None
+            if fmt in QUANTIZED and m.dtype.kind == "f":
+                m, sc = quantize_rows(m)
+            put(off, self._stored(m, fmt, shape, f"expert {local_id} of layer {layer} ({mname})"))
+            if sc is not None:
+                put(soff, sc)
+        if size > pos:
+            chunks.append(np.zeros(size - pos, np.uint8))
         off, n = self._write_aligned(chunks)
         self.experts.append({
             "id": len(self.experts), "layer": layer, "local_id": local_id, "weight_offset": off,
             "weight_size": n, "hidden_size": hidden, "intermediate_size": inter, "has_residual": False,
-            "activation_fn": activation_fn, "dtype": dtype,
+            "activation_fn": activation_fn, "formats": dict(zip(("gate", "up", "down"), fmts)),
         })
 
     def finish(self, extra_files: dict | None = None):
@@ -204,7 +242,7 @@ class ExpertRecord:
     weight_size: int
     hidden_size: int
     intermediate_size: int
-    dtype: str
+    formats: tuple        # (gate, up, down)
     activation_fn: str
 
 
@@ -258,25 +296,45 @@ class ModelDir:
     def _validate_tensors(self, path):
         if not isinstance(self.tensors, dict):
             raise invalid_model(path, "(root)", "expected an object name -> tensor")
-        want = expected_tensors(self.config)
-        extra = sorted(set(self.tensors) - set(want))
-        if extra:
-            raise invalid_model(path, extra[0], "is not a tensor of this layer plan; the engine would ignore it, "
-                                "so the directory does not match its config.json: re-run `colibri convert`")
-        for name, (shape, dtype) in want.items():
+        roles = tensor_roles(self.config)
+        v1 = self.config["format_version"] == 1
+        scales = set()
+        for name, (shape, role) in roles.items():
             if name not in self.tensors:
                 raise invalid_model(path, name, "missing tensor required by config.json")
             rec = self.tensors[name]
             validate.tensor_record(path, name, rec)
             if list(rec["shape"]) != list(shape):
                 raise invalid_model(path, f"{name}.shape", f"expected {list(shape)}, got {rec['shape']}")
-            if rec["dtype"] != dtype:
-                raise invalid_model(path, f"{name}.dtype", f"expected {dtype}, got {rec['dtype']}")
-            nbytes = math.prod(shape) * itemsize(dtype)
-            if rec.get("nbytes", nbytes) != nbytes:
-                raise invalid_model(path, f"{name}.nbytes", f"expected {nbytes} for shape {list(shape)}")
-            rec["nbytes"] = nbytes
-            self._check_extent(path, f"{name}.offset", rec["offset"], nbytes)
+            want = ("float32",) if role == "float32" else (self.config["weight_dtype"],) if v1 else WEIGHT_DTYPES
+            if rec["dtype"] not in want:
+                raise invalid_model(path, f"{name}.dtype", f"expected {' or '.join(want) if len(want) < 3 else 'a weight format'}, "
+                                    f"got {rec['dtype']}")
+            if not fits(rec["dtype"], shape[-1]):
+                raise invalid_model(path, f"{name}.dtype", f"{rec['dtype']} cannot hold rows of {shape[-1]}")
+            if rec["dtype"] in QUANTIZED:
+                scales.add(name + ".scales")
+            self._check_record(path, name, rec, shape)
+        for name in sorted(scales):
+            rec = self.tensors.get(name)
+            if rec is None:
+                raise invalid_model(path, name, "missing: an int8 matrix needs its float32 row scales")
+            validate.tensor_record(path, name, rec)
+            n = self.tensors[name[:-len(".scales")]]["shape"][0]
+            if list(rec["shape"]) != [n] or rec["dtype"] != "float32":
+                raise invalid_model(path, name, f"expected float32 [{n}], got {rec['dtype']} {rec['shape']}")
+            self._check_record(path, name, rec, (n,))
+        extra = sorted(set(self.tensors) - set(roles) - scales)
+        if extra:
+            raise invalid_model(path, extra[0], "is not a tensor of this layer plan; the engine would ignore it, "
+                                "so the directory does not match its config.json: re-run `colibri convert`")
+
+    def _check_record(self, path, name, rec, shape):
+        n = nbytes(rec["dtype"], shape)
+        if rec.get("nbytes", n) != n:
+            raise invalid_model(path, f"{name}.nbytes", f"expected {n} for {rec['dtype']} {list(shape)}")
+        rec["nbytes"] = n
+        self._check_extent(path, f"{name}.offset", rec["offset"], n)
 
     def _validate_experts(self, experts, path):
         cfg = self.config
@@ -287,21 +345,34 @@ class ModelDir:
         if len(experts) != len(want):
             raise invalid_model(path, "(length)", f"{len(experts)} records, the layer plan needs {len(want)}")
         out = []
-        H, I, wd = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["weight_dtype"]
-        size = expert_blob_bytes(H, I, wd)
+        H, I = cfg["hidden_size"], cfg["moe_intermediate_size"]
+        v1 = cfg["format_version"] == 1
+        self.layer_formats = {}
         for i, (rec, (layer, local)) in enumerate(zip(experts, want)):
             f = f"[{i}]"
-            validate.expert_record(path, i, rec)
-            r = ExpertRecord(**{k: rec[k] for k in ExpertRecord.__dataclass_fields__})
+            fmts = validate.expert_record(path, i, rec, v1)
+            if v1 and fmts[0] != cfg["weight_dtype"]:
+                raise invalid_model(path, f + ".dtype", f"expected {cfg['weight_dtype']} from config.json")
+            for mname, fmt, k in zip(("gate", "up", "down"), fmts, (H, H, I)):
+                if not fits(fmt, k):
+                    raise invalid_model(path, f"{f}.formats.{mname}", f"{fmt} cannot hold rows of {k}")
+            if is_block(fmts[0]) != is_block(fmts[1]):
+                raise invalid_model(path, f + ".formats", f"gate {fmts[0]} and up {fmts[1]} must both be block "
+                                    "formats or both not (the fused gate/up kernels read them together)")
+            r = ExpertRecord(rec["id"], rec["layer"], rec["local_id"], rec["weight_offset"], rec["weight_size"],
+                             rec["hidden_size"], rec["intermediate_size"], fmts, rec["activation_fn"])
             if (r.id, r.layer, r.local_id) != (i, layer, local):
                 raise invalid_model(path, f + ".id/layer/local_id",
                                     f"expected id {i}, layer {layer}, local_id {local}")
-            if (r.hidden_size, r.intermediate_size, r.dtype) != (H, I, wd):
-                raise invalid_model(path, f + ".hidden_size/intermediate_size/dtype",
-                                    f"expected {H}, {I}, {wd} from config.json")
+            if (r.hidden_size, r.intermediate_size) != (H, I):
+                raise invalid_model(path, f + ".hidden_size/intermediate_size", f"expected {H}, {I} from config.json")
+            if self.layer_formats.setdefault(layer, fmts) != fmts:
+                raise invalid_model(path, f + ".formats", f"expert formats {fmts} differ from the layer's first expert "
+                                    f"{self.layer_formats[layer]}; one layer's experts share their formats")
+            size = expert_blob_bytes(H, I, fmts)
             if r.weight_size != size:
                 raise invalid_model(path, f + ".weight_size", f"is {r.weight_size}, gate+up+down of "
-                                    f"[{I},{H}] {wd} need {size}")
+                                    f"[{I},{H}] in {'/'.join(fmts)} need {size}")
             self._check_extent(path, f + ".weight_offset", r.weight_offset, size)
             out.append(r)
         return out
@@ -319,9 +390,20 @@ class ModelDir:
     def raw_tensor(self, name: str) -> np.ndarray:
         """The stored bytes of a tensor, viewed with its storage dtype and shape (no copy)."""
         r = self.tensors[name]
-        dt = STORAGE[r["dtype"]]
-        n = math.prod(r["shape"])
-        return self.mmap[r["offset"]:r["offset"] + n * dt.itemsize].view(dt).reshape(r["shape"])
+        dt = storage_dtype(r["dtype"])
+        return self.mmap[r["offset"]:r["offset"] + r["nbytes"]].view(dt).reshape(storage_shape(r["dtype"], r["shape"]))
+
+    def tensor_shape(self, name: str) -> tuple:
+        return tuple(self.tensors[name]["shape"])
+
+    @property
+    def formats(self) -> set:
+        """Every weight format the directory's matrices use."""
+        return {r["dtype"] for r in self.tensors.values()} | {f for fm in self.layer_formats.values() for f in fm}
+
+    def layer_blob_bytes(self, layer: int) -> int:
+        cfg = self.config
+        return expert_blob_bytes(cfg["hidden_size"], cfg["moe_intermediate_size"], self.layer_formats[layer])
 
     def tensor_dtype(self, name: str) -> str:
         return self.tensors[name]["dtype"]
@@ -343,19 +425,12 @@ class ModelDir:
         return [l["layer_id"] for l in self.config["layers"] if l["type"] != "dense"]
 
 
-def split_expert_blob(blob: np.ndarray, hidden: int, inter: int, dtype: str):
-    """uint8 blob -> (gate [I,H], up [I,H], down [H,I]) views in storage dtype (no copy)."""
-    return tuple(m for m, _ in split_expert_blob_scaled(blob, hidden, inter, dtype))
-
-
-def split_expert_blob_scaled(blob: np.ndarray, hidden: int, inter: int, dtype: str):
-    """uint8 blob -> ((gate, scales), (up, scales), (down, scales)); scales are None unless quantised."""
-    dt = STORAGE[dtype]
+def split_expert_blob_scaled(blob: np.ndarray, hidden: int, inter: int, fmts):
+    """uint8 blob -> ((gate, scales), (up, scales), (down, scales)) views in their storage dtypes and
+    shapes (no copy); scales are None unless int8."""
     out = []
-    sections, _ = expert_sections(hidden, inter, dtype)
-    for _, shape, off, soff in sections:
-        n = shape[0] * shape[1] * dt.itemsize
-        m = blob[off:off + n].view(dt).reshape(shape)
-        sc = None if soff is None else blob[soff:soff + 4 * shape[0]].view(np.float32)
-        out.append((m, sc))
+    for _, shape, fmt, off, soff in expert_sections(hidden, inter, fmts)[0]:
+        n = nbytes(fmt, shape)
+        m = blob[off:off + n].view(storage_dtype(fmt)).reshape(storage_shape(fmt, shape))
+        out.append((m, None if soff is None else blob[soff:soff + 4 * shape[0]].view(np.float32)))
     return tuple(out)

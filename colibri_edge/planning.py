@@ -8,8 +8,7 @@ from __future__ import annotations
 import math
 
 from . import arena
-from .dtypes import itemsize
-from .modeldir import ModelDir, expected_tensors, expert_blob_bytes
+from .modeldir import ModelDir
 from .scheduler import layout
 
 
@@ -32,21 +31,23 @@ def engine_memory(cfg: dict, max_seq_len: int, max_batch: int, prefill_chunk: in
 def summary(model: ModelDir, context: int, max_batch: int = 1, prefill_chunk: int = 256,
             block_size: int = 16) -> dict:
     cfg = model.config
-    tensors = expected_tensors(cfg)
-    nbytes = {n: model.tensors[n]["nbytes"] for n in tensors}
-    per_expert = expert_blob_bytes(cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["weight_dtype"])
+    nbytes = {n: r["nbytes"] for n, r in model.tensors.items()}
+    per_layer = {l: model.layer_blob_bytes(l) for l in model.moe_layers}
+    per_expert = max(per_layer.values(), default=0)
     non_expert = sum(nbytes.values())
-    experts = per_expert * len(model.experts)
+    experts = sum(e.weight_size for e in model.experts)
     # read per decoded token: one embedding row, every non-expert tensor but the embedding table
     # (the lm_head is the table itself when tied), and top_k experts per MoE layer
-    H = cfg["hidden_size"]
-    per_token = non_expert - nbytes["embed_tokens"] + H * itemsize(cfg["weight_dtype"])
+    V = cfg["vocab_size"]
+    emb = nbytes["embed_tokens"] + nbytes.get("embed_tokens.scales", 0)
+    per_token = non_expert - emb + emb // V
     if cfg["tie_word_embeddings"]:
-        per_token += nbytes["embed_tokens"]
-    per_token += len(model.moe_layers) * arena.fan(cfg) * per_expert
+        per_token += emb
+    per_token += arena.fan(cfg) * sum(per_layer.values())
     mem = engine_memory(cfg, context, max_batch, prefill_chunk, context * max_batch, block_size)
     return {
         "non_expert_bytes": non_expert, "expert_bytes": experts, "bytes_per_expert": per_expert,
+        "bytes_per_expert_by_layer": per_layer, "formats": sorted(model.formats),
         "num_experts": len(model.experts), "bytes_per_decoded_token": per_token,
         "kv_cache_bytes": mem["state_bytes"], "kv_bytes_per_token": kv_bytes(cfg, 1),
         "scratch_bytes": mem["arena_bytes"], "context": context, "max_batch": max_batch,

@@ -73,7 +73,7 @@ class MoE:
     normalize: bool             # renormalise the chosen k weights
     hidden: int
     inter: int
-    dtype: str                  # the experts' weight type
+    formats: tuple              # the experts' (gate, up, down) weight formats
     tally: object = None        # int32 [E] on the backend: tokens routed to each expert
     next_layer: int = -1        # the next MoE layer (prefetch prediction), -1 for the last
     next_router: Weight | None = None
@@ -163,12 +163,12 @@ def build(model, be, pools, resident: bool) -> Program:
         if not model.has(name):
             return None
         sc = model.raw_tensor(name + ".scales") if model.has(name + ".scales") else None
-        return be.upload(model.raw_tensor(name), model.tensor_dtype(name), scales=sc)
+        return be.upload(model.raw_tensor(name), model.tensor_dtype(name), scales=sc, shape=model.tensor_shape(name))
 
     def ffn(prefix):
         return FFN(w(prefix + ".gate"), w(prefix + ".up"), w(prefix + ".down"))
 
-    H, I, wd = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["weight_dtype"]
+    H, I = cfg["hidden_size"], cfg["moe_intermediate_size"]
     eps, hd = cfg["rms_norm_eps"], cfg["head_dim"]
     k = max(cfg["experts_per_layer"], 1) if cfg["router_mode"] == "gated" else cfg["top_k"]
     pool_of = {l: i for i, p in enumerate(pools) for l in p.layers}
@@ -182,10 +182,11 @@ def build(model, be, pools, resident: bool) -> Program:
         if spec["type"] == "dense":
             parts = (DenseMLP(ffn(p + "mlp")),)
         else:
-            experts = [be.upload_expert(model.expert_blob(i, j), H, I, wd) if resident else None
+            fm = model.layer_formats[i]
+            experts = [be.upload_expert(model.expert_blob(i, j), H, I, fm) if resident else None
                        for j in range(spec["moe_num_experts"])]
             parts = (MoE(i, moe_index, w(p + "router"), experts, k, cfg["router_mode"], cfg["norm_topk_prob"],
-                         H, I, wd),)
+                         H, I, fm),)
             moe_index += 1
             if spec["type"] == "moe_shared":
                 parts += (SharedExpert(ffn(p + "shared"), w(p + "shared.gate_logit")),)

@@ -75,6 +75,9 @@ class Runner:
             if expert_slots is not None:
                 from .slots import SlotPool
                 self.slot_pool = SlotPool(backend, model, expert_slots, slot_policy)
+            backend.prepare(model.formats, max([cfg["hidden_size"], cfg["moe_intermediate_size"],
+                                                 cfg["intermediate_size"], cfg["shared_expert_intermediate_size"],
+                                                 cfg["num_attention_heads"] * cfg["head_dim"]]))
             self.program = program.build(model, backend, self.states.paged, resident=self.slot_pool is None)
             self._alloc()
         except MemoryError:                 # what the check could not see (another process took it)
@@ -90,17 +93,15 @@ class Runner:
     # -- setup ------------------------------------------------------------------------------
     def _check_memory(self, expert_slots):
         """Everything the engine allocates at open, against what the backend has, before any of it."""
-        from .modeldir import expert_blob_bytes
         from .planning import human
         cfg, be = self.cfg, self.be
         need = {"arena (max_batch, prefill_chunk)": arena.nbytes(self.spec),
                 "KV cache (kv_cache_tokens)": sum(4 * math.prod(s) for s in self.states.storage().values())}
-        blob = expert_blob_bytes(cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["weight_dtype"])
         if expert_slots is not None:
-            need["expert slots (expert_slots)"] = int(expert_slots) * blob
+            need["expert slots (expert_slots)"] = int(expert_slots) * max(e.weight_size for e in self.model.experts)
         if be.copies_weights:
             need["weights"] = sum(r["nbytes"] for r in self.model.tensors.values()) + \
-                (0 if expert_slots is not None else blob * len(self.model.experts))
+                (0 if expert_slots is not None else sum(e.weight_size for e in self.model.experts))
         total = sum(need.values())
         self.need_text = f"{human(total)} (" + ", ".join(f"{k} {human(v)}" for k, v in need.items()) + ")"
         avail, what = be.memory_available()

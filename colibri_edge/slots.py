@@ -177,17 +177,17 @@ class SlotPool:
     """SlotCache + data: N slots of one expert blob each in the backend's memory."""
 
     def __init__(self, backend, model, num_slots: int, policy: str):
-        from .modeldir import expert_blob_bytes
         cfg = model.config
         if policy not in ENGINE_POLICIES:
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"slot policy {policy!r}: the engine runs "
                                f"{', '.join(ENGINE_POLICIES)} (belady needs the future: use `colibri simulate`)")
         self.be, self.model = backend, model
-        self.H, self.I, self.dtype = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["weight_dtype"]
-        self.blob_bytes = expert_blob_bytes(self.H, self.I, self.dtype)
+        self.H, self.I = cfg["hidden_size"], cfg["moe_intermediate_size"]
+        # one slot holds any layer's expert: sized by the largest blob (layers may differ in formats)
+        self.blob_bytes = max(e.weight_size for e in model.experts)
         self.cache = SlotCache(num_slots, policy, self.blob_bytes)
         self.buf = backend.alloc_slots(num_slots, self.blob_bytes)
-        self.ffn = [backend.slot_ffn(self.buf, s, self.H, self.I, self.dtype) for s in range(num_slots)]
+        self._views = {}                            # (slot, formats) -> the FFN viewing that slot
         self._pending: dict = {}                    # slot -> Future of a prefetch copy
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="colibri-prefetch") \
             if policy == "prefetch" else None
@@ -198,7 +198,18 @@ class SlotPool:
         return self.cache.c
 
     def _load(self, layer, e, slot):
-        self.be.load_slot(self.buf, slot, self.model.expert_blob(layer, e))
+        blob = self.model.expert_blob(layer, e)
+        if blob.size < self.blob_bytes:             # a smaller layer's expert: the slot's tail is unused
+            blob = np.concatenate([blob, np.zeros(self.blob_bytes - blob.size, np.uint8)])
+        self.be.load_slot(self.buf, slot, blob)
+
+    def ffn(self, slot, layer):
+        """The FFN reading slot `slot` as an expert of `layer` (its formats)."""
+        fm = self.model.layer_formats[layer]
+        v = self._views.get((slot, fm))
+        if v is None:
+            v = self._views[(slot, fm)] = self.be.slot_ffn(self.buf, slot, self.H, self.I, fm)
+        return v
 
     def _wait(self, slot):
         fut = self._pending.pop(slot, None)
@@ -220,7 +231,7 @@ class SlotPool:
                 for e, slot in loads:               # overlap the next layer's loads with this one
                     self._wait(slot)
                     self._pending[slot] = self._pool.submit(self._load, prefetch[0], e, slot)
-            yield [(e, self.ffn[slot]) for e, slot, _ in wave]
+            yield [(e, self.ffn(slot, layer)) for e, slot, _ in wave]
 
     def run_layer(self, moe, plan, s, prefetch):
         """grouped_ffn of one MoE layer from the slots, wave by wave (a wave = what fits in the slots)."""

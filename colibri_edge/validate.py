@@ -20,14 +20,17 @@ import math
 import os
 import stat
 
+from . import dtypes
 from .errors import ColibriError, COLIBRI_ERR_INVALID_MODEL_TYPE, invalid_model
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2            # written; 1 (one weight type for the directory) is still read
+READ_VERSIONS = (1, 2)
 SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 LAYER_TYPES = ("dense", "moe", "moe_shared")
 ROUTER_MODES = ("topk", "gated")
 QK_NORMS = ("none", "per_head", "full")
-WEIGHT_TYPES = ("float32", "float16", "bfloat16", "int8")
+WEIGHT_TYPES = dtypes.WEIGHT_DTYPES
+WEIGHT_LABELS = WEIGHT_TYPES + dtypes.MIXES + ("mixed",)      # config.json's weight_dtype: what it was made as
 
 MAX_DIM = 1 << 20            # hidden, intermediate and head sizes
 MAX_HEADS = 1 << 12
@@ -176,9 +179,9 @@ def config(cfg, path: str = "config.json") -> dict:
         if f not in cfg and f not in OPTIONAL:
             raise invalid_model(path, f, "missing")
     _known(path, "", cfg, CONFIG_FIELDS)
-    if _int(path, "format_version", cfg["format_version"], 0, 1 << 30) != FORMAT_VERSION:
+    if _int(path, "format_version", cfg["format_version"], 0, 1 << 30) not in READ_VERSIONS:
         raise invalid_model(path, "format_version", f"is {cfg['format_version']}, this Colibri reads "
-                            f"{FORMAT_VERSION}; re-convert the model")
+                            f"{', '.join(map(str, READ_VERSIONS))}; re-convert the model with this Colibri")
     if "architectures" in cfg:
         for i, a in enumerate(_list(path, "architectures", cfg["architectures"], 64)):
             if not isinstance(a, str):
@@ -199,7 +202,9 @@ def config(cfg, path: str = "config.json") -> dict:
     _enum(path, "router_dtype", cfg["router_dtype"], ("float32",))
     _enum(path, "router_mode", cfg["router_mode"], ROUTER_MODES)
     _enum(path, "qk_norm", cfg["qk_norm"], QK_NORMS)
-    _enum(path, "weight_dtype", cfg["weight_dtype"], WEIGHT_TYPES)
+    _enum(path, "weight_dtype", cfg["weight_dtype"], WEIGHT_TYPES if cfg["format_version"] == 1 else WEIGHT_LABELS)
+    if cfg["format_version"] == 1 and cfg["weight_dtype"] not in ("float32", "float16", "bfloat16", "int8"):
+        raise invalid_model(path, "weight_dtype", f"{cfg['weight_dtype']} needs format_version 2")
     for f in ("tie_word_embeddings", "norm_topk_prob", "shared_expert_gate", "attention_bias", "attention_out_bias"):
         _bool(path, f, cfg[f])
     if nh % nkv:
@@ -260,16 +265,19 @@ def tensor_record(path: str, name: str, rec):
 
 
 EXPERT_FIELDS = ("id", "layer", "local_id", "weight_offset", "weight_size", "hidden_size", "intermediate_size",
-                 "has_residual", "activation_fn", "dtype")
+                 "has_residual", "activation_fn")
 
 
-def expert_record(path: str, i: int, rec) -> dict:
+def expert_record(path: str, i: int, rec, v1: bool = False) -> tuple:
+    """-> the (gate, up, down) formats of a checked experts.json record ("formats" in version 2,
+    one "dtype" in version 1)."""
     f = f"[{i}]"
     _obj(path, f, rec)
-    for k in EXPERT_FIELDS:
+    fields = EXPERT_FIELDS + (("dtype",) if v1 else ("formats",))
+    for k in fields:
         if k not in rec:
             raise invalid_model(path, f"{f}.{k}", "missing")
-    _known(path, f"{f}.", rec, EXPERT_FIELDS)
+    _known(path, f"{f}.", rec, fields)
     for k, hi in (("id", MAX_LAYERS * MAX_EXPERTS), ("layer", MAX_LAYERS), ("local_id", MAX_EXPERTS),
                   ("weight_offset", MAX_OFFSET), ("weight_size", MAX_OFFSET), ("hidden_size", MAX_DIM),
                   ("intermediate_size", MAX_DIM)):
@@ -278,8 +286,16 @@ def expert_record(path: str, i: int, rec) -> dict:
     if rec["has_residual"]:
         raise invalid_model(path, f"{f}.has_residual", "residual experts are not implemented")
     _enum(path, f"{f}.activation_fn", rec["activation_fn"], ("swiglu",))
-    _enum(path, f"{f}.dtype", rec["dtype"], WEIGHT_TYPES)
-    return rec
+    if v1:
+        return (_enum(path, f"{f}.dtype", rec["dtype"], ("float32", "float16", "bfloat16", "int8")),) * 3
+    fm = _obj(path, f"{f}.formats", rec["formats"])
+    _known(path, f"{f}.formats.", fm, ("gate", "up", "down"))
+    out = []
+    for k in ("gate", "up", "down"):
+        if k not in fm:
+            raise invalid_model(path, f"{f}.formats.{k}", "missing")
+        out.append(_enum(path, f"{f}.formats.{k}", fm[k], WEIGHT_TYPES))
+    return tuple(out)
 
 
 # -- generation_config.json / tokenizer_config.json ------------------------------------------------------

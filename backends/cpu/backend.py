@@ -17,14 +17,17 @@ import threading
 
 import numpy as np
 
-from colibri_edge.dtypes import STORAGE
+from colibri_edge.dtypes import STORAGE, is_block, narrow
 from colibri_edge.errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
 from colibri_edge.modeldir import expert_sections
+from colibri_edge.quant import BLOCK
 from ..base import Backend as BackendBase, Plan, Weight, plan_buffers
 
-# stored type -> element type of the view the kernels read (the type picks the widening)
+# stored type -> element type of the view the kernels read (the type picks the widening, or for a block
+# format the decoding: a record of one block, with one field named after the format; see qir.py)
 KERNEL_VIEW = {"float32": np.dtype(np.float32), "float16": np.dtype(np.uint16), "bfloat16": np.dtype(np.int16),
-               "int8": np.dtype(np.int8), "uint8": np.dtype(np.uint8)}
+               "int8": np.dtype(np.int8), "uint8": np.dtype(np.uint8),
+               **{f: np.dtype([(f, "u1", (nb,))]) for f, (_, nb) in BLOCK.items()}}
 
 _thread_state = threading.local()     # the thread count set on this thread, if any
 
@@ -57,13 +60,13 @@ def _readonly(a: np.ndarray) -> np.ndarray:
 
 class Backend(BackendBase):
     name = "cpu"
-    weight_dtypes = ("float32", "float16", "bfloat16", "int8")
+    weight_dtypes = ("float32", "float16", "bfloat16", "int8") + tuple(BLOCK)
     OPTIONS = ("num_threads",)
 
     def __init__(self, num_threads=0):
         import numba
-        from . import kernels, moe_kernels
-        self.numba, self.k, self.m = numba, kernels, moe_kernels
+        from . import kernels, moe_kernels, qkernels
+        self.numba, self.k, self.m, self.q = numba, kernels, moe_kernels, qkernels
         pool = numba.config.NUMBA_NUM_THREADS
         num_threads = int(num_threads or 0)
         if num_threads < 0 or num_threads > pool:
@@ -73,28 +76,53 @@ class Backend(BackendBase):
         self.num_threads = num_threads or pool
         self.none = _readonly(np.zeros(0, np.float32))      # an absent bias or scales vector
         self.no_tally = np.zeros(0, np.int32)
-        self._warm_up()
+        self._qscratch = np.zeros((self.num_threads, 4, 0), np.float32)   # block formats' prefill rows
+        self._warm_up(("float32",), common=True)
 
-    def _warm_up(self):
-        """Run every op once on tiny buffers of the types the scheduler passes, each weight type
-        included: Numba compiles lazily (or loads its disk cache lazily), and this puts that time
-        and memory at backend creation, never inside a request."""
-        T, H, I, E, k, D, B = 2, 8, 4, 3, 2, 4, 2
+    def prepare(self, formats, max_cols):
+        """Compile (or load from Numba's cache) and warm the kernels of the model's formats, and size
+        the block formats' prefill scratch [threads, 4, max_cols]: nothing the model will not run."""
+        if any(is_block(f) for f in formats):
+            self._scratch(max_cols)
+        self._warm_up(tuple(f for f in sorted(formats) if f != "float32"))
+
+    def _scratch(self, cols):
+        """The prefill scratch, at least cols wide: prepare() sizes it for a model, so this grows it only
+        for ops called directly (kernel tests)."""
+        t, _, c = self._qscratch.shape
+        if c < cols or t < self.num_threads:
+            self._qscratch = np.zeros((max(t, self.num_threads), 4, max(c, cols)), np.float32)
+        return self._qscratch
+
+    def _warm_up(self, formats, common=False):
+        """Run every op once on tiny buffers of the types the scheduler passes, in the given weight
+        formats: Numba compiles lazily (or loads its disk cache lazily), and this puts that time and
+        memory at backend creation (the common ops) and model open (the model's formats), never
+        inside a request."""
+        T, E, k, D, B = 2, 3, 2, 4, 2
+        H = I = 256                       # a K-quant block wide
         f32, i32 = np.float32, np.int32
         x, o, y, h = self.alloc((T, H)), self.alloc((T, H)), self.alloc((T * k, H)), self.alloc((T * k, I))
+        x5 = self.alloc((5, H))
         ids, pos = self.alloc((T, k), i32), self.alloc((T,), i32)
         norm = self.upload(np.ones(H, f32))
-        bufs = {n: self.alloc(s, d) for n, (s, d) in plan_buffers(T * k, E).items()}
-        for wd in self.weight_dtypes:
+        bufs = {n: self.alloc(s, d) for n, (s, d) in plan_buffers(5 * k, E).items()}
+        for wd in formats:
             sc = np.ones(H, f32) if wd == "int8" else None
-            w = self.upload(np.zeros((H, H), STORAGE[wd]), wd, scales=sc)
+            raw = narrow(np.zeros((H, H), f32), wd) if wd in BLOCK else np.zeros((H, H), STORAGE[wd])
+            w = self.upload(raw, wd, scales=sc, shape=(H, H))
             ffn = self.upload_expert(np.zeros(expert_sections(H, I, wd)[1], np.uint8), H, I, wd)
             self.embed(x, w, pos)
             self.matmul(o, x, w)
+            self.matmul(self.alloc((5, H)), x5, w)         # the prefill path of the block formats
             self.route(ids, self.alloc((T, k)), self.alloc((T, E)), k, "topk", True)
             plan = self.align(bufs, ids, T, E, k, self.alloc((E,), i32))
             self.grouped_ffn(y, x, [ffn] * E, plan, h)
-        self.align(bufs, ids, T, E, k)
+            plan = self.align(bufs, self.alloc((5, k), i32), 5, E, k)
+            self.grouped_ffn(self.alloc((5 * k, H)), x5, [ffn] * E, plan, self.alloc((5 * k, I)))
+        if not common:
+            return
+        plan = self.align(bufs, ids, T, E, k)
         self.embed(x, y, pos)
         self.matmul(o, x, self.upload(np.zeros((H, H), f32)), norm)
         self.rmsnorm(x, x, norm, 1e-6)
@@ -121,14 +149,22 @@ class Backend(BackendBase):
 
     def to_device(self, host, dtype):
         arr = np.asarray(host)
-        if arr.dtype.itemsize != KERNEL_VIEW[dtype].itemsize:
-            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"cpu backend: {arr.dtype} data cannot hold {dtype}")
         if not arr.flags.c_contiguous:     # model tensors always are; this copies only odd inputs
             arr = np.ascontiguousarray(arr)
+        if dtype in BLOCK:                 # bytes [N, row_bytes] -> blocks [N, K / B]
+            if arr.dtype != np.uint8 or arr.shape[-1] % BLOCK[dtype][1]:
+                raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"cpu backend: {arr.dtype} {arr.shape} is not "
+                                   f"rows of {dtype} blocks")
+        elif arr.dtype.itemsize != KERNEL_VIEW[dtype].itemsize:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"cpu backend: {arr.dtype} data cannot hold {dtype}")
         return _readonly(arr.view(KERNEL_VIEW[dtype]))
 
     def view(self, buf, byte_offset, shape, dtype):
+        """shape: the storage shape ([N, row_bytes] for a block format)."""
         dt = KERNEL_VIEW[dtype]
+        if dtype in BLOCK:
+            n = int(np.prod(shape))
+            return _readonly(buf[byte_offset:byte_offset + n].reshape(shape).view(dt))
         n = int(np.prod(shape)) * dt.itemsize
         return _readonly(buf[byte_offset:byte_offset + n].view(dt).reshape(shape))
 
@@ -146,14 +182,20 @@ class Backend(BackendBase):
         return self.none if w.scales is None else w.scales
 
     def embed(self, out, table, ids):
-        if isinstance(table, Weight):
-            self.k.embed(out, table.data, self._scales(table), ids)
-        else:
+        if not isinstance(table, Weight):
             self.k.embed(out, table, self.none, ids)
+        elif table.dtype in BLOCK:
+            self.q.qembed(out, table.data, ids)
+        else:
+            self.k.embed(out, table.data, self._scales(table), ids)
 
     def matmul(self, out, x, w, bias=None):
         self._use_threads()
-        self.k.matmul(out, x, w.data, self._scales(w), self.none if bias is None else bias.data, self.num_threads)
+        b = self.none if bias is None else bias.data
+        if w.dtype in BLOCK:
+            self.q.qmatmul(out, x, w.data, b, self.num_threads, self._scratch(x.shape[1]))
+        else:
+            self.k.matmul(out, x, w.data, self._scales(w), b, self.num_threads)
 
     def rmsnorm(self, out, x, weight, eps):
         self.k.rmsnorm(out, x, weight.data, float(eps))
@@ -202,10 +244,18 @@ class Backend(BackendBase):
             ffn = experts[e]
             inter = ffn.gate.shape[0]
             act = flat[start * width:start * width + n * inter].reshape(n, inter)
-            self.m.swiglu_gate_up(act, x, plan.order, start, plan.top_k, ffn.gate.data, ffn.up.data,
-                                  self._scales(ffn.gate), self._scales(ffn.up), self.num_threads)
-            self.k.matmul(out[start:start + n], act, ffn.down.data, self._scales(ffn.down), self.none,
-                          self.num_threads)
+            if ffn.gate.dtype in BLOCK:
+                self.q.qswiglu_gate_up(act, x, plan.order, start, plan.top_k, ffn.gate.data, ffn.up.data,
+                                       self.num_threads, self._scratch(x.shape[1]))
+            else:
+                self.m.swiglu_gate_up(act, x, plan.order, start, plan.top_k, ffn.gate.data, ffn.up.data,
+                                      self._scales(ffn.gate), self._scales(ffn.up), self.num_threads)
+            if ffn.down.dtype in BLOCK:
+                self.q.qmatmul(out[start:start + n], act, ffn.down.data, self.none, self.num_threads,
+                               self._scratch(inter))
+            else:
+                self.k.matmul(out[start:start + n], act, ffn.down.data, self._scales(ffn.down), self.none,
+                              self.num_threads)
 
     def combine(self, out, y, w, plan):
         self.m.combine(out, y, w, plan.inverse)

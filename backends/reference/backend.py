@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from colibri_edge.dtypes import STORAGE, widen
+from colibri_edge.dtypes import WEIGHT_DTYPES, storage_dtype, widen
 from colibri_edge import routing
 from ..base import Backend as BackendBase, Plan, Weight
 
@@ -21,12 +21,12 @@ def _f32(w):
 
 
 def _storage(dtype):
-    return np.dtype(np.uint8) if dtype == "uint8" else STORAGE[dtype]
+    return np.dtype(np.uint8) if dtype == "uint8" else storage_dtype(dtype)
 
 
 class Backend(BackendBase):
     name = "reference"
-    weight_dtypes = ("float32", "float16", "bfloat16", "int8")
+    weight_dtypes = WEIGHT_DTYPES
 
     # memory
     def alloc(self, shape, dtype=np.float32):
