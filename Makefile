@@ -11,7 +11,8 @@ help:
 	@echo "make demo   - create .venv, install, run the embedded default model"
 	@echo "make test   - install test dependencies, run toolchain checks and the test suite"
 	@echo "make bench  - benchmarks against llama.cpp and transformers (installs llama-cpp-python)"
-	@echo "make fuzz   - the whole fuzz campaign: 10,000 model-directory mutations on reference, 1,000 on cpu and opencl"
+	@echo "make fuzz   - the whole fuzz campaign: 10,000 model-directory mutations on reference, 1,000 on cpu and opencl;"
+	@echo "              5,000 GGUF-file mutations through colibri convert on reference, 1,000 on cpu"
 
 $(VENV)/.base: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -20,8 +21,11 @@ $(VENV)/.base: pyproject.toml setup.py
 	touch $@
 
 # torch is pinned to the CPU build on the CI disk (see pyproject.toml [test])
+# llama.cpp's converter (convert_hf_to_gguf.py, from llama-cpp-python's sdist on PyPI, sha256-pinned):
+# the GGUF tests' files are made by it; fetched here so pytest itself never touches the network
 $(VENV)/.test: $(VENV)/.base
 	$(PIP) install -q -e '.[test,opencl,cuda,gguf]'
+	$(PY) tests/llamacpp_convert.py fetch
 	touch $@
 
 demo: $(VENV)/.base
@@ -52,7 +56,7 @@ bench: $(VENV)/.bench
 
 # the whole campaign (`make test` runs a slice of it: tests/test_validation.py)
 fuzz: $(VENV)/.test
-	$(PY) tests/fuzz.py --cases 10000 --backend reference,cpu,opencl --cpu-cases 1000 --report fuzz-report.md
+	$(PY) tests/fuzz.py --cases 10000 --backend reference,cpu,opencl --cpu-cases 1000 --gguf-cases 5000 --report fuzz-report.md
 
 gpu-check:
 	bash toolchains/cuda/gpu-check.sh

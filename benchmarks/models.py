@@ -150,8 +150,8 @@ class HFWeights:
 def colibri_dtypes() -> list:
     """Weight types `colibri convert --dtype` accepts (int8 is picked up once the converter has it)."""
     from colibri_edge.dtypes import WEIGHT_DTYPES
-    order = ["float32", "float16", "bfloat16", "int8"]
-    return [d for d in order if d in WEIGHT_DTYPES] + [d for d in WEIGHT_DTYPES if d not in order]
+    order = ["float32", "float16", "bfloat16", "int8"]        # the block formats come from GGUF files
+    return [d for d in order if d in WEIGHT_DTYPES]
 
 
 def cpu_backend_dtypes() -> tuple:
@@ -205,7 +205,7 @@ def _vocab(V: int):
 
 
 def build_gguf(hf: str, out: str, qtype: str, s: dict, log=print) -> dict:
-    """Write a llama-arch MoE GGUF ('f16' or 'q8_0'). -> info: bytes per decoded token, tensor bytes."""
+    """Write a llama-arch MoE GGUF ('f32', 'f16' or 'q8_0'). -> info: bytes per decoded token, tensor bytes."""
     import gguf
     hf_stamp = json.load(open(os.path.join(hf, ".bench-stamp.json")))["stamp"]
     stamp = _stamp({"hf": hf_stamp, "qtype": qtype, "v": 3})
@@ -216,7 +216,8 @@ def build_gguf(hf: str, out: str, qtype: str, s: dict, log=print) -> dict:
     nh, nkv, hd = s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"]
     E, k, I = s["num_local_experts"], s["num_experts_per_tok"], s["intermediate_size"]
     Q = gguf.GGMLQuantizationType
-    ftype = {"f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype]
+    ftype = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+             "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype]
     hfw = HFWeights(hf)
     cfg = json.load(open(os.path.join(hf, "config.json")))
     theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 1e6))
@@ -253,7 +254,7 @@ def build_gguf(hf: str, out: str, qtype: str, s: dict, log=print) -> dict:
 
     def put(name, arr, keep_f32=False):
         arr = np.ascontiguousarray(arr, dtype=np.float32)
-        if keep_f32 or arr.ndim == 1:
+        if keep_f32 or arr.ndim == 1 or qtype == "f32":
             data = arr
             w.add_tensor(name, data)
         elif qtype == "f16":

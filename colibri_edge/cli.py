@@ -13,7 +13,7 @@ from .errors import ColibriError
 
 def _cmd_convert(a):
     from .convert import convert
-    cfg = convert(a.hf_dir, a.out_dir, dtype=a.dtype, progress=not a.quiet)
+    cfg = convert(a.source, a.out_dir, dtype=a.dtype, progress=not a.quiet)
     print(f"wrote {a.out_dir}: {cfg['model_type']}, {cfg['num_hidden_layers']} layers, "
           f"{cfg['experts_per_layer']} experts/layer, top-{cfg['top_k']}, {cfg['weight_dtype']}")
     return 0
@@ -203,11 +203,14 @@ def _cmd_stats(a):
 def build_parser():
     p = argparse.ArgumentParser(prog="colibri", description="Colibri Edge: MoE inference on edge hardware")
     sub = p.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("convert", help="Hugging Face safetensors checkpoint -> Colibri model directory")
-    c.add_argument("hf_dir")
+    from .dtypes import MIXES, WEIGHT_DTYPES
+    c = sub.add_parser("convert", help="Hugging Face safetensors checkpoint or GGUF file -> Colibri model directory")
+    c.add_argument("source", metavar="HF_DIR|MODEL.gguf", help="a save_pretrained directory, or a GGUF file (the "
+                   "first part of a split one); GGUF weights are copied in the formats they are stored in")
     c.add_argument("out_dir")
-    c.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "int8"], default=None,
-                   help="weight type (default: the checkpoint's); int8: symmetric, per-row scales")
+    c.add_argument("--dtype", choices=WEIGHT_DTYPES + MIXES, default=None,
+                   help="weight format written from a Hugging Face checkpoint (default: the checkpoint's): "
+                   "int8 (symmetric, per-row scales), ggml's block formats, or q4_k_m (llama.cpp's mix)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(fn=_cmd_convert)
     i = sub.add_parser("inspect", help="validate a model directory and print its plan and memory needs")

@@ -12,9 +12,9 @@ import shutil
 import numpy as np
 from tqdm import tqdm
 
-from .dtypes import WEIGHT_DTYPES, widen
+from .dtypes import MIXES, WEIGHT_DTYPES, block_of, fits, nbytes, widen
 from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_MODEL_TYPE, invalid_model
-from .modeldir import SUPPORTED_MODEL_TYPES, ModelWriter, expected_tensors
+from .modeldir import ALIGN, SUPPORTED_MODEL_TYPES, ModelWriter, check_disk, expected_tensors, expert_blob_bytes
 
 SAFETENSORS_DTYPES = {"F32": ("<f4", "float32"), "F16": ("<f2", "float16"), "BF16": ("<u2", "bfloat16")}
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -271,6 +271,70 @@ def _expert_sources(src: SafetensorsIndex, cfg: dict, layer: int, j: int):
     raise invalid_model(f"model.layers.{layer}", f"experts.{j}", "expert weights not found in the checkpoint")
 
 
+# ----------------------------------------------------------------------------------------------
+# which format each matrix is written in
+
+def use_more_bits(i: int, n: int) -> bool:
+    """llama.cpp's choice of the layers that get more bits in a _M mix (C integer division): the first
+    and last eighth, and every third layer between."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
+
+
+def _q4_k_m(cfg: dict, name: str, cols: int) -> str:
+    """llama.cpp's Q4_K_M (llama-quant.cpp, no importance matrix), per matrix of our layout:
+        lm_head                         q6_k, q8_0 when hidden % 256 (and then f16 when % 32)
+        embed_tokens                    q4_k; q6_k (as lm_head) when the embeddings are tied
+        attn.wv                         q6_k in use_more_bits(layer, layers) layers, else q4_k
+        attn.wk / attn.wv / attn.wo     q8_0 / q8_0 / q5_k when a layer has exactly 8 experts (Mixtral)
+        every down projection           q6_k in use_more_bits layers, else q4_k (dense, shared, experts)
+        everything else                 q4_k (routers, norms, biases, gates stay float32)
+    then a row that does not fill whole super-blocks of 256 falls back q4_k -> q5_0, q5_k -> q5_1,
+    q6_k -> q8_0, and to float16 when not a multiple of 32 either (a 1408-wide expert, the demo's
+    384)."""
+    n, E = cfg["num_hidden_layers"], cfg["experts_per_layer"]
+    layer = int(name.split(".")[1]) if name.startswith("layers.") else -1
+    role = name.split(".", 2)[-1] if layer >= 0 else name
+    if name == "lm_head" or (name == "embed_tokens" and cfg["tie_word_embeddings"]):
+        return "q6_k" if cols % 256 == 0 else "q8_0" if cols % 32 == 0 else "float16"
+    fmt = "q4_k"
+    if role == "attn.wv" and use_more_bits(layer, n):
+        fmt = "q6_k"
+    if role.endswith("down") and use_more_bits(layer, n):
+        fmt = "q6_k"
+    if E == 8:
+        fmt = {"attn.wk": "q8_0", "attn.wv": "q8_0", "attn.wo": "q5_k"}.get(role, fmt)
+    if not fits(fmt, cols):
+        fmt = FALLBACK.get(fmt, fmt)
+    return fmt if fits(fmt, cols) else "float16"
+
+
+class FormatPlan:
+    """The format of every matrix written for `dtype`: one format throughout (a matrix whose rows it
+    cannot hold is refused, named), or a mix (q4_k_m, as llama.cpp chooses)."""
+
+    def __init__(self, cfg: dict, dtype: str):
+        self.cfg, self.dtype = cfg, dtype
+
+    def __call__(self, name: str, shape) -> str:
+        cols = shape[-1]
+        if self.dtype == "q4_k_m":
+            return _q4_k_m(self.cfg, name, cols)
+        if not fits(self.dtype, cols):
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT,
+                               f"--dtype {self.dtype}: {name} has rows of {cols}, not a multiple of "
+                               f"{self.dtype}'s block of {block_of(self.dtype)}; use --dtype q4_k_m (which falls "
+                               "back per matrix, as llama.cpp does) or a format with smaller blocks")
+        return self.dtype
+
+    def expert(self, layer: int, hidden: int, inter: int) -> tuple:
+        """(gate, up, down) formats of the routed experts of a layer."""
+        p = f"layers.{layer}.experts."
+        return self(p + "gate", (inter, hidden)), self(p + "up", (inter, hidden)), self(p + "down", (hidden, inter))
+
+
 def _finite(hf_dir, name, arr):
     """A tensor holding NaN or inf is refused, named: it would give NaN logits wherever it is read."""
     if not np.isfinite(arr).all():
@@ -281,9 +345,17 @@ def _finite(hf_dir, name, arr):
 
 
 def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool = True) -> dict:
-    """Convert; returns the Colibri config written."""
-    if dtype is not None and dtype not in WEIGHT_DTYPES:
-        raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"--dtype {dtype!r}: use one of {', '.join(WEIGHT_DTYPES)}")
+    """Convert a Hugging Face checkpoint directory, or a GGUF file (gguf_import.py); returns the
+    Colibri config written."""
+    if os.path.isfile(hf_dir) and hf_dir.endswith(".gguf"):
+        if dtype is not None:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"--dtype {dtype}: a GGUF file is converted in the "
+                               "formats it is stored in (no requantisation); leave --dtype out")
+        from .gguf_import import convert_gguf
+        return convert_gguf(hf_dir, out_dir, progress)
+    if dtype is not None and dtype not in WEIGHT_DTYPES + MIXES:
+        raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT,
+                           f"--dtype {dtype!r}: use one of {', '.join(WEIGHT_DTYPES + MIXES)}")
     cpath = os.path.join(hf_dir, "config.json")
     if not os.path.exists(cpath):
         raise invalid_model(cpath, "(file)", "missing; HF_DIR must hold a save_pretrained checkpoint")
@@ -298,8 +370,15 @@ def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool 
     if cfg["weight_dtype"] is None:   # keep the checkpoint's precision
         cfg["weight_dtype"] = src.dtype("model.embed_tokens.weight") if "model.embed_tokens.weight" in src else "float32"
     names = _source_names(cfg)
-    wanted = expected_tensors(cfg)
+    plan = FormatPlan(cfg, cfg["weight_dtype"])
+    wanted = expected_tensors(cfg, plan)
+    H, I = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    expert_fmts = {l["layer_id"]: plan.expert(l["layer_id"], H, I) for l in cfg["layers"] if l["type"] != "dense"}
     used = set()
+    need = sum(nbytes(f, s) + ALIGN for s, f in wanted.values())
+    need += sum(expert_blob_bytes(H, I, expert_fmts[l["layer_id"]]) + ALIGN
+                for l in cfg["layers"] if l["type"] != "dense" for _ in range(l["moe_num_experts"]))
+    check_disk(out_dir, need)
     w = ModelWriter(out_dir, cfg)
     jobs = [("tensor", n) for n in wanted]
     jobs += [("expert", (l["layer_id"], j)) for l in cfg["layers"] if l["type"] != "dense"
@@ -325,7 +404,7 @@ def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool 
             mats = [g() for g in getters]
             for m, part in zip(mats, ("gate", "up", "down")):
                 _finite(hf_dir, f"{src_names[0].rsplit('.', 2)[0]} (expert {what[1]} of layer {what[0]}, {part})", m)
-            w.add_expert(what[0], what[1], *mats, cfg["weight_dtype"])
+            w.add_expert(what[0], what[1], *mats, expert_fmts[what[0]])
             used.update(src_names)
     if cfg["tie_word_embeddings"]:
         used.add("lm_head.weight")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +25,7 @@ import numpy as np
 from . import validate
 from .dtypes import (QUANTIZED, WEIGHT_DTYPES, fits, is_block, narrow, nbytes, quantize_rows, storage_dtype,
                      storage_shape)
-from .errors import invalid_model
+from .errors import ColibriError, COLIBRI_ERR_OUT_OF_MEMORY, invalid_model
 
 ALIGN = 4096
 WEIGHTS_FILE = "colibri_weights.bin"
@@ -142,6 +143,9 @@ class ModelWriter:
 
     def __init__(self, out_dir: str, config: dict):
         os.makedirs(out_dir, exist_ok=True)
+        for name in ("config.json", "tensors.json", "experts.json"):   # an interrupted write leaves no
+            if os.path.exists(os.path.join(out_dir, name)):            # directory that looks whole
+                os.remove(os.path.join(out_dir, name))
         self.out_dir = out_dir
         self.config = dict(config)
         self.tensors: dict = {}
@@ -156,7 +160,8 @@ class ModelWriter:
             self._pos += pad
         start = self._pos
         for c in chunks:
-            self._f.write(np.ascontiguousarray(c).tobytes(order="C"))
+            if c.nbytes:
+                self._f.write(memoryview(np.ascontiguousarray(c)).cast("B"))
             self._pos += c.nbytes
         return start, self._pos - start
 
@@ -230,6 +235,20 @@ class ModelWriter:
                 json.dump(obj, f, indent=1)
 
 
+def check_disk(out_dir: str, need: int):
+    """Refuse (before writing anything) a model directory the disk has no room for."""
+    probe = os.path.abspath(out_dir)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    free = shutil.disk_usage(probe).free
+    old = os.path.join(out_dir, WEIGHTS_FILE)
+    if os.path.isfile(old):
+        free += os.path.getsize(old)                 # replaced by the new one
+    if need > free:
+        raise ColibriError(COLIBRI_ERR_OUT_OF_MEMORY, f"{out_dir}: the model directory needs {need / 2**30:.2f} GiB "
+                           f"and its disk has {free / 2**30:.2f} GiB free; free space or convert to another disk")
+
+
 # ----------------------------------------------------------------------------------------------
 # reader
 
@@ -277,6 +296,9 @@ class ModelDir:
         self.generation_config = self._optional_json("generation_config.json",
                                                      lambda o, f: validate.generation_config(o, f, V))
         self.tokenizer_config = self._optional_json("tokenizer_config.json", validate.tokenizer_config)
+        jinja = p("chat_template.jinja")         # transformers 5 saves the template beside the config,
+        if os.path.lexists(jinja):               # and prefers it there
+            self.tokenizer_config["chat_template"] = validate.text_file(jinja, "a chat template")
         tok = p("tokenizer.json")
         if os.path.lexists(tok):
             validate.regular_file(tok, "a tokenizer (tokenizer.json)")
@@ -324,6 +346,13 @@ class ModelDir:
             if list(rec["shape"]) != [n] or rec["dtype"] != "float32":
                 raise invalid_model(path, name, f"expected float32 [{n}], got {rec['dtype']} {rec['shape']}")
             self._check_record(path, name, rec, (n,))
+        for name in roles:                       # the fused gate/up kernels read both the same way
+            if name.endswith((".mlp.gate", ".shared.gate")):
+                up = name[:-len("gate")] + "up"
+                if is_block(self.tensors[name]["dtype"]) != is_block(self.tensors[up]["dtype"]):
+                    raise invalid_model(path, up + ".dtype", f"{self.tensors[up]['dtype']} beside gate "
+                                        f"{self.tensors[name]['dtype']}: gate and up must both be block formats "
+                                        "or neither")
         extra = sorted(set(self.tensors) - set(roles) - scales)
         if extra:
             raise invalid_model(path, extra[0], "is not a tensor of this layer plan; the engine would ignore it, "

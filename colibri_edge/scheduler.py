@@ -94,7 +94,7 @@ class Runner:
     def _check_memory(self, expert_slots):
         """Everything the engine allocates at open, against what the backend has, before any of it."""
         from .planning import human
-        cfg, be = self.cfg, self.be
+        be = self.be
         need = {"arena (max_batch, prefill_chunk)": arena.nbytes(self.spec),
                 "KV cache (kv_cache_tokens)": sum(4 * math.prod(s) for s in self.states.storage().values())}
         if expert_slots is not None:

@@ -66,6 +66,20 @@ def regular_file(path: str, what: str) -> int:
     return st.st_size
 
 
+MAX_TEXT = 1 << 22
+
+
+def text_file(path: str, what: str) -> str:
+    """A UTF-8 text file of at most MAX_TEXT bytes (a chat template)."""
+    if regular_file(path, what) > MAX_TEXT:
+        raise invalid_model(path, "(file)", f"larger than {MAX_TEXT} bytes; not {what}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (UnicodeDecodeError, OSError) as e:
+        raise invalid_model(path, "(file)", f"not UTF-8 text ({e}); not {what}") from None
+
+
 def _depth(obj, limit):
     stack = [(obj, 1)]
     while stack:
@@ -187,7 +201,7 @@ def config(cfg, path: str = "config.json") -> dict:
             if not isinstance(a, str):
                 raise invalid_model(path, f"architectures[{i}]", f"expected a string, got {a!r:.60}")
     L = _int(path, "num_hidden_layers", cfg["num_hidden_layers"], 1, MAX_LAYERS)
-    H = _int(path, "hidden_size", cfg["hidden_size"], 1, MAX_DIM)
+    _int(path, "hidden_size", cfg["hidden_size"], 1, MAX_DIM)
     for f in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
         _int(path, f, cfg[f], 0, MAX_DIM)
     nh = _int(path, "num_attention_heads", cfg["num_attention_heads"], 1, MAX_HEADS)

@@ -13,6 +13,12 @@ Stages a case can reach: parse (the JSON files load), validate (ModelDir), open 
 forward (infer, generate, and with a tokenizer stream and chat). Mutation kinds: json_value,
 json_key, json_list, json_raw, json_deep, weights_truncate, weights_extend, weights_overwrite,
 file_to_dir, file_to_link, file_remove.
+
+The GGUF campaign (--gguf-cases) mutates a GGUF file llama.cpp's converter wrote (tests/gguf_models.py)
+and runs `colibri convert FILE.gguf`, then opens and runs what it wrote (stages convert, open,
+forward). Kinds: gguf_truncate, gguf_header_bytes (random bytes anywhere before the tensor data),
+gguf_kv_value (a metadata value's bytes), gguf_tensor_dims, gguf_tensor_type, gguf_tensor_offset,
+gguf_data (tensor data bytes).
 """
 from __future__ import annotations
 
@@ -33,7 +39,9 @@ KINDS = ("json_value", "json_key", "json_list", "json_raw", "json_deep", "weight
          "weights_overwrite", "file_to_dir", "file_to_link", "file_remove")
 JSON_FILES = ("config.json", "tensors.json", "experts.json", "generation_config.json", "tokenizer_config.json")
 ALL_FILES = JSON_FILES + ("colibri_weights.bin", "tokenizer.json")
-STAGES = ("parse", "validate", "open", "forward")
+STAGES = ("parse", "validate", "convert", "open", "forward")
+GGUF_KINDS = ("gguf_truncate", "gguf_header_bytes", "gguf_kv_value", "gguf_tensor_dims", "gguf_tensor_type",
+              "gguf_tensor_offset", "gguf_data")
 ADDRESS_SPACE = 4 << 30
 WATCHDOG_S = 60.0
 
@@ -234,6 +242,72 @@ def mutate(base: str, work: str, rng) -> dict:
     return what
 
 
+# -- GGUF mutations --------------------------------------------------------------------------------------
+def gguf_layout(path: str) -> dict:
+    """Byte extents of a GGUF's parts, from gguf-py's own parse: each metadata value, each tensor
+    info's dims / type / offset fields, where the data starts."""
+    import gguf
+    r = gguf.GGUFReader(path)
+    values = []
+    for f in r.fields.values():
+        if f.name.startswith("GGUF."):
+            continue
+        pos = f.offset
+        for i, part in enumerate(f.parts):
+            if i in f.data:
+                values.append((pos, int(part.nbytes)))
+            pos += int(part.nbytes)
+    tensors = []
+    for t in r.tensors:
+        n = [int(p.nbytes) for p in t.field.parts]
+        o = t.field.offset
+        tensors.append({"dims": (o + sum(n[:3]), n[3]), "type": (o + sum(n[:4]), n[4]), "offset": (o + sum(n[:5]), n[5]),
+                        "data": (int(t.data_offset), int(t.n_bytes))})
+    return {"values": values, "tensors": tensors, "data_start": int(r.data_offset), "size": int(r.data.shape[0])}
+
+
+def mutate_gguf(base: bytes, layout: dict, out: str, rng) -> dict:
+    b = bytearray(base)
+    kind = GGUF_KINDS[int(rng.integers(len(GGUF_KINDS)))]
+    what = {"kind": kind}
+
+    def put(pos, n):
+        """overwrite n bytes at pos: random bytes, or an extreme integer of that width"""
+        if n in (1, 2, 4, 8) and rng.random() < 0.6:
+            v = [0, 1, 2 ** (8 * n) - 1, 2 ** (8 * n - 1), int(rng.integers(0, 2 ** min(8 * n, 62)))][int(rng.integers(5))]
+            b[pos:pos + n] = int(v).to_bytes(n, "little")
+        else:
+            b[pos:pos + n] = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        what.update(at=pos, n=n)
+    if kind == "gguf_truncate":
+        cut = int(rng.integers(0, len(b)))
+        del b[cut:]
+        what.update(at=cut)
+    elif kind == "gguf_header_bytes":
+        for _ in range(int(rng.integers(1, 4))):
+            put(int(rng.integers(0, layout["data_start"])), int(rng.integers(1, 9)))
+    elif kind == "gguf_kv_value":
+        pos, n = layout["values"][int(rng.integers(len(layout["values"])))]
+        put(pos + int(rng.integers(0, max(1, n - 7))) if n > 8 else pos, min(n, 8))
+    elif kind in ("gguf_tensor_dims", "gguf_tensor_type", "gguf_tensor_offset"):
+        t = layout["tensors"][int(rng.integers(len(layout["tensors"])))]
+        pos, n = t[kind.split("_")[-1]]
+        if kind == "gguf_tensor_type" and rng.random() < 0.7:        # another real type id
+            b[pos:pos + 4] = int(rng.integers(0, 42)).to_bytes(4, "little")
+            what.update(at=pos, n=4)
+        else:
+            w = 8 if n >= 8 else n
+            put(pos + 8 * int(rng.integers(0, max(1, n // 8))) if n >= 8 else pos, w)
+    else:
+        t = layout["tensors"][int(rng.integers(len(layout["tensors"])))]
+        pos, n = t["data"]
+        k = int(rng.integers(1, 17))
+        put(pos + int(rng.integers(0, max(1, n - k))), min(k, n))
+    with open(out, "wb") as f:
+        f.write(b)
+    return what
+
+
 # -- the case (in the worker) ---------------------------------------------------------------------------
 def run_case(path: str, backend: str) -> tuple:
     """-> (outcome, stage, detail): stage is the last one entered."""
@@ -263,6 +337,29 @@ def run_case(path: str, backend: str) -> tuple:
         return "escape", stage, f"{type(e).__name__}: {str(e)[:200]}"
 
 
+def run_gguf_case(path: str, backend: str) -> tuple:
+    from colibri_edge import ColibriError, Engine
+    from colibri_edge.convert import convert
+    stage = "convert"
+    out = path + ".colibri"
+    try:
+        convert(path, out, progress=False)
+        stage = "open"
+        with Engine.open(out, backend=backend, max_seq_len=32, max_batch=2, prefill_chunk=8, kv_cache_tokens=64,
+                         kv_block_size=4) as eng:
+            stage = "forward"
+            V = eng.config["vocab_size"]
+            eng.infer([np.arange(5) % V, np.arange(9) % V])
+            eng.generate("hi", max_new_tokens=3, ignore_eos=True)
+        return "ok", stage, ""
+    except ColibriError as e:
+        return "coded", stage, e.name
+    except Exception as e:  # noqa: BLE001
+        return "escape", stage, f"{type(e).__name__}: {str(e)[:200]}"
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
 def worker_main(backend: str):
     import resource
     resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
@@ -275,7 +372,7 @@ def worker_main(backend: str):
         if job.get("plant") == "hang":           # ... or never answers
             time.sleep(1e9)
         t0 = time.perf_counter()
-        outcome, stage, detail = run_case(job["path"], backend)
+        outcome, stage, detail = (run_gguf_case if job.get("gguf") else run_case)(job["path"], backend)
         print(json.dumps({"outcome": outcome, "stage": stage, "detail": detail,
                           "seconds": time.perf_counter() - t0}), flush=True)
 
@@ -293,11 +390,11 @@ class Worker:
         if self.p.stdout.readline().strip() != "ready":
             raise RuntimeError("fuzz worker did not start")
 
-    def run(self, path, timeout, plant=None):
+    def run(self, path, timeout, plant=None, gguf=False):
         import selectors
         if self.p is None or self.p.poll() is not None:
             self._start()
-        self.p.stdin.write(json.dumps({"path": path, "plant": plant}) + "\n")
+        self.p.stdin.write(json.dumps({"path": path, "plant": plant, "gguf": gguf}) + "\n")
         self.p.stdin.flush()
         sel = selectors.DefaultSelector()
         sel.register(self.p.stdout, selectors.EVENT_READ)
@@ -326,20 +423,37 @@ class Worker:
             self.p = None
 
 
-def campaign(cases: int, backend: str, seed: int = 0, workdir: str | None = None, log=None) -> dict:
-    """Run `cases` mutations on `backend`; -> the tally."""
+def base_gguf(workdir: str) -> str:
+    """The GGUF the campaign mutates: a tiny qwen2_moe (shared experts) written by llama.cpp's
+    converter, q8_0 (its blocks and float32 tensors both)."""
+    sys.path.insert(0, HERE)
+    import gguf_models
+    gguf_models.set_base_dir(os.path.join(workdir, "gguf-base"))
+    return str(gguf_models.gguf_case("qwen2_moe", "q8_0").gguf)
+
+
+def campaign(cases: int, backend: str, seed: int = 0, workdir: str | None = None, log=None,
+             gguf: bool = False) -> dict:
+    """Run `cases` mutations on `backend` (of the model directory, or with gguf of a GGUF file);
+    -> the tally."""
     tmp = workdir or tempfile.mkdtemp(prefix="colibri-fuzz-")
-    base = build_base(os.path.join(tmp, "base"))
-    case_dir = os.path.join(tmp, "case")
+    if gguf:
+        src = base_gguf(tmp)
+        base_bytes, layout = open(src, "rb").read(), gguf_layout(src)
+        case_dir = os.path.join(tmp, "case.gguf")
+    else:
+        base = build_base(os.path.join(tmp, "base"))
+        case_dir = os.path.join(tmp, "case")
     w = Worker(backend)
     tally = {"cases": 0, "by_outcome": Counter(), "by_kind": defaultdict(Counter), "by_stage": defaultdict(Counter),
-             "codes": Counter(), "defects": [], "slowest": (0.0, None), "backend": backend, "seed": seed}
+             "codes": Counter(), "defects": [], "slowest": (0.0, None), "backend": backend, "seed": seed,
+             "target": "gguf" if gguf else "model directory", "kinds": GGUF_KINDS if gguf else KINDS}
     t0 = time.perf_counter()
     try:
         for i in range(cases):
             rng = np.random.default_rng([seed, i])
-            what = mutate(base, case_dir, rng)
-            r = w.run(case_dir, WATCHDOG_S)
+            what = mutate_gguf(base_bytes, layout, case_dir, rng) if gguf else mutate(base, case_dir, rng)
+            r = w.run(case_dir, WATCHDOG_S, gguf=gguf)
             o = r["outcome"]
             tally["cases"] += 1
             tally["by_outcome"][o] += 1
@@ -366,12 +480,12 @@ def report(tallies) -> str:
     lines = []
     for t in tallies:
         o = t["by_outcome"]
-        lines += [f"## {t['cases']} mutations on {t['backend']} (seed {t['seed']}, {t['seconds']:.0f} s, slowest case "
+        lines += [f"## {t['cases']} {t['target']} mutations on {t['backend']} (seed {t['seed']}, {t['seconds']:.0f} s, slowest case "
                   f"{t['slowest'][0] * 1e3:.0f} ms: {t['slowest'][1]})", "",
                   f"outcomes: ok {o['ok']}, coded {o['coded']}, escape {o['escape']}, crash {o['crash']}, hang {o['hang']}; "
                   f"worker restarts {t['restarts']}", "",
                   "| mutation kind | ok | coded | escape | crash | hang |", "|---|---:|---:|---:|---:|---:|"]
-        for k in KINDS:
+        for k in t["kinds"]:
             c = t["by_kind"].get(k, Counter())
             lines.append(f"| {k} | {c['ok']} | {c['coded']} | {c['escape']} | {c['crash']} | {c['hang']} |")
         lines += ["", "| stage reached | ok | coded | escape | crash | hang |", "|---|---:|---:|---:|---:|---:|"]
@@ -390,6 +504,7 @@ def main(argv=None):
     ap.add_argument("--cases", type=int, default=10000)
     ap.add_argument("--backend", default="reference", help="comma list, e.g. reference,cpu")
     ap.add_argument("--cpu-cases", type=int, default=None, help="cases for backends other than reference")
+    ap.add_argument("--gguf-cases", type=int, default=0, help="GGUF-file mutations (reference and cpu)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--report", default=None)
     a = ap.parse_args(argv)
@@ -397,6 +512,9 @@ def main(argv=None):
     for b in a.backend.split(","):
         n = a.cases if b == "reference" or a.cpu_cases is None else a.cpu_cases
         tallies.append(campaign(n, b, a.seed, log=lambda m: print(m, flush=True)))
+    for b in ("reference", "cpu") if a.gguf_cases else ():
+        tallies.append(campaign(a.gguf_cases if b == "reference" else max(1, a.gguf_cases // 5), b, a.seed,
+                                log=lambda m: print(m, flush=True), gguf=True))
     text = report(tallies)
     print(text)
     if a.report:

@@ -46,14 +46,10 @@ def config_for(model_type: str, **overrides):
     return cls(**overrides)
 
 
-def build_hf(path: str, case: str, dtype: str = "float32", seed: int = 0, **overrides):
-    """Save a random model of `case` to `path`; weights scaled so logits are O(1), not ~0."""
+def randomize(model, cfg):
+    """Random weights scaled so logits are O(1), not ~0: std 1/sqrt(fan_in), norms 1 + 0.2 N(0,1),
+    biases 0.3 N(0,1), an untied lm_head x3."""
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
-    model_type, cfg_kw = CASES[case]
-    cfg = config_for(model_type, **{**cfg_kw, **overrides})
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim == 1:            # norms and biases
@@ -62,6 +58,17 @@ def build_hf(path: str, case: str, dtype: str = "float32", seed: int = 0, **over
                 p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
         if "lm_head" in dict(model.named_parameters()) and not cfg.tie_word_embeddings:
             model.lm_head.weight.mul_(3.0)
+
+
+def build_hf(path: str, case: str, dtype: str = "float32", seed: int = 0, **overrides):
+    """Save a random model of `case` to `path`; weights scaled so logits are O(1), not ~0."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    model_type, cfg_kw = CASES[case]
+    cfg = config_for(model_type, **{**cfg_kw, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    randomize(model, cfg)
     model = model.to(getattr(torch, dtype))
     eos = cfg_kw.get("eos_token_id", 2)
     model.generation_config = GenerationConfig(eos_token_id=eos, bos_token_id=cfg_kw.get("bos_token_id", 1))
@@ -99,3 +106,58 @@ def convert_case(tmp, case, dtype="float32", out_dtype=None, **overrides) -> str
     if not os.path.exists(os.path.join(out, "config.json")):
         convert(hf, out, dtype=out_dtype, progress=False)
     return hf, out
+
+
+def dequantised_checkpoint(hf_dir: str, model_dir: str, out_dir: str) -> str:
+    """The oracle for a model directory written in a lossy format: hf_dir's checkpoint with every
+    tensor replaced by what the directory stores, decoded (widen: the block formats by the NumPy
+    reference of quant.py, itself checked against gguf-py), saved for transformers to run. Every
+    tensor of the checkpoint must be replaced (a name map that misses one fails here)."""
+    import json
+    import shutil
+    from safetensors.numpy import load_file, save_file
+    from colibri_edge.convert import _source_names
+    from colibri_edge.dtypes import widen
+    from colibri_edge.modeldir import ModelDir, split_expert_blob_scaled
+    m = ModelDir(model_dir)
+    cfg = m.config
+    state = {}
+    for name in sorted(os.listdir(hf_dir)):
+        if name.endswith(".safetensors"):
+            state.update(load_file(os.path.join(hf_dir, name)))
+    out = {}
+    names = _source_names(cfg)
+    for ours in m.tensors:
+        if ours.endswith(".scales"):
+            continue
+        sc = m.raw_tensor(ours + ".scales") if ours + ".scales" in m.tensors else None
+        out[names[ours]] = np.asarray(widen(m.raw_tensor(ours), m.tensor_dtype(ours), sc), np.float32)
+    if cfg["tie_word_embeddings"] and "lm_head.weight" in state:
+        out["lm_head.weight"] = out[names["embed_tokens"]]
+    H, I = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    for r in m.experts:
+        mats = split_expert_blob_scaled(m.expert_blob(r.layer, r.local_id), H, I, r.formats)
+        p = f"model.layers.{r.layer}."
+        if cfg["model_type"] == "mixtral":
+            hf = [p + f"block_sparse_moe.experts.{r.local_id}.{w}.weight" for w in ("w1", "w3", "w2")]
+        else:
+            hf = [p + f"mlp.experts.{r.local_id}.{w}_proj.weight" for w in ("gate", "up", "down")]
+        for n, (raw, sc), fmt in zip(hf, mats, r.formats):
+            out[n] = np.asarray(widen(raw, fmt, sc), np.float32).copy()
+    missing = sorted(set(state) - set(out))
+    extra = sorted(set(out) - set(state))
+    assert not missing and not extra, (missing[:5], extra[:5])
+    for n, v in out.items():
+        assert v.shape == state[n].shape, (n, v.shape, state[n].shape)
+    os.makedirs(out_dir, exist_ok=True)
+    save_file({n: np.ascontiguousarray(v.reshape(state[n].shape)) for n, v in out.items()},
+              os.path.join(out_dir, "model.safetensors"))
+    for name in os.listdir(hf_dir):
+        if name.endswith(".json") and name != "model.safetensors.index.json":
+            shutil.copy(os.path.join(hf_dir, name), os.path.join(out_dir, name))
+    with open(os.path.join(out_dir, "config.json")) as f:
+        c = json.load(f)
+    c["dtype"] = "float32"
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(c, f)
+    return out_dir

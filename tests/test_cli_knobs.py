@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from colibri_edge import Engine, ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_UNAVAILABLE
+from colibri_edge import Engine, ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
 from colibri_edge import knobs
 from hf_models import convert_case
 

@@ -2,14 +2,13 @@
 batching, per-sequence failure, bad input, streaming text, stop strings and chat templates."""
 import json
 import os
-import shutil
 
 import numpy as np
 import pytest
 
 from colibri_edge import (Engine, ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_OUT_OF_MEMORY)
 from conftest import fp32
-from hf_models import CASES, MODEL_TYPES, build_hf, convert_case, hf_greedy
+from hf_models import MODEL_TYPES, build_hf, convert_case, hf_greedy
 
 N_NEW = 32
 

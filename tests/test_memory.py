@@ -2,12 +2,10 @@
 (activations, scratch, plans, step inputs) and the per-sequence state (KV blocks), byte for byte,
 for several (prefill chunk, max batch) pairs on every model type and backend; and the state pools
 fail one sequence alone."""
-import os
 import re
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from colibri_edge import Engine, ColibriError, COLIBRI_ERR_OUT_OF_MEMORY

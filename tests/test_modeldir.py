@@ -3,7 +3,6 @@ import json
 import os
 import shutil
 
-import numpy as np
 import pytest
 
 from colibri_edge import Engine, ColibriError, COLIBRI_ERR_INVALID_MODEL, COLIBRI_ERR_INVALID_MODEL_TYPE

@@ -31,6 +31,21 @@ def test_fuzz_slice(backend, tmp_path):
     assert set(t["by_kind"]) == set(fuzz.KINDS)
 
 
+GGUF_SLICE = {"reference": 400, "cpu": 100}
+
+
+@pytest.mark.parametrize("backend", sorted(GGUF_SLICE))
+def test_fuzz_slice_gguf(backend, tmp_path):
+    """Mutated GGUF files through `colibri convert`, then open and run what it wrote."""
+    pytest.importorskip("gguf", reason="the gguf extra is part of make test's install")
+    t = fuzz.campaign(GGUF_SLICE[backend], backend, seed=21, workdir=str(tmp_path), gguf=True)
+    print(fuzz.report([t]))
+    assert t["cases"] == GGUF_SLICE[backend] and not t["defects"], fuzz.report([t])
+    o = t["by_outcome"]
+    assert o["ok"] > 0.05 * t["cases"] and o["coded"] > 0.5 * t["cases"]
+    assert set(t["by_kind"]) == set(fuzz.GGUF_KINDS)
+
+
 def test_fuzz_harness_counts_crashes_and_hangs(base):
     """A planted crash and a planted hang are counted as such, and the worker comes back for the next case."""
     w = fuzz.Worker("reference")

@@ -9,7 +9,7 @@ import pytest
 
 from colibri_edge import Engine
 from colibri_edge.backends import backend_class
-from hf_models import CASES, MODEL_TYPES, convert_case, hf_greedy, hf_logits
+from hf_models import MODEL_TYPES, convert_case, hf_greedy, hf_logits
 
 # max |logit error| / max |logit| against transformers at float32, per weight type. bfloat16 keeps 8
 # mantissa bits; on these random test models a rounding can flip a near-tied router choice at one

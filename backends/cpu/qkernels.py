@@ -13,7 +13,7 @@ Activations stay float32 (no int8 quantisation of x): see the backend's docs for
 import numpy as np
 from numba import njit, prange
 
-from .kernels import F0, F1, REDUCE, dot4, dot4x2, thread_rows
+from .kernels import F1, REDUCE, dot4, dot4x2, thread_rows
 from .qir import rowdeq, rowdot, rowdot2
 
 DIRECT_T = 2
