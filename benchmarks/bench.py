@@ -185,7 +185,7 @@ def main(argv=None):
     m = json.load(open(info_path))
     results["model"] = {"spec": m["spec"], "params": m["params"], "gguf": m["gguf"]}
     from colibri_edge.backends.cpu.backend import Backend as CpuBackend
-    dtypes = a.dtypes.split(",") if a.dtypes else list(m["colibri"])
+    dtypes = a.dtypes.split(",") if a.dtypes else list(m["colibri"]) + [f"gguf-{q}" for q in m.get("llama_quants", {})]
     results["colibri_dtypes_converter"] = list(m["colibri"])
     results["colibri_dtypes_cpu"] = list(CpuBackend.weight_dtypes)
     if "int8" not in m["colibri"]:
@@ -209,6 +209,13 @@ def main(argv=None):
         log(f"BLAS GEMV read bandwidth ({tag}): median {r['median_gbps']:.1f} GB/s, best {r['best_gbps']:.1f} GB/s "
             f"({kernels})")
         return r
+
+    if "f32" in m["gguf"] and have_llama:
+        # our quantisers against llama.cpp's on the same float32 weights (a subprocess, like the engines)
+        log("quantiser RMS error: ours against llama.cpp's, every block format ...")
+        qe = os.path.join(work, "quant_error.json")
+        subprocess.run([sys.executable, os.path.join(HERE, "quant_error.py"), m["gguf"]["f32"]["path"], qe], check=True)
+        results["quantiser_rms"] = json.load(open(qe))
 
     results["bandwidth_start"] = bandwidth("start")
     probes = [results["bandwidth_start"]]
@@ -236,9 +243,25 @@ def main(argv=None):
                 r["non_expert_read_bytes"] = g["non_expert_read_bytes"]
             plan.append((f"llama-{q}", "llama", {**base_job, "gguf": g["path"], "qtype": q, "ref_rounded": rounded[q]},
                          thread_env, llama_after, g["path"]))
+    # llama.cpp's own quantiser's files (Q4_0, Q4_K_M, Q8_0): llama.cpp with its defaults on each, its
+    # logits kept for Colibri on the same file (after `colibri convert FILE.gguf`)
+    llq = m.get("llama_quants") or {}
+    llama_logits = {}
+    if "llama" in engines:
+        for q, g in llq.items():
+            llama_logits[q] = os.path.join(work, f"llama_logits_{q}.npy")
+
+            def llq_after(r, g=g):
+                r["bytes_per_decoded_token"] = g["bytes_per_decoded_token"]
+                r["bytes_per_expert"] = g["bytes_per_expert"]
+                r["non_expert_read_bytes"] = g["non_expert_read_bytes"]
+                r["elements_by_type"] = g["elements_by_type"]
+            plan.append((f"llama-gguf-{q}", "llama", {**base_job, "gguf": g["path"], "qtype": q, "label": f"gguf {q}",
+                                                      "save_logits": llama_logits[q]},
+                         thread_env, llq_after, g["path"]))
     skipped, numba_dirs = [], {}
     if "colibri" in engines:
-        cpu_dtypes = set(CpuBackend.weight_dtypes)
+        cpu_dtypes = set(CpuBackend.weight_dtypes) | {f"gguf-{q}" for q in llq}
         for dt in dtypes:
             if dt not in cpu_dtypes:
                 skipped.append({"engine": "colibri", "precision": dt,
@@ -248,8 +271,15 @@ def main(argv=None):
             # --no-cold one persistent cache serves every run, so iterations skip the compiles.
             numba_dirs[dt] = os.path.join(HERE, "cache", "numba") if a.no_cold else \
                 tempfile.mkdtemp(prefix=f"numba-{dt}-", dir=os.path.join(HERE, "cache"))
-            plan.append((f"colibri-{dt}", "colibri", {**base_job, "model": m["colibri"][dt]},
-                         {**thread_env, "NUMBA_CACHE_DIR": numba_dirs[dt]}, None, m["colibri"][dt]))
+            if dt.startswith("gguf-"):
+                q = dt[5:]
+                job = {**base_job, "model": llq[q]["colibri"], "label": f"gguf {q}"}
+                if q in llama_logits:
+                    job["llama_logits"] = llama_logits[q]
+            else:
+                job = {**base_job, "model": m["colibri"][dt]}
+            plan.append((f"colibri-{dt}", "colibri", job,
+                         {**thread_env, "NUMBA_CACHE_DIR": numba_dirs[dt]}, None, job["model"]))
 
     # -- rounds: the CPU may be shared, so every engine runs once per round (the order reversed every
     # other round, so no engine always gets the same slot) and each figure keeps its best round --
@@ -314,13 +344,15 @@ def main(argv=None):
             r["loadavg"] = os.getloadavg()[0]
             runs[name].append(r)
             msg = f"decode b1 {r['decode_b1']['tokens_per_s']:.2f} tok/s, prefill {r['prefill']['tokens_per_s']:.1f} tok/s"
-            if kind == "llama":
+            if kind == "llama" and "parity_same_rounding" in r:
                 c = r["parity_same_rounding"]
                 msg += (f"; parity vs transformers float32: max rel err {r['parity']['max_rel_err']:.2e}; on the same "
                         f"{job['qtype']} weights: max {c['max_rel_err']:.2e}, median {c['median_rel_err']:.2e}, "
                         f"argmax agreement {c['argmax_agree']:.3f}")
             elif kind == "colibri":
                 msg += f"; parity vs transformers: max rel err {r['parity']['max_rel_err']:.2e}"
+                if "parity_llama" in r:
+                    msg += f", vs llama.cpp on the same file: {r['parity_llama']['max_rel_err']:.2e}"
             log(f"  {msg}; probe after {after_gbps or float('nan'):.1f} GB/s; {r['wall_s']:.0f}s")
         rnd += 1
     results["rounds_run"] = rnd

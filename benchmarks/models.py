@@ -2,7 +2,10 @@
 
     hf/             Hugging Face checkpoint (save_pretrained, float32), random weights std 1/sqrt(fan_in)
     colibri-<dt>/   `colibri convert --dtype <dt>` of it, for every weight type the converter knows
-    gguf-<q>.gguf   the same weights for llama.cpp (f16, q8_0), written with the `gguf` library
+    model-<q>.gguf  the same weights for llama.cpp (f32, f16, q8_0), written with the `gguf` library
+    model-llq-<q>.gguf  model-f32.gguf quantised by llama.cpp's own quantiser (llama_model_quantize:
+                    Q4_0, Q4_K_M, Q8_0, its default per-tensor mix, no importance matrix)
+    colibri-gguf-<q>/   `colibri convert model-llq-<q>.gguf`: Colibri on the very file llama.cpp runs
     prompts.json    the prompts every engine runs (token ids)
 
 A directory is reused only when its stamp (`.bench-stamp.json`) matches the spec it was built from.
@@ -159,12 +162,12 @@ def cpu_backend_dtypes() -> tuple:
     return tuple(Backend.weight_dtypes)
 
 
-def _converter_source_hash() -> str:
+def _converter_source_hash(extra=()) -> str:
     """The converter's code, so a model directory is rebuilt when its format may have changed."""
     import colibri_edge
     root = os.path.dirname(colibri_edge.__file__)
     h = hashlib.sha256()
-    for name in ("convert.py", "modeldir.py", "dtypes.py"):
+    for name in ("convert.py", "modeldir.py", "dtypes.py", *extra):
         with open(os.path.join(root, name), "rb") as f:
             h.update(f.read())
     return h.hexdigest()[:16]
@@ -173,13 +176,18 @@ def _converter_source_hash() -> str:
 def build_colibri(hf: str, out: str, dtype: str, log=print) -> str:
     hf_stamp = json.load(open(os.path.join(hf, ".bench-stamp.json")))["stamp"]
     stamp = _stamp({"hf": hf_stamp, "dtype": dtype, "converter": _converter_source_hash()})
+    return _colibri_convert([hf, out, "--dtype", dtype], out, stamp, log)
+
+
+def _colibri_convert(args, out, stamp, log) -> str:
+    """`colibri convert ARGS --quiet` into out, unless out's stamp is already `stamp`."""
     if _fresh(out, stamp):
         return out
-    log(f"colibri convert --dtype {dtype} -> {out} ...")
+    log(f"colibri convert {' '.join(os.path.basename(a) for a in args)} ...")
     shutil.rmtree(out, ignore_errors=True)
     exe = os.path.join(os.path.dirname(sys.executable), "colibri")
     cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "colibri_edge"]
-    subprocess.run(cmd + ["convert", hf, out, "--dtype", dtype, "--quiet"], check=True)
+    subprocess.run(cmd + ["convert", *args, "--quiet"], check=True)
     _mark(out, stamp)
     return out
 
@@ -306,6 +314,52 @@ def prompts(s: dict, prompt_len: int, batch: int) -> list:
     return [rng.integers(3, s["vocab_size"], size=prompt_len).tolist() for _ in range(batch)]
 
 
+LLAMA_QUANTS = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
+                "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}
+
+
+def gguf_read_facts(path: str, s: dict) -> dict:
+    """Bytes a decoded token reads from a GGUF (one embedding row, every non-expert tensor, top_k
+    experts a layer), and its tensor types, from the file's own tensor table."""
+    import gguf
+    r = gguf.GGUFReader(path)
+    sizes = {t.name: int(t.n_bytes) for t in r.tensors}
+    types = {}
+    for t in r.tensors:
+        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + int(t.n_elements)
+    L, E, k, V = s["num_hidden_layers"], s["num_local_experts"], s["num_experts_per_tok"], s["vocab_size"]
+    emb = sizes["token_embd.weight"]
+    expert = [sum(sizes[f"blk.{i}.ffn_{x}_exps.weight"] for x in ("gate", "up", "down")) / E for i in range(L)]
+    non_expert = sum(v for n, v in sizes.items() if "_exps" not in n) - emb + emb // V
+    return {"file_bytes": os.path.getsize(path), "bytes_per_expert": float(np.mean(expert)),
+            "bytes_per_decoded_token": non_expert + k * sum(expert), "non_expert_read_bytes": non_expert,
+            "elements_by_type": types}
+
+
+def build_llama_quant(src: str, out: str, q: str, s: dict, log=print) -> dict:
+    """model-f32.gguf -> llama.cpp's quantiser's `q` file (its default mix for the file type)."""
+    import llama_cpp
+    stamp = _stamp({"src": json.load(open(src + ".stamp.json"))["stamp"], "q": q,
+                    "llama_cpp": llama_cpp.__version__})
+    if not (os.path.exists(out) and _fresh(out, stamp)):
+        log(f"llama_model_quantize {q} -> {out} ...")
+        p = llama_cpp.llama_model_quantize_default_params()
+        p.ftype = getattr(llama_cpp, LLAMA_QUANTS[q])
+        p.nthread = 2
+        rc = llama_cpp.llama_model_quantize(src.encode(), (out + ".tmp").encode(), p)
+        if rc != 0:
+            raise RuntimeError(f"llama_model_quantize({q}) returned {rc}")
+        os.replace(out + ".tmp", out)
+        _mark(out, stamp)
+    return {"qtype": q, **gguf_read_facts(out, s)}
+
+
+def build_colibri_from_gguf(gguf_path: str, out: str, log=print) -> str:
+    stamp = _stamp({"gguf": json.load(open(gguf_path + ".stamp.json"))["stamp"],
+                    "converter": _converter_source_hash(("gguf_import.py", "quant.py"))})
+    return _colibri_convert([gguf_path, out], out, stamp, log)
+
+
 def build_all(small: bool, with_gguf: bool = True, log=print) -> dict:
     """Build (or reuse) everything; -> paths and facts the runner needs."""
     s = spec(small)
@@ -313,12 +367,17 @@ def build_all(small: bool, with_gguf: bool = True, log=print) -> dict:
     os.makedirs(root, exist_ok=True)
     hf = build_hf(os.path.join(root, "hf"), s, log)
     col = {dt: build_colibri(hf, os.path.join(root, f"colibri-{dt}"), dt, log) for dt in colibri_dtypes()}
-    gg = {}
+    gg, llq = {}, {}
     if with_gguf:
-        for q in ("f16", "q8_0"):
+        for q in ("f32", "f16", "q8_0"):
             path = os.path.join(root, f"model-{q}.gguf")
             gg[q] = {"path": path, **build_gguf(hf, path, q, s, log)}
-    return {"spec": s, "root": root, "hf": hf, "colibri": col, "gguf": gg, "params": param_counts(s)}
+        for q in LLAMA_QUANTS:
+            path = os.path.join(root, f"model-llq-{q}.gguf")
+            llq[q] = {"path": path, **build_llama_quant(gg["f32"]["path"], path, q, s, log),
+                      "colibri": build_colibri_from_gguf(path, os.path.join(root, f"colibri-gguf-{q}"), log)}
+    return {"spec": s, "root": root, "hf": hf, "colibri": col, "gguf": gg, "llama_quants": llq,
+            "params": param_counts(s)}
 
 
 def main(argv=None):

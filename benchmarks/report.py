@@ -74,6 +74,8 @@ def finish(r):
     pairs = [(find("colibri", "float16"), find("llama.cpp", "f16")),
              (find("colibri", "int8"), find("llama.cpp", "q8_0")),
              (find("colibri", "float32"), find("transformers", "float32"))]
+    pairs += [(find("colibri", e["precision"]), e) for e in r["engines"]
+              if e["engine"] == "llama.cpp" and e["precision"].startswith("gguf ") and "decode_b1" in e]
     for a, b in pairs:
         for what, path in (("decode b1", ("decode_b1", "tokens_per_s")),
                            ("decode b1 at p50 step", ("decode_b1", "tokens_per_s_p50")),
@@ -135,6 +137,10 @@ def markdown(r):
         par = e.get("parity")
         par_s = "reference" if e["engine"] == "transformers" else \
             (f"max rel err {par['max_rel_err']:.1e}, argmax {par['argmax_agree'] * 100:.0f}%" if par else "")
+        pl = e.get("parity_llama")
+        if pl:
+            par_s += (f"; vs llama.cpp on the same file: max \\|diff\\| / max \\|logit\\| {pl['max_rel_err']:.1e}, "
+                      f"argmax {pl['argmax_agree'] * 100:.0f}%")
         same = e.get("parity_same_rounding")
         if same:
             par_s += (f"; same {e['precision']} weights: max {same['max_rel_err']:.1e}, median "
@@ -241,6 +247,38 @@ def markdown(r):
                            f"{_f(row['calls_per_step'], '{:.0f}', '')} | {_f(row['weight_mb_per_step'] or None, '{:.1f}', '')} | "
                            f"{_f(row['gbps'], '{:.1f}', '')} |")
             out.append("")
+    llq = [e for e in r["engines"] if e["engine"] == "llama.cpp" and e.get("elements_by_type")]
+    if llq:
+        out.append("## The GGUF files of llama.cpp's quantiser")
+        out.append("")
+        out.append("`llama_cpp.llama_model_quantize` of the float32 GGUF (its default per-tensor mix for the file "
+                   "type, no importance matrix), run by llama.cpp with its defaults (weight repacking on: "
+                   "`use_extra_bufts`; `n_batch` = the prompt) and by Colibri after `colibri convert FILE.gguf` "
+                   "(every block copied as stored). Elements per tensor type:")
+        out.append("")
+        out.append("| file | tensor types (share of elements) | bytes / decoded token |")
+        out.append("|---|---|---:|")
+        for e in llq:
+            tot = sum(e["elements_by_type"].values())
+            mix = ", ".join(f"{k} {v / tot * 100:.1f}%" for k, v in sorted(e["elements_by_type"].items(),
+                                                                            key=lambda kv: -kv[1]))
+            out.append(f"| {e['precision']} | {mix} | {_mb(e['bytes_per_decoded_token'])} |")
+        out.append("")
+    qr = r.get("quantiser_rms")
+    if qr:
+        out.append("## Our quantisers against llama.cpp's (same float32 weights)")
+        out.append("")
+        out.append("RMS of (dequantised - float32) over " + ", ".join(f"`{t}`" for t in qr["tensors"]) +
+                   "; llama.cpp's from `llama_model_quantize` with every tensor in the format (`pure`, no importance "
+                   "matrix), ours from `colibri_edge.quant.quantize`, both read back by gguf-py "
+                   "(benchmarks/quant_error.py). Target: ratio <= 1.05.")
+        out.append("")
+        out.append("| format | RMS ours | RMS llama.cpp | ratio |")
+        out.append("|---|---:|---:|---:|")
+        for fmt, x in qr["formats"].items():
+            out.append(f"| {fmt} | {_f(x.get('rms_ours'), '{:.5f}')} | {_f(x.get('rms_llama'), '{:.5f}')} | "
+                       f"{_f(x.get('ratio'), '{:.3f}')} |")
+        out.append("")
     if r.get("notes"):
         out.append("## Notes")
         out.append("")

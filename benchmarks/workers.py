@@ -222,8 +222,8 @@ def colibri(job):
     prompts, n_dec = job["prompts"], job["decode_steps"]
     P = len(prompts[0])
     eng = _colibri_open(job, 4)
-    res = {"engine": "colibri", "precision": eng.config["weight_dtype"], "backend": eng.backend.describe(),
-           "first_token_warm": first}
+    res = {"engine": "colibri", "precision": job.get("label") or eng.config["weight_dtype"],
+           "backend": eng.backend.describe(), "first_token_warm": first}
     summ = summary(eng.model, P + n_dec, 1)
     res["bytes_per_decoded_token"] = summ["bytes_per_decoded_token"]
     res["bytes_per_expert"] = summ["bytes_per_expert"]
@@ -233,6 +233,9 @@ def colibri(job):
     ref = np.load(job["ref_logits"])
     got = eng.infer(np.asarray(prompts[0], np.int32))[0]
     res["parity"] = max_rel_err(got, ref)
+    if job.get("llama_logits"):        # the same GGUF file under llama.cpp: max |diff| / max |logit|
+        ll = np.load(job["llama_logits"])
+        res["parity_llama"] = max_rel_err(got, ll)
     timer = StepTimer(eng.runner)
     from colibri_edge.hooks import RoutingHook
 
@@ -283,7 +286,7 @@ def llama(job):
     prompts, n_dec, threads = job["prompts"], job["decode_steps"], job["threads"]
     P = len(prompts[0])
     V = job["spec"]["vocab_size"]
-    res = {"engine": "llama.cpp", "precision": job["qtype"], "llama_cpp_python": llama_cpp.__version__}
+    res = {"engine": "llama.cpp", "precision": job.get("label") or job["qtype"], "llama_cpp_python": llama_cpp.__version__}
     t0 = time.perf_counter()
     llm = Llama(model_path=job["gguf"], n_ctx=P + 16, n_batch=P, n_ubatch=P, n_threads=threads,
                 n_threads_batch=threads, logits_all=True, verbose=False, seed=0)
@@ -295,11 +298,17 @@ def llama(job):
     llm.eval(prompts[0])
     got = np.array(llm.scores[:P], dtype=np.float32)
     res["parity"] = max_rel_err(got, np.load(job["ref_logits"]))
-    res["parity_same_rounding"] = chk = max_rel_err(got, np.load(job["ref_rounded"]))
-    limit, agree = job["parity_limit"][job["qtype"]]
-    if not (chk["median_rel_err"] <= limit and chk["argmax_agree"] >= agree):
-        raise SystemExit(f"llama.cpp {job['qtype']} disagrees with transformers on the same weights: {chk} "
-                         f"(limits: median rel err {limit}, argmax agreement {agree}): the GGUF is wrong, not timing it")
+    if job.get("ref_rounded"):         # the files we wrote; llama.cpp's own quantiser's files have no such ref
+        res["parity_same_rounding"] = chk = max_rel_err(got, np.load(job["ref_rounded"]))
+        limit, agree = job["parity_limit"][job["qtype"]]
+        if not (chk["median_rel_err"] <= limit and chk["argmax_agree"] >= agree):
+            raise SystemExit(f"llama.cpp {job['qtype']} disagrees with transformers on the same weights: {chk} "
+                             f"(limits: median rel err {limit}, argmax agreement {agree}): the GGUF is wrong, not "
+                             "timing it")
+    if job.get("save_logits"):         # Colibri on the same file is compared with these
+        np.save(job["save_logits"], got)
+    # llama.cpp's defaults, as a user gets them: weight repacking (extra buffer types) on
+    res["use_extra_bufts"] = bool(llama_cpp.llama_model_default_params().use_extra_bufts)
     model = llm.model if hasattr(llm, "model") and llm.model is not None else llm._model.model
 
     def context(n_seq, n_ctx):

@@ -71,6 +71,7 @@ class Engine:
     def __init__(self, path, backend=None, max_seq_len=None, max_batch=8, kv_cache_tokens=None,
                  prefill_chunk=256, kv_block_size=None, num_streams=None, router_warmup=None,
                  disable_fp16=None, num_threads=None, expert_slots=None, slot_policy=None, cuda_graphs=None,
+                 int8_activations=None,
                  device=None):
         self.model = open_model_dir(path)
         cfg = self.config = self.model.config
@@ -82,7 +83,7 @@ class Engine:
         cls = backend_class(backend_name)
         self.options, not_applicable = knobs.backend_options(cls, {
             "num_streams": num_streams, "disable_fp16": disable_fp16, "num_threads": num_threads,
-            "cuda_graphs": cuda_graphs, "device": device})
+            "cuda_graphs": cuda_graphs, "int8_activations": int8_activations, "device": device})
         max_pos = cfg["max_position_embeddings"]
         max_seq_len = max_pos if max_seq_len is None else max_seq_len
         if isinstance(max_seq_len, numbers.Integral) and not isinstance(max_seq_len, bool) and max_seq_len > max_pos:

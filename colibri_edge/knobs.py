@@ -19,19 +19,21 @@ KNOBS = {
     "COLIBRI_EXPERT_SLOTS": (0, "a non-negative integer (0: every expert resident, no slot pool)"),
     "COLIBRI_SLOT_POLICY": ("lru", "one of lru, lfu, prefetch"),
     "COLIBRI_CUDA_GRAPHS": (1, "0 or 1 (0 runs CUDA decode steps on streams)"),
+    "COLIBRI_INT8_ACTIVATIONS": (1, "0 or 1 (0: the cpu backend's block formats decode with float32 activations)"),
 }
+FLAGS = ("COLIBRI_DISABLE_FP16", "COLIBRI_CUDA_GRAPHS", "COLIBRI_INT8_ACTIVATIONS")      # 0 or 1 (or a bool)
 # upper bounds (far past any real use; a larger value is a mistake, refused before anything is sized by it)
 UPPER = {"COLIBRI_NUM_STREAMS": 64, "COLIBRI_KV_BLOCK_SIZE": 1 << 16, "COLIBRI_ROUTER_WARMUP": 1000,
          "COLIBRI_NUM_THREADS": 4096, "COLIBRI_EXPERT_SLOTS": 1 << 24}
 # Engine.open option -> its knob, for the options a backend may or may not take (Backend.OPTIONS)
 BACKEND_KNOBS = {"num_streams": "COLIBRI_NUM_STREAMS", "disable_fp16": "COLIBRI_DISABLE_FP16",
-                 "num_threads": "COLIBRI_NUM_THREADS", "cuda_graphs": "COLIBRI_CUDA_GRAPHS"}
+                 "num_threads": "COLIBRI_NUM_THREADS", "cuda_graphs": "COLIBRI_CUDA_GRAPHS",
+                 "int8_activations": "COLIBRI_INT8_ACTIVATIONS"}
 
 
 def _parse(name, raw):
     default, what = KNOBS[name]
-    if not isinstance(raw, (str, int, np.integer)) or isinstance(raw, bool) and name not in (
-            "COLIBRI_DISABLE_FP16", "COLIBRI_CUDA_GRAPHS"):
+    if not isinstance(raw, (str, int, np.integer)) or isinstance(raw, bool) and name not in FLAGS:
         raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{name}={raw!r:.60}: expected {what}")
     if name == "COLIBRI_BACKEND":
         if raw not in ("auto", "cpu", "opencl", "cuda", "reference"):
@@ -41,14 +43,14 @@ def _parse(name, raw):
         if raw not in ("lru", "lfu", "prefetch"):
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{name}={raw!r}: expected {what}")
         return raw
-    if isinstance(raw, bool) and name in ("COLIBRI_DISABLE_FP16", "COLIBRI_CUDA_GRAPHS"):
+    if isinstance(raw, bool) and name in FLAGS:
         return int(raw)
     try:
         v = int(str(raw).strip())
     except ValueError:
         raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{name}={raw!r}: expected {what}") from None
     bad = (v < 1 if name in ("COLIBRI_NUM_STREAMS", "COLIBRI_KV_BLOCK_SIZE") else
-           v not in (0, 1) if name in ("COLIBRI_DISABLE_FP16", "COLIBRI_CUDA_GRAPHS") else v < 0)
+           v not in (0, 1) if name in FLAGS else v < 0)
     bad = bad or v > UPPER.get(name, 1 << 24)
     if bad:
         raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{name}={raw!r}: expected {what}")
@@ -76,7 +78,7 @@ def backend_options(backend_cls, explicit: dict):
         v = explicit.get(name)
         value = resolve(knob, v)
         if name in takes:
-            opts[name] = bool(value) if name in ("disable_fp16", "cuda_graphs") else value
+            opts[name] = bool(value) if knob in FLAGS else value
         elif v is not None:
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT,
                                f"{name}={v!r}: the {backend_cls.name} backend does not take this option "

@@ -326,3 +326,25 @@ def quantize(x: np.ndarray, fmt: str) -> np.ndarray:
     if K % B:
         raise ValueError(f"rows of {K} are not a multiple of {fmt}'s block of {B}")
     return QUANTIZERS[fmt](x).reshape(N, row_bytes(fmt, K))
+
+
+def quantize_activations(x: np.ndarray):
+    """The cpu backend's int8 activations (backends/cpu/qkernels.quantize_act), defined here in NumPy
+    as the emulation its kernels are checked against: per block of 32 of each row
+        dx = max|x| / 127,  q = clip(rint(x * (1 / dx)), -127, 127)  (dx = 0: q = 0),  xs = dx * sum(q).
+    float32 [T, K] (K % 32 == 0) -> (q int8 [T, K], dx float32 [T, K/32], xs float32 [T, K/32])."""
+    x = np.asarray(x, np.float32)
+    T, K = x.shape
+    b = x.reshape(T, K // 32, 32)
+    dx = (np.abs(b).max(axis=-1) / np.float32(127.0)).astype(np.float32)
+    inv = np.where(dx > 0, np.float32(1.0) / np.where(dx > 0, dx, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(b * inv[..., None]), -127, 127).astype(np.int8)
+    xs = (dx * q.sum(axis=-1, dtype=np.int32).astype(np.float32)).astype(np.float32)
+    return q.reshape(T, K), dx, xs
+
+
+def fake_quantized_activations(x: np.ndarray) -> np.ndarray:
+    """x as the int8 path sees it: q * dx, float32."""
+    q, dx, _ = quantize_activations(x)
+    T, K = q.shape
+    return (q.reshape(T, K // 32, 32).astype(np.float32) * dx[..., None]).reshape(T, K)

@@ -21,7 +21,7 @@ ALL_BACKENDS = ("reference", "cpu", "opencl", "cuda")
 
 # Backend options of the kernel suite (create(name, **options)): each variant reaches another path.
 KERNEL_VARIANTS = {
-    "cpu": {"": {}, "1thread": {"num_threads": 1}},
+    "cpu": {"": {}, "1thread": {"num_threads": 1}, "f32act": {"int8_activations": False}},
     "opencl": {"": {}, "3queues": {"num_streams": 3}},
     "cuda": {"": {}, "3streams": {"num_streams": 3}, "nocublas": {"use_cublas": False}},
 }
@@ -109,3 +109,30 @@ def fp32(name) -> dict:
     """Engine.open options for float32 compute on `name` (backends with an fp16 mode take disable_fp16)."""
     from colibri_edge.backends import backend_class
     return {"disable_fp16": True} if "disable_fp16" in backend_class(name).OPTIONS else {}
+
+
+# The cpu backend decodes block formats with int8 activations by default (llama.cpp's arithmetic:
+# activation quantisation error on purpose, checked exactly against a NumPy emulation in
+# test_kernels.py); whole-model parity at float32 tolerance runs with it off, and the default is
+# held to the error int8 activations make.
+INT8_ACTIVATION_TOL = 0.05            # median over positions of |logit error| / |logits| (L2): measured
+# 0.3-2% on the test models; a top-k expert choice that flips at one position (the activations'
+# rounding moved a router logit past another) gives that position 30-50%, hence the median
+
+
+def activation_runs(name, opts, tol):
+    """[(Engine.open options, tolerance)] for a whole model in block formats on backend `name`."""
+    from colibri_edge.backends import backend_class
+    if "int8_activations" in backend_class(name).OPTIONS:
+        return [({**opts, "int8_activations": False}, tol), ({**opts, "int8_activations": True}, INT8_ACTIVATION_TOL)]
+    return [(opts, tol)]
+
+
+def close(got, want, tol) -> bool:
+    """Logits agree: within tol of max |logit| everywhere (float32 tolerances), or for the int8
+    tolerance the median position within it (L2) and the same argmax at 80% of positions."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if tol < INT8_ACTIVATION_TOL:
+        return float(np.abs(got - want).max() / np.abs(want).max()) < tol
+    per = np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
+    return float(np.median(per)) < tol and (got.argmax(-1) == want.argmax(-1)).mean() >= 0.8

@@ -157,3 +157,30 @@ def test_decode_step_allocates_nothing_numba(model_cache, tmp_path):
     assert alloc == free == mi_alloc == mi_free == unboxed, \
         f"NRT over 32 decode steps: {alloc} allocs, {free} frees, {mi_alloc}/{mi_free} meminfos; " \
         f"{unboxed} array arguments unboxed"
+
+
+def test_numba_cache_follows_the_files_a_kernel_inlines(tmp_path):
+    """Numba's disk cache checks only the kernel's own file: after an edit of the file it inlines code
+    from (qir.py for qkernels.py), jitcache.drop_stale must make the next process recompile, not
+    serve the old machine code."""
+    pkg = tmp_path / "kpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "dep.py").write_text("from numba import njit\n@njit(inline='always')\ndef f(x):\n    return x + 1\n")
+    (pkg / "kern.py").write_text(textwrap.dedent("""
+        from numba import njit
+        from colibri_edge.backends.cpu.jitcache import drop_stale
+        from .dep import f
+        @njit(cache=True)
+        def g(x):
+            return f(x) * 10
+        drop_stale(globals(), __file__.replace("kern.py", "dep.py"))
+    """))
+    run = [sys.executable, "-c", "from kpkg.kern import g; print(g(1))"]
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.pop("NUMBA_CACHE_DIR", None)
+    first = subprocess.run(run, env=env, capture_output=True, text=True, check=True).stdout.strip()
+    (pkg / "dep.py").write_text("from numba import njit\n@njit(inline='always')\ndef f(x):\n    return x + 2\n")
+    second = subprocess.run(run, env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert (first, second) == ("20", "30")
+    assert (pkg / "__pycache__" / "kern.py.deps").is_file()

@@ -10,6 +10,7 @@ from colibri_edge.backends import create
 from colibri_edge.backends.base import FFN, plan_buffers
 from colibri_edge.dtypes import STORAGE, block_of, narrow, quantize_rows, widen
 from colibri_edge import routing
+from colibri_edge.quant import fake_quantized_activations
 
 # (T, K, N): GEMV, blocks of 4, odd sizes, K past one shared-memory chunk, T > 32 (tiled / cuBLAS)
 MATMUL_SHAPES = [(1, 37, 29), (7, 64, 33), (33, 19, 130), (8, 64, 40), (32, 130, 70), (5, 1100, 20),
@@ -56,6 +57,16 @@ def fit(wd, n):
     return -(-n // b) * b
 
 
+def int8_path(be, wd, rows):
+    """Does `be` run this block-format matmul with int8 activations (the cpu backend's decode path)?
+    Then the reference runs on the activations as that path quantises them (quant.py's emulation)."""
+    return getattr(be, "int8_activations", False) and block_of(wd) > 1 and rows <= 2
+
+
+def as_seen(be, wd, x):
+    return fake_quantized_activations(x) if int8_path(be, wd, x.shape[0]) else x
+
+
 def plan_bufs(be, A, E):
     return {n: be.alloc(s, d) for n, (s, d) in plan_buffers(A, E).items()}
 
@@ -71,7 +82,7 @@ def test_matmul(kernel_backend, T, K, N, rng):
         st = stored(rng.standard_normal((N, Kw)).astype(np.float32), wd)
         for b in (None, bias):
             want = np.zeros((T, N), np.float32)
-            ref.matmul(want, x, upload(ref, st, wd), None if b is None else ref.upload(b))
+            ref.matmul(want, as_seen(be, wd, x), upload(ref, st, wd), None if b is None else ref.upload(b))
             out = be.alloc((T, N))
             be.matmul(out, dev(be, x), upload(be, st, wd), None if b is None else be.upload(b))
             close(be.download(out), want, 3e-3 if cublas16 and wd == "float16" else TOL.get(wd, 1e-5))
@@ -240,7 +251,10 @@ def test_route_align_ffn_combine(kernel_backend, T, k, E, H, I, rng):
         bex = [FFN(*(upload(be, m, wd) for m in ms)) for ms in mats]
         x = rng.standard_normal((T, Hw)).astype(np.float32)
         y = np.zeros((T * k, Hw), np.float32)
-        ref.grouped_ffn(y, x, rex, rplan, None)
+        if block_of(wd) > 1 and getattr(be, "int8_activations", False):
+            y = ffn_as_seen(be, wd, x, mats, rplan, k)
+        else:
+            ref.grouped_ffn(y, x, rex, rplan, None)
         resid = rng.standard_normal((T, Hw)).astype(np.float32)
         want = resid.copy()
         ref.combine(want, y, rw, rplan)
@@ -254,6 +268,54 @@ def test_route_align_ffn_combine(kernel_backend, T, k, E, H, I, rng):
         out = dev(be, resid)
         be.combine(out, by, dev(be, rw), bplan)
         close(be.download(out), want, TOL.get(wd, 1e-5))
+
+
+def ffn_as_seen(be, wd, x, mats, plan, k):
+    """grouped_ffn in NumPy (float64) with each expert's inputs as the backend sees them: quantised
+    to int8 where it has <= 2 rows (gate/up input and down input both), float32 otherwise."""
+    y = np.zeros((len(plan.order), x.shape[1]))
+    for e, (g, u, d) in enumerate(mats):
+        a, b = int(plan.offsets[e]), int(plan.offsets[e + 1])
+        if a == b:
+            continue
+        X = as_seen(be, wd, x[plan.order[a:b] // k])
+        G, U, D = (widen(m[0], wd).astype(np.float64) for m in (g, u, d))
+        h = X @ G.T
+        h = (h / (1 + np.exp(-h)) * (X @ U.T)).astype(np.float32)
+        y[a:b] = as_seen(be, wd, h) @ D.T
+    return y.astype(np.float32)
+
+
+def test_int8_activation_dots_are_exact(rng):
+    """Where every value is dyadic (power-of-two scales, integer activations over 2^3), the int8
+    path's float arithmetic is exact too, so the cpu backend must equal the emulation bit for bit:
+    integer dots, the scales applied per block, the additive terms (q4_0/q5_0 offsets, q4_1/q5_1
+    and K-quant mins), for 1 and 2 tokens, whole groups of 256 and tail blocks."""
+    from colibri_edge import quant
+    be = create("cpu")
+    ref = create("reference")
+    for fmt, (B, nb) in quant.BLOCK.items():
+        for K in ((256, 512) if B == 256 else (256, 96, 544)):
+            N = 13
+            raw = rng.integers(0, 256, (N, K // B, nb), dtype=np.uint8)
+            scale_at = {"q6_k": [208], "q4_k": [0, 2], "q5_k": [0, 2], "q4_1": [0, 2], "q5_1": [0, 2]}.get(fmt, [0])
+            for off in scale_at:
+                if fmt == "mxfp4":
+                    raw[..., 0] = 125                             # 2^-3
+                else:
+                    raw[..., off:off + 2] = np.frombuffer(np.float16(2.0 ** -6).tobytes(), np.uint8)
+            raw = raw.reshape(N, -1)
+            for T in (1, 2):
+                x = rng.integers(-127, 128, (T, K)).astype(np.float32)
+                x.reshape(T, -1, 32)[:, :, 0] = 127                  # dx = 127 / 127 * 2^-3 exactly
+                x *= np.float32(2.0 ** -3)
+                want = np.zeros((T, N), np.float32)
+                ref.matmul(want, fake_quantized_activations(x), ref.upload(raw, fmt, shape=(N, K)))
+                exact = fake_quantized_activations(x).astype(np.float64) @ widen(raw, fmt).astype(np.float64).T
+                assert np.array_equal(want, exact.astype(np.float32)), fmt
+                out = be.alloc((T, N))
+                be.matmul(out, x, be.upload(raw, fmt, shape=(N, K)))
+                np.testing.assert_array_equal(be.download(out), want, err_msg=f"{fmt} K={K} T={T}")
 
 
 def test_results_do_not_depend_on_queues(rng):

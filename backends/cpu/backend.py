@@ -61,9 +61,9 @@ def _readonly(a: np.ndarray) -> np.ndarray:
 class Backend(BackendBase):
     name = "cpu"
     weight_dtypes = ("float32", "float16", "bfloat16", "int8") + tuple(BLOCK)
-    OPTIONS = ("num_threads",)
+    OPTIONS = ("num_threads", "int8_activations")
 
-    def __init__(self, num_threads=0):
+    def __init__(self, num_threads=0, int8_activations=True):
         import numba
         from . import kernels, moe_kernels, qkernels
         self.numba, self.k, self.m, self.q = numba, kernels, moe_kernels, qkernels
@@ -77,6 +77,10 @@ class Backend(BackendBase):
         self.none = _readonly(np.zeros(0, np.float32))      # an absent bias or scales vector
         self.no_tally = np.zeros(0, np.int32)
         self._qscratch = np.zeros((self.num_threads, 4, 0), np.float32)   # block formats' prefill rows
+        # block formats at decode (<= 2 rows): activations quantised to int8 per 32, integer dots
+        # (qir.py); the float32-activation path stays, int8_activations=False / COLIBRI_INT8_ACTIVATIONS=0
+        self.int8_activations = bool(int8_activations)
+        self._qx = (np.zeros((2, 0), np.int8), np.zeros((2, 0), np.float32), np.zeros((2, 0), np.float32))
         self._warm_up(("float32",), common=True)
 
     def prepare(self, formats, max_cols):
@@ -84,6 +88,7 @@ class Backend(BackendBase):
         the block formats' prefill scratch [threads, 4, max_cols]: nothing the model will not run."""
         if any(is_block(f) for f in formats):
             self._scratch(max_cols)
+            self._acts(max_cols)
         self._warm_up(tuple(f for f in sorted(formats) if f != "float32"))
 
     def _scratch(self, cols):
@@ -93,6 +98,15 @@ class Backend(BackendBase):
         if c < cols or t < self.num_threads:
             self._qscratch = np.zeros((max(t, self.num_threads), 4, max(c, cols)), np.float32)
         return self._qscratch
+
+    def _acts(self, cols):
+        """The int8 activations of <= 2 rows (qx int8 [2, cols], dx and xs float32 [2, cols / 32]),
+        sized by prepare(); grown here only for ops called directly."""
+        if self._qx[0].shape[1] < cols:
+            c = -(-cols // 32) * 32
+            self._qx = (np.zeros((2, c), np.int8), np.zeros((2, c // 32), np.float32),
+                        np.zeros((2, c // 32), np.float32))
+        return self._qx
 
     def _warm_up(self, formats, common=False):
         """Run every op once on tiny buffers of the types the scheduler passes, in the given weight
@@ -105,6 +119,7 @@ class Backend(BackendBase):
         x, o, y, h = self.alloc((T, H)), self.alloc((T, H)), self.alloc((T * k, H)), self.alloc((T * k, I))
         x5 = self.alloc((5, H))
         ids, pos = self.alloc((T, k), i32), self.alloc((T,), i32)
+        ids[:] = [[0, 1], [2, 0]]            # <= 2 rows an expert: the decode (int8-activation) path
         norm = self.upload(np.ones(H, f32))
         bufs = {n: self.alloc(s, d) for n, (s, d) in plan_buffers(5 * k, E).items()}
         for wd in formats:
@@ -193,7 +208,7 @@ class Backend(BackendBase):
         self._use_threads()
         b = self.none if bias is None else bias.data
         if w.dtype in BLOCK:
-            self.q.qmatmul(out, x, w.data, b, self.num_threads, self._scratch(x.shape[1]))
+            self._qmatmul(out, x, w.data, b)
         else:
             self.k.matmul(out, x, w.data, self._scales(w), b, self.num_threads)
 
@@ -244,18 +259,27 @@ class Backend(BackendBase):
             ffn = experts[e]
             inter = ffn.gate.shape[0]
             act = flat[start * width:start * width + n * inter].reshape(n, inter)
-            if ffn.gate.dtype in BLOCK:
+            if ffn.gate.dtype in BLOCK and n <= self.q.DIRECT_T and self.int8_activations:
+                self.q.qswiglu_gate_up_i8(act, x, plan.order, start, plan.top_k, ffn.gate.data, ffn.up.data,
+                                          self.num_threads, *self._acts(x.shape[1]))
+            elif ffn.gate.dtype in BLOCK:
                 self.q.qswiglu_gate_up(act, x, plan.order, start, plan.top_k, ffn.gate.data, ffn.up.data,
                                        self.num_threads, self._scratch(x.shape[1]))
             else:
                 self.m.swiglu_gate_up(act, x, plan.order, start, plan.top_k, ffn.gate.data, ffn.up.data,
                                       self._scales(ffn.gate), self._scales(ffn.up), self.num_threads)
             if ffn.down.dtype in BLOCK:
-                self.q.qmatmul(out[start:start + n], act, ffn.down.data, self.none, self.num_threads,
-                               self._scratch(inter))
+                self._qmatmul(out[start:start + n], act, ffn.down.data, self.none)
             else:
                 self.k.matmul(out[start:start + n], act, ffn.down.data, self._scales(ffn.down), self.none,
                               self.num_threads)
+
+    def _qmatmul(self, out, x, w, bias):
+        """A block-format matmul: int8 activations at decode (<= 2 rows) unless turned off, else float32."""
+        if x.shape[0] <= self.q.DIRECT_T and self.int8_activations:
+            self.q.qmatmul_i8(out, x, w, bias, self.num_threads, *self._acts(x.shape[1]))
+        else:
+            self.q.qmatmul(out, x, w, bias, self.num_threads, self._scratch(x.shape[1]))
 
     def combine(self, out, y, w, plan):
         self.m.combine(out, y, w, plan.inverse)

@@ -4,6 +4,7 @@ weight reads are kernels.py's (the down projection is kernels.matmul)."""
 import numpy as np
 from numba import njit, prange
 
+from .jitcache import drop_stale
 from .kernels import F0, F1, REDUCE, dot1, dot4, dot4x2, scaled, thread_rows
 
 
@@ -137,3 +138,6 @@ def combine(out, y, w, inverse):
             for j in range(k):
                 s += w[t, j] * y[inverse[t * k + j], h]
             out[t, h] += s
+
+
+drop_stale(globals(), __file__.replace("moe_kernels.py", "kernels.py"))

@@ -132,6 +132,33 @@ def scale_min_k4(builder, base, j):
     return sc, m
 
 
+def k_chunk(fmt, builder, b, s):
+    """q4_k / q5_k block at b: the unsigned values (<32 x i8>) of sub-block s (0..7): the low (s even)
+    or high nibbles of qs[32 (s // 2) ..], with q5_k's fifth bit, bit s of qh[j], for weight j."""
+    nib = nibbles(builder, builder.add(b, c64((48 if fmt == "q5_k" else 16) + 32 * (s // 2))), 32)
+    q = builder.shuffle_vector(nib, nib, cvec(I32, range(32 * (s % 2), 32 * (s % 2) + 32)))
+    if fmt == "q5_k":
+        qh = load(builder, builder.add(b, c64(16)), vec(I8, 32))
+        hb = builder.and_(builder.lshr(qh, cvec(I8, [s] * 32)), cvec(I8, [1] * 32))
+        q = builder.or_(q, builder.shl(hb, cvec(I8, [4] * 32)))
+    return q
+
+
+def q6_k_chunk(builder, b, h, p):
+    """q6_k block at b: the signed 6-bit values (q - 32, <32 x i8>) of chunk p (0..3) of half h (0, 1):
+    low 4 bits from ql[64 h + 32 (p % 2)] (nibble p // 2), high 2 bits from qh[128 + 32 h] (bits 2p)."""
+    lo = load(builder, builder.add(b, c64(64 * h + 32 * (p % 2))), vec(I8, 32))
+    lo = builder.and_(builder.lshr(lo, cvec(I8, [4 * (p // 2)] * 32)), cvec(I8, [15] * 32))
+    hi = load(builder, builder.add(b, c64(128 + 32 * h)), vec(I8, 32))
+    hi = builder.and_(builder.lshr(hi, cvec(I8, [2 * p] * 32)), cvec(I8, [3] * 32))
+    return builder.sub(builder.or_(lo, builder.shl(hi, cvec(I8, [4] * 32))), cvec(I8, [32] * 32))
+
+
+def q6_k_scale(builder, b, h, p, j):
+    """q6_k block at b: the int8 scale (as float) of weights 16 j .. 16 j + 15 of chunk p of half h."""
+    return builder.sitofp(load(builder, builder.add(b, c64(192 + (128 * h + 32 * p + 16 * j) // 16)), I8), F32)
+
+
 def decode(fmt, builder, b):
     """The chunks of the block whose bytes start at address b (i64): [(mult, add, q)], in weight order."""
     fl = lambda v: builder.uitofp(v, F32)                                           # noqa: E731
@@ -157,32 +184,20 @@ def decode(fmt, builder, b):
         return [(d, None, e2m1x2(builder, nibbles(builder, builder.add(b, c64(1)))))]
     if fmt in ("q4_k", "q5_k"):
         d, dmin = f16(builder, b), f16(builder, builder.add(b, c64(2)))
-        qs0 = 48 if fmt == "q5_k" else 16
         out = []
-        for g in range(4):
-            nib = nibbles(builder, builder.add(b, c64(qs0 + 32 * g)), 32)          # sub-blocks 2g, 2g+1
-            for half in range(2):
-                s = 2 * g + half
-                q = builder.shuffle_vector(nib, nib, cvec(I32, range(32 * half, 32 * half + 32)))
-                if fmt == "q5_k":                    # bit s of qh[j] is weight j's high bit
-                    qh = load(builder, builder.add(b, c64(16)), vec(I8, 32))
-                    hb = builder.and_(builder.lshr(qh, cvec(I8, [s] * 32)), cvec(I8, [1] * 32))
-                    q = builder.or_(q, builder.shl(hb, cvec(I8, [4] * 32)))
-                sc, m = scale_min_k4(builder, builder.add(b, c64(4)), s)
-                out.append((builder.fmul(d, fl(sc)), builder.fneg(builder.fmul(dmin, fl(m))), uif(builder, q)))
+        for s in range(8):
+            q = k_chunk(fmt, builder, b, s)
+            sc, m = scale_min_k4(builder, builder.add(b, c64(4)), s)
+            out.append((builder.fmul(d, fl(sc)), builder.fneg(builder.fmul(dmin, fl(m))), uif(builder, q)))
         return out
     if fmt == "q6_k":
         d = f16(builder, builder.add(b, c64(208)))
         out = []
         for h in range(2):
             for p in range(4):
-                lo = load(builder, builder.add(b, c64(64 * h + 32 * (p % 2))), vec(I8, 32))
-                lo = builder.and_(builder.lshr(lo, cvec(I8, [4 * (p // 2)] * 32)), cvec(I8, [15] * 32))
-                hi = load(builder, builder.add(b, c64(128 + 32 * h)), vec(I8, 32))
-                hi = builder.and_(builder.lshr(hi, cvec(I8, [2 * p] * 32)), cvec(I8, [3] * 32))
-                q = sif(builder, builder.sub(builder.or_(lo, builder.shl(hi, cvec(I8, [4] * 32))), cvec(I8, [32] * 32)))
+                q = sif(builder, q6_k_chunk(builder, b, h, p))
                 for k in range(2):                   # two scales of 16 per chunk of 32
-                    sc = builder.sitofp(load(builder, builder.add(b, c64(192 + (128 * h + 32 * p + 16 * k) // 16)), I8), F32)
+                    sc = q6_k_scale(builder, b, h, p, k)
                     out.append((builder.fmul(d, sc), None, builder.shuffle_vector(q, q, cvec(I32, range(16 * k, 16 * k + 16)))))
         return out
     raise ValueError(fmt)
@@ -285,3 +300,324 @@ def rowdeq(typingctx, w, row, out, ooff):
         _row_loop(context, builder, sig, args, body)
         return context.get_dummy_value()
     return sig, codegen
+
+
+# -- int8 activations: integer dot products -------------------------------------------------------
+# The activation row is quantised per block of 32 (qkernels.quantize_act): q = rint(x / dx) in
+# [-127, 127] (int8), dx = max|x| / 127, xs = dx * sum(q). A weight block decodes to integer chunks
+# of 32, w = m q_w (+ add); then per chunk
+#     w . x  ~=  m dx (q_w . q)  +  add xs
+# with q_w . q exact in int32. On AVX2: vpmaddubsw (unsigned weight bytes x signed activation
+# bytes, 32 products a instruction; signed weights through the sign trick |w|, sign(q, w)), then
+# vpmaddwd against ones; elsewhere the generic form (both widened to i16, products added in pairs:
+# smull/smlal on NEON). The float work is one multiply-add per 32 weights. Products never saturate
+# vpmaddubsw's int16: |q_w| <= 63 and |q| <= 127, so a pair is at most 16002.
+
+def _has_avx2() -> bool:
+    from llvmlite import binding
+    try:
+        return bool(binding.get_host_cpu_features().get("avx2"))
+    except RuntimeError:            # features unknown on this host
+        return False
+
+
+HAS_AVX2 = _has_avx2()
+
+
+def _fn(builder, name, ret, argtys):
+    return builder.module.globals.get(name) or ir.Function(builder.module, ir.FunctionType(ret, argtys), name)
+
+
+def e2m1x2_i8(builder, nib):
+    """<n x i8> E2M1 codes -> <n x i8> doubled values (as e2m1x2, integers in [-12, 12]): one
+    vpshufb table lookup on AVX2, arithmetic elsewhere."""
+    n = nib.type.count
+    if HAS_AVX2 and n == 32:
+        table = cvec(I8, [int(v) & 255 for v in (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)] * 2)
+        return builder.call(_fn(builder, "llvm.x86.avx2.pshuf.b", vec(I8, 32), [vec(I8, 32), vec(I8, 32)]), [table, nib])
+    i = builder.and_(nib, cvec(I8, [7] * n))
+    big = builder.shl(builder.add(cvec(I8, [2] * n), builder.and_(i, cvec(I8, [1] * n))),
+                      builder.sub(builder.lshr(i, cvec(I8, [1] * n)), cvec(I8, [1] * n)))
+    mag = builder.select(builder.icmp_unsigned("<", i, cvec(I8, [4] * n)), i, big)
+    neg = builder.icmp_unsigned("!=", builder.and_(nib, cvec(I8, [8] * n)), cvec(I8, [0] * n))
+    return builder.select(neg, builder.sub(cvec(I8, [0] * n), mag), mag)
+
+
+def decode_int(fmt, builder, b):
+    """The block at address b as integer chunks of 32 weights: [(q, signed, m1, m2, add)] with
+    w = m q + add: q <32 x i8> (signed, or unsigned values < 128), m1 the float multiplier of the
+    chunk (m2, when not None, of its last 16 weights: q6_k's scales are per 16), add a float or None.
+    q4_0 / q5_0's offsets (-8, -16) go with the activation sums: add = -8 d."""
+    fl = lambda v: builder.uitofp(v, F32)                                           # noqa: E731
+    k = lambda v: ir.Constant(F32, v)                                               # noqa: E731
+    if fmt == "q8_0":
+        return [(load(builder, builder.add(b, c64(2)), vec(I8, 32)), True, f16(builder, b), None, None)]
+    if fmt == "q4_0":
+        d = f16(builder, b)
+        return [(nibbles(builder, builder.add(b, c64(2))), False, d, None, builder.fmul(d, k(-8.0)))]
+    if fmt == "q4_1":
+        return [(nibbles(builder, builder.add(b, c64(4))), False, f16(builder, b), None,
+                 f16(builder, builder.add(b, c64(2))))]
+    if fmt in ("q5_0", "q5_1"):
+        o = 2 if fmt == "q5_0" else 4
+        qh = load(builder, builder.add(b, c64(o)), I32)
+        q = builder.or_(nibbles(builder, builder.add(b, c64(o + 4))), builder.shl(bits(builder, qh, 32), cvec(I8, [4] * 32)))
+        d = f16(builder, b)
+        return [(q, False, d, None, builder.fmul(d, k(-16.0)) if fmt == "q5_0" else f16(builder, builder.add(b, c64(2))))]
+    if fmt == "mxfp4":
+        e = builder.zext(u8(builder, b), I32)
+        small = builder.shl(ir.Constant(I32, 0x00200000), e)
+        normal = builder.shl(builder.sub(e, ir.Constant(I32, 1)), ir.Constant(I32, 23))
+        d = builder.bitcast(builder.select(builder.icmp_unsigned("<", e, ir.Constant(I32, 2)), small, normal), F32)
+        return [(e2m1x2_i8(builder, nibbles(builder, builder.add(b, c64(1)))), True, d, None, None)]
+    if fmt in ("q4_k", "q5_k"):
+        d, dmin = f16(builder, b), f16(builder, builder.add(b, c64(2)))
+        out = []
+        for s in range(8):
+            sc, m = scale_min_k4(builder, builder.add(b, c64(4)), s)
+            out.append((k_chunk(fmt, builder, b, s), False, builder.fmul(d, fl(sc)), None,
+                        builder.fneg(builder.fmul(dmin, fl(m)))))
+        return out
+    if fmt == "q6_k":
+        d = f16(builder, builder.add(b, c64(208)))
+        out = []
+        for h in range(2):
+            for p in range(4):
+                q = q6_k_chunk(builder, b, h, p)
+                sc = [q6_k_scale(builder, b, h, p, j) for j in range(2)]
+                out.append((q, True, builder.fmul(d, sc[0]), builder.fmul(d, sc[1]), None))
+        return out
+    raise ValueError(fmt)
+
+
+def dot8(builder, q, signed, x):
+    """<32 x i8> weights q, activations x -> <8 x i32> partial sums of q . x, lane j holding the
+    products of elements 4j .. 4j + 3 (so lanes 0-3 are the first 16 weights)."""
+    if HAS_AVX2:
+        v32 = vec(I8, 32)
+        if signed:                                   # |q| . sign(x, q): vpmaddubsw wants unsigned first
+            x = builder.call(_fn(builder, "llvm.x86.avx2.psign.b", v32, [v32, v32]), [x, q])
+            q = builder.call(_fn(builder, "llvm.abs.v32i8", v32, [v32, ir.IntType(1)]), [q, ir.Constant(ir.IntType(1), 0)])
+        p16 = builder.call(_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), [v32, v32]), [q, x])
+        return builder.call(_fn(builder, "llvm.x86.avx2.pmadd.wd", vec(I32, 8), [vec(I16, 16), vec(I16, 16)]),
+                            [p16, cvec(I16, [1] * 16)])
+    w = (builder.sext if signed else builder.zext)(q, vec(I32, 32))
+    p = builder.mul(w, builder.sext(x, vec(I32, 32)))
+    four = lambda j: builder.shuffle_vector(p, p, cvec(I32, range(j, 32, 4)))        # noqa: E731
+    return builder.add(builder.add(four(0), four(1)), builder.add(four(2), four(3)))
+
+
+def _fma8(builder, acc, s8, m1, m2, dx):
+    """acc + float(s8) * (m dx): one multiplier, or m1 for lanes 0-3 and m2 for lanes 4-7."""
+    fast = ("fast",)
+    a = splat(builder, builder.fmul(m1, dx), 8)
+    if m2 is not None:
+        a = builder.shuffle_vector(a, splat(builder, builder.fmul(m2, dx), 8), cvec(I32, [0] * 4 + [8] * 4))
+    return builder.fadd(acc, builder.fmul(builder.sitofp(s8, vec(F32, 8)), a, flags=fast), flags=fast)
+
+
+def _rowdot_int_codegen(ntok):
+    """args: (w, row, qx, dx, xs, xoff_0 .. xoff_{ntok-1}); qx int8, dx / xs float32, contiguous; the
+    activation of token t starts at element xoff_t of qx (its scales at xoff_t / 32 of dx and xs)."""
+    def codegen(context, builder, sig, args):
+        qb, db, sb = (data_ptr(context, builder, sig.args[i], args[i]) for i in (2, 3, 4))
+        xo = [i64(context, builder, sig, args, 5 + t) for t in range(ntok)]
+        xaddr = [builder.add(qb, o) for o in xo]
+        dofs = [builder.mul(builder.lshr(o, c64(5)), c64(4)) for o in xo]
+        acc = [cgutils.alloca_once_value(builder, ir.Constant(vec(F32, 8), [0.0] * 8)) for _ in range(ntok)]
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0)) for _ in range(ntok)]
+        fast = ("fast",)
+
+        def body(baddr, k):
+            for ci, (q, signed, m1, m2, add) in enumerate(decode_int(fmt_of(sig.args[0]), builder, baddr)):
+                kk = builder.add(k, c64(32 * ci))
+                j4 = builder.mul(builder.lshr(kk, c64(5)), c64(4))
+                for t in range(ntok):
+                    s8 = dot8(builder, q, signed, load(builder, builder.add(xaddr[t], kk), vec(I8, 32)))
+                    dx = load(builder, builder.add(builder.add(db, dofs[t]), j4), F32, align=4)
+                    builder.store(_fma8(builder, builder.load(acc[t]), s8, m1, m2, dx), acc[t])
+                    if add is not None:
+                        xs = load(builder, builder.add(builder.add(sb, dofs[t]), j4), F32, align=4)
+                        builder.store(builder.fadd(builder.load(accs[t]), builder.fmul(add, xs, flags=fast), flags=fast),
+                                      accs[t])
+        _row_loop(context, builder, sig, args, body)
+        sums = [builder.fadd(reduce_add(builder, builder.load(acc[t])), builder.load(accs[t])) for t in range(ntok)]
+        return sums[0] if ntok == 1 else context.make_tuple(builder, sig.return_type, sums)
+    return codegen
+
+
+@intrinsic
+def rowdot_q(typingctx, w, row, qx, dx, xs, xoff):
+    """w[row] . x_t for the int8-quantised activation at element xoff of qx (see above)."""
+    if not fmt_of(w):
+        return None
+    return types.float32(w, row, qx, dx, xs, xoff), _rowdot_int_codegen(1)
+
+
+@intrinsic
+def rowdot2_q(typingctx, w, row, qx, dx, xs, xoffa, xoffb):
+    """rowdot_q for two activations, each weight block decoded once."""
+    if not fmt_of(w):
+        return None
+    return types.UniTuple(types.float32, 2)(w, row, qx, dx, xs, xoffa, xoffb), _rowdot_int_codegen(2)
+
+
+# -- four rows at a time, 256 weights a step -------------------------------------------------------
+# The GEMV of the int8 path: four rows side by side (as kernels.matmul's four streams), so each
+# activation chunk is loaded once for four rows, and a group of 256 weights (eight 32-blocks, or one
+# K-quant super-block) has its eight block multipliers built as one vector: the eight f16 scales of
+# the 32-blocks gathered and widened by one vcvtph2ps, a K-quant's 6-bit scales unpacked as three
+# 32-bit words (ggml's kmask trick), then multiplied by the eight activation scales in one go. A
+# block's float work is then one lane broadcast and one FMA.
+
+def _gather_f16(builder, g, nb, off):
+    """<8 x float> of the f16 at byte `off` of each of the 8 blocks of nb bytes from address g."""
+    v = ir.Constant(vec(HALF, 8), ir.Undefined)
+    for i in range(8):
+        v = builder.insert_element(v, load(builder, builder.add(g, c64(i * nb + off)), HALF), ir.Constant(I32, i))
+    return builder.fpext(v, vec(F32, 8))
+
+
+def _k4_scales(builder, base):
+    """The 12 bytes of q4_k / q5_k scales at base -> (sc, m) as <8 x float> (get_scale_min_k4 for
+    j = 0..7, computed on three 32-bit words)."""
+    w = [load(builder, builder.add(base, c64(4 * i)), I32) for i in range(3)]
+    k = lambda v: ir.Constant(I32, v)                                                   # noqa: E731
+    m1, m2, m3 = k(0x3f3f3f3f), k(0x0f0f0f0f), k(0x03030303)
+    u3 = builder.or_(builder.and_(builder.lshr(w[2], k(4)), m2), builder.shl(builder.and_(builder.lshr(w[1], k(6)), m3), k(4)))
+    u2 = builder.and_(w[1], m1)
+    u1 = builder.or_(builder.and_(w[2], m2), builder.shl(builder.and_(builder.lshr(w[0], k(6)), m3), k(4)))
+    u0 = builder.and_(w[0], m1)
+    words = lambda a, b: builder.bitcast(builder.insert_element(builder.insert_element(      # noqa: E731
+        ir.Constant(vec(I32, 2), ir.Undefined), a, k(0)), b, k(1)), vec(I8, 8))
+    fl = lambda v: builder.uitofp(v, vec(F32, 8))                                           # noqa: E731
+    return fl(words(u0, u1)), fl(words(u2, u3))
+
+
+def group_int(fmt, builder, g):
+    """The group of 256 weights at address g: (chunks, mult, add): chunks 8 (q, signed); mult the
+    chunks' weight multipliers, <8 x float> (q6_k: <16 x float>, one per 16 weights); add <8 x float>
+    of the chunks' additive terms, or None."""
+    B, nb = BLOCK[fmt]
+    if B == 32:
+        chunks = [decode_int(fmt, builder, builder.add(g, c64(i * nb)))[0][:2] for i in range(8)]
+        if fmt == "mxfp4":
+            e = ir.Constant(vec(I32, 8), ir.Undefined)
+            for i in range(8):
+                e = builder.insert_element(e, builder.zext(u8(builder, builder.add(g, c64(i * nb))), I32),
+                                           ir.Constant(I32, i))
+            small = builder.shl(cvec(I32, [0x00200000] * 8), e)
+            normal = builder.shl(builder.sub(e, cvec(I32, [1] * 8)), cvec(I32, [23] * 8))
+            mult = builder.bitcast(builder.select(builder.icmp_unsigned("<", e, cvec(I32, [2] * 8)), small, normal),
+                                   vec(F32, 8))
+            return chunks, mult, None
+        d = _gather_f16(builder, g, nb, 0)
+        if fmt in ("q4_1", "q5_1"):
+            return chunks, d, _gather_f16(builder, g, nb, 2)
+        if fmt in ("q4_0", "q5_0"):                     # the offset as an additive term (decode_int)
+            return chunks, d, builder.fmul(d, splat(builder, ir.Constant(F32, -8.0 if fmt == "q4_0" else -16.0), 8))
+        return chunks, d, None
+    chunks = [c[:2] for c in decode_int(fmt, builder, g)]
+    if fmt in ("q4_k", "q5_k"):
+        d, dmin = f16(builder, g), f16(builder, builder.add(g, c64(2)))
+        sc, m = _k4_scales(builder, builder.add(g, c64(4)))
+        return chunks, builder.fmul(sc, splat(builder, d, 8)), builder.fmul(m, splat(builder, builder.fneg(dmin), 8))
+    if fmt == "q6_k":
+        d = f16(builder, builder.add(g, c64(208)))
+        sc = builder.sitofp(load(builder, builder.add(g, c64(192)), vec(I8, 16)), vec(F32, 16))
+        return chunks, builder.fmul(sc, splat(builder, d, 16)), None
+    raise ValueError(fmt)
+
+
+def _rowdot4_int_codegen(ntok):
+    """args: (w, n0, n1, n2, n3, qx, dx, xs, xoff_0 .. xoff_{ntok-1}) -> 4 * ntok sums, row-major
+    (row r, token t at r * ntok + t)."""
+    def codegen(context, builder, sig, args):
+        fmt = fmt_of(sig.args[0])
+        B, nb = BLOCK[fmt]
+        gb = nb * (256 // B)                                   # bytes of a group of 256 weights
+        fast = ("fast",)
+        w = args[0]
+        rows = [i64(context, builder, sig, args, 1 + r) for r in range(4)]
+        qb, db, sb = (data_ptr(context, builder, sig.args[i], args[i]) for i in (5, 6, 7))
+        xo = [i64(context, builder, sig, args, 8 + t) for t in range(ntok)]
+        xaddr = [builder.add(qb, o) for o in xo]
+        daddr = [builder.add(db, builder.mul(builder.lshr(o, c64(5)), c64(4))) for o in xo]
+        saddr = [builder.add(sb, builder.mul(builder.lshr(o, c64(5)), c64(4))) for o in xo]
+        wbase = data_ptr(context, builder, sig.args[0], w)
+        nblk = builder.extract_value(context.make_array(sig.args[0])(context, builder, w).shape, 1)
+        rstart = [builder.add(wbase, builder.mul(r, builder.mul(nblk, c64(nb)))) for r in rows]
+        ngroups = builder.udiv(builder.mul(nblk, c64(B)), c64(256))
+        q6 = fmt == "q6_k"
+        zero = ir.Constant(vec(F32, 8), [0.0] * 8)
+        acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(ntok)] for _ in range(4)]
+        acca = [[cgutils.alloca_once_value(builder, zero) for _ in range(ntok)] for _ in range(4)]
+        with cgutils.for_range(builder, ngroups) as loop:
+            g = loop.index
+            k = builder.mul(g, c64(256))                        # weight index of the group
+            dx = [load(builder, builder.add(daddr[t], builder.mul(g, c64(32))), vec(F32, 8), align=4)
+                  for t in range(ntok)]
+            xs = [load(builder, builder.add(saddr[t], builder.mul(g, c64(32))), vec(F32, 8), align=4)
+                  for t in range(ntok)]
+            x8 = [[load(builder, builder.add(xaddr[t], builder.add(k, c64(32 * c))), vec(I8, 32)) for c in range(8)]
+                  for t in range(ntok)]
+            for r in range(4):
+                chunks, mult, add = group_int(fmt, builder, builder.add(rstart[r], builder.mul(g, c64(gb))))
+                for t in range(ntok):
+                    if q6:      # per-16 multipliers times their block's activation scale
+                        m = builder.fmul(mult, builder.shuffle_vector(dx[t], dx[t], cvec(I32, [i // 2 for i in range(16)])))
+                    else:
+                        m = builder.fmul(mult, dx[t])
+                    a = builder.load(acc[r][t])
+                    for c, (q, signed) in enumerate(chunks):
+                        s8 = builder.sitofp(dot8(builder, q, signed, x8[t][c]), vec(F32, 8))
+                        lanes = [2 * c] * 4 + [2 * c + 1] * 4 if q6 else [c] * 8
+                        a = builder.fadd(a, builder.fmul(s8, builder.shuffle_vector(m, m, cvec(I32, lanes)), flags=fast),
+                                         flags=fast)
+                    builder.store(a, acc[r][t])
+                    if add is not None:
+                        builder.store(builder.fadd(builder.load(acca[r][t]), builder.fmul(add, xs[t], flags=fast),
+                                                   flags=fast), acca[r][t])
+        tails = [[cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0)) for _ in range(ntok)] for _ in range(4)]
+        if B == 32:                     # the blocks past the last whole group (K-quant rows are whole groups)
+            with cgutils.for_range_slice(builder, builder.mul(ngroups, c64(8)), nblk, c64(1)) as (bi, _):
+                kk = builder.mul(bi, c64(B))
+                for r in range(4):
+                    (q, signed, m1, _, add), = decode_int(fmt, builder, builder.add(rstart[r], builder.mul(bi, c64(nb))))
+                    for t in range(ntok):
+                        s = builder.sitofp(_hsum_i32(builder, dot8(builder, q, signed,
+                                                                    load(builder, builder.add(xaddr[t], kk), vec(I8, 32)))), F32)
+                        dxs = load(builder, builder.add(daddr[t], builder.mul(bi, c64(4))), F32, align=4)
+                        v = builder.fmul(builder.fmul(m1, dxs), s)
+                        if add is not None:
+                            xss = load(builder, builder.add(saddr[t], builder.mul(bi, c64(4))), F32, align=4)
+                            v = builder.fadd(v, builder.fmul(add, xss))
+                        builder.store(builder.fadd(builder.load(tails[r][t]), v), tails[r][t])
+        sums = []
+        for r in range(4):
+            for t in range(ntok):
+                s = builder.fadd(reduce_add(builder, builder.load(acc[r][t])), reduce_add(builder, builder.load(acca[r][t])))
+                sums.append(builder.fadd(s, builder.load(tails[r][t])))
+        return context.make_tuple(builder, sig.return_type, sums)
+    return codegen
+
+
+def _hsum_i32(builder, v):
+    return builder.call(_fn(builder, f"llvm.vector.reduce.add.v{v.type.count}i32", I32, [v.type]), [v])
+
+
+@intrinsic
+def rowdot4_q(typingctx, w, n0, n1, n2, n3, qx, dx, xs, xoff):
+    """(w[n_r] . x for r < 4): rows n0..n3 against the int8-quantised activation at element xoff."""
+    if not fmt_of(w):
+        return None
+    return types.UniTuple(types.float32, 4)(w, n0, n1, n2, n3, qx, dx, xs, xoff), _rowdot4_int_codegen(1)
+
+
+@intrinsic
+def rowdot4x2_q(typingctx, w, n0, n1, n2, n3, qx, dx, xs, xoffa, xoffb):
+    """rowdot4_q for two activations: (row 0 tok a, row 0 tok b, row 1 tok a, ...)."""
+    if not fmt_of(w):
+        return None
+    return (types.UniTuple(types.float32, 8)(w, n0, n1, n2, n3, qx, dx, xs, xoffa, xoffb),
+            _rowdot4_int_codegen(2))
