@@ -139,8 +139,8 @@ def markdown(r):
             (f"max rel err {par['max_rel_err']:.1e}, argmax {par['argmax_agree'] * 100:.0f}%" if par else "")
         pl = e.get("parity_llama")
         if pl:
-            par_s += (f"; vs llama.cpp on the same file: max \\|diff\\| / max \\|logit\\| {pl['max_rel_err']:.1e}, "
-                      f"argmax {pl['argmax_agree'] * 100:.0f}%")
+            par_s += (f"; vs llama.cpp on the same file: max \\|diff\\| / max \\|logit\\| {pl['max_rel_err']:.1e} "
+                      f"(median over positions {pl['median_rel_err']:.1e}), argmax {pl['argmax_agree'] * 100:.0f}%")
         same = e.get("parity_same_rounding")
         if same:
             par_s += (f"; same {e['precision']} weights: max {same['max_rel_err']:.1e}, median "

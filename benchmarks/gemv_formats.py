@@ -1,0 +1,83 @@
+"""Kernel GB/s per block format: the cpu backend's decode GEMV (one token) alone, on both activation
+paths, each checked against the NumPy reference before it is timed (as llm.c's dev/cuda kernels).
+
+    python benchmarks/gemv_formats.py [--rows 65536] [--cols 1024] [--threads 2] [FORMAT ...]
+
+The matrix is larger than the last-level cache (65536 x 1024 weights: 37 MB at q4_0, 70 MB at q8_0),
+so every call streams it from memory; GB/s = the matrix's stored bytes / the call's time, next to the
+machine's read bandwidth (NumPy BLAS sgemv over a 512 MiB float32 matrix, as bench.py's probe).
+Not run by `make bench` (its figures come from whole models); the README quotes a run of it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+
+FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4", "q4_k", "q5_k", "q6_k")
+
+
+def best_seconds(fn, reps=5, inner=3):
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / inner)
+    return best
+
+
+def blas_probe(threads):
+    from threadpoolctl import threadpool_limits
+    a = np.ones((1 << 27) // 1024, np.float32).reshape(-1, 1) * np.ones((1, 1024), np.float32)   # 512 MiB
+    x = np.ones(1024, np.float32)
+    with threadpool_limits(threads):
+        t = best_seconds(lambda: a @ x)
+    return a.nbytes / t / 1e9
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("formats", nargs="*", default=list(FORMATS))
+    ap.add_argument("--rows", type=int, default=65536)
+    ap.add_argument("--cols", type=int, default=1024)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args(argv)
+    os.environ.setdefault("NUMBA_NUM_THREADS", str(a.threads))
+    from colibri_edge import quant
+    from colibri_edge.backends.cpu import qkernels as Q
+    from colibri_edge.backends.cpu.backend import KERNEL_VIEW
+    N, K, th = a.rows, a.cols, a.threads
+    rng = np.random.default_rng(0)
+    src = (rng.standard_normal((N, K)) * 0.02).astype(np.float32)
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    none = np.zeros(0, np.float32)
+    qx, dx, xs = np.zeros((2, K), np.int8), np.zeros((2, K // 32), np.float32), np.zeros((2, K // 32), np.float32)
+    scratch = np.zeros((th, 4, K), np.float32)
+    out = np.zeros((1, N), np.float32)
+    print(f"BLAS sgemv read bandwidth, {th} threads: {blas_probe(th):.1f} GB/s")
+    print("| format | bytes / weight | float32 activations GB/s (Gw/s) | int8 activations GB/s (Gw/s) |")
+    print("|---|---:|---:|---:|")
+    for fmt in a.formats:
+        raw = quant.quantize(src, fmt)
+        w = np.ascontiguousarray(raw).view(KERNEL_VIEW[fmt]).reshape(N, -1)
+        ref = (quant.dequantize(raw, fmt, K).astype(np.float64) @ x[0].astype(np.float64))
+        emu_q, emu_d, _ = quant.quantize_activations(x)
+        emu = quant.dequantize(raw, fmt, K).astype(np.float64) @ (emu_q[0] * np.repeat(emu_d[0], 32)).astype(np.float64)
+        row = []
+        for name, fn, want in (("f32", lambda: Q.qmatmul(out, x, w, none, th, scratch), ref),
+                               ("i8", lambda: Q.qmatmul_i8(out, x, w, none, th, qx, dx, xs), emu)):
+            fn()
+            err = np.abs(out[0] - want).max() / np.abs(want).max()
+            if err > 1e-4:
+                raise SystemExit(f"{fmt} {name}: max rel err {err:.2e} against the reference: not timing it")
+            t = best_seconds(fn)
+            row.append(f"{raw.nbytes / t / 1e9:.1f} ({N * K / t / 1e9:.1f})")
+        print(f"| {fmt} | {raw.nbytes / (N * K):.4f} | {row[0]} | {row[1]} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
