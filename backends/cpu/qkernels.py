@@ -11,7 +11,8 @@ dequantised in registers; nothing is dequantised into a copy of a matrix. Two pa
 Decode has two activation paths. The default quantises the one or two activations to int8 per
 block of 32 (quantize_act, as llama.cpp's vec_dot does) and takes each block's dot product in
 integers (qir.rowdot4_q: vpmaddubsw/vpmaddwd on AVX2), so the float work is one FMA per 32 weights
-and decode streams the weights at 1.5-5x the float path's GB/s (measured per format: README). The
+and decode streams 4- to 6-bit weights at 2-5x the float path's GB/s, q8_0 at 0.9-1.5x (measured
+per format by benchmarks/gemv_formats.py: README). The
 float32-activation path (qmatmul's decode branch) stays for int8_activations=False; its arithmetic
 differs from the int8 path by the activation rounding only, which quant.quantize_activations
 emulates exactly in NumPy for the tests.
