@@ -428,8 +428,11 @@ def base_gguf(workdir: str) -> str:
     converter, q8_0 (its blocks and float32 tensors both)."""
     sys.path.insert(0, HERE)
     import gguf_models
-    gguf_models.set_base_dir(os.path.join(workdir, "gguf-base"))
-    return str(gguf_models.gguf_case("qwen2_moe", "q8_0").gguf)
+    # built once per process (gguf_models' own temporary folder), copied into this campaign's
+    # workdir, which the campaign removes when it ends
+    dst = os.path.join(workdir, "base.gguf")
+    shutil.copyfile(gguf_models.gguf_case("qwen2_moe", "q8_0").gguf, dst)
+    return dst
 
 
 def campaign(cases: int, backend: str, seed: int = 0, workdir: str | None = None, log=None,
