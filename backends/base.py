@@ -16,6 +16,7 @@ Optional -- each has its default below, and the core never probes a backend with
     OPTIONS                         the Engine.open options it takes                 ()
     host_view(buf)                  host access to a small buffer (logits)          a download
     synchronize()                   wait for queued work                            nothing to wait for
+    begin_step()                    once before each step (cpu: re-read free cores)  nothing
     graph_step(key, fn, *args)      capture a decode step once, replay it after     run fn
     memory_available(), copies_weights   what Engine.open may allocate; device copies   host memory / False
     prepare(formats, max_cols)      warm the model's formats' kernels, size scratch  nothing
@@ -293,6 +294,10 @@ class Backend:
         what Engine.open needs before anything is allocated. Host backends: colibri_edge.memory."""
         from colibri_edge.memory import host_available
         return host_available()
+
+    def begin_step(self):
+        """Called once before each step's first op, never inside a step (the cpu backend re-reads
+        the cores other processes leave free here). Default: nothing to do."""
 
     def graph_step(self, key, fn, *args) -> bool:
         """Run fn(*args), a step that only launches this backend's ops on fixed buffers. A backend

@@ -36,6 +36,11 @@ def worktree(rev: str) -> str:
     if not os.path.exists(os.path.join(path, "colibri_edge")):
         subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach", "--force", path, rev], check=True,
                        capture_output=True)
+    # since the backends/ move, setup.py installs backends/ as colibri_edge.backends; run from source,
+    # the base tree needs that mapping as a link
+    link = os.path.join(path, "colibri_edge", "backends")
+    if os.path.isdir(os.path.join(path, "backends")) and not os.path.lexists(link):
+        os.symlink(os.path.join("..", "backends"), link)
     return path
 
 

@@ -84,7 +84,7 @@ def _cmd_run(a):
         elif a.ids:
             prompt = [int(t) for t in a.prompt.split()]
         kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                  seed=a.seed)
+                  seed=a.seed, ignore_eos=a.ignore_eos)
         t0 = time.perf_counter()
         if a.ids or not os.path.exists(os.path.join(eng.path, "tokenizer.json")):
             ids = eng.generate(prompt if a.ids else [int(t) for t in prompt.split()], **kw)
@@ -109,6 +109,10 @@ def _cmd_run(a):
                 print(f"  layer {l['layer_id']:2d}: " + " ".join(f"{int(c):3d}" for c in row), file=sys.stderr)
         if a.stats:
             print(f"[colibri] {eng.backend.describe()}", file=sys.stderr)
+            ms = st.step_ms()
+            if ms["steps"]:
+                print(f"[colibri] decode step time: p50 {ms['p50']:.2f} ms, p99 {ms['p99']:.2f} ms, "
+                      f"max {ms['max']:.2f} ms over {ms['steps']} steps", file=sys.stderr)
             ss = eng.slot_stats
             if ss is None:
                 print("[colibri] slot pool: off (every expert resident); use --expert-slots N", file=sys.stderr)
@@ -228,6 +232,7 @@ def build_parser():
     r.add_argument("--chat", action="store_true", help="render the prompt with the model's chat template")
     r.add_argument("--ids", action="store_true", help="the prompt is space-separated token ids")
     r.add_argument("--max-new-tokens", type=int, default=48)
+    r.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens (as llama.cpp's)")
     r.add_argument("--temperature", type=float, default=0.0)
     r.add_argument("--top-p", type=float, default=1.0)
     r.add_argument("--top-k", type=int, default=0)
@@ -236,7 +241,8 @@ def build_parser():
     r.add_argument("--max-seq-len", type=int, default=None)
     r.add_argument("--expert-slots", type=int, default=None, help="keep at most N experts resident (slot pool)")
     r.add_argument("--slot-policy", default=None, choices=["lru", "lfu", "prefetch"])
-    r.add_argument("--stats", action="store_true", help="print the backend's setup and the slot pool's counters")
+    r.add_argument("--stats", action="store_true",
+                   help="print the backend's setup (cpu: threads used), decode step time p50/p99, the slot pool's counters")
     r.set_defaults(fn=_cmd_run)
     t = sub.add_parser("trace", help="record which experts every token chose, to an .npz")
     t.add_argument("--model", required=True)

@@ -12,7 +12,7 @@ import os
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -57,6 +57,9 @@ def open_model_dir(path: str) -> ModelDir:
         return m
 
 
+STEP_WINDOW = 4096     # decode steps whose times the step percentiles cover (the latest ones)
+
+
 @dataclass
 class Stats:
     prefill_tokens: int = 0
@@ -65,6 +68,24 @@ class Stats:
     decode_seconds: float = 0.0
     decode_steps: int = 0
     first_token_seconds: float = 0.0
+    step_seconds: np.ndarray = field(default_factory=lambda: np.zeros(STEP_WINDOW), repr=False)
+
+    def add_decode_step(self, seconds: float, tokens: int):
+        """One decode step: its time goes into a fixed ring (the latest STEP_WINDOW steps; nothing
+        is allocated per step)."""
+        self.step_seconds[self.decode_steps % STEP_WINDOW] = seconds
+        self.decode_seconds += seconds
+        self.decode_tokens += tokens
+        self.decode_steps += 1
+
+    def step_ms(self) -> dict:
+        """p50 / p99 / max of the latest decode steps' times in milliseconds (None before any)."""
+        n = min(self.decode_steps, STEP_WINDOW)
+        if not n:
+            return {"steps": 0, "p50": None, "p99": None, "max": None}
+        s = self.step_seconds[:n] * 1e3
+        return {"steps": n, "p50": float(np.percentile(s, 50)), "p99": float(np.percentile(s, 99)),
+                "max": float(s.max())}
 
 
 class Engine:
@@ -403,9 +424,7 @@ class Engine:
                     logits = self.backend.host_view(self.runner.step(entries))   # once per step
                     for row, i in enumerate(owners):
                         live[i]["logits"] = logits[row]
-                    self.stats.decode_seconds += time.perf_counter() - t0
-                    self.stats.decode_tokens += len(entries)
-                    self.stats.decode_steps += 1
+                    self.stats.add_decode_step(time.perf_counter() - t0, len(entries))
             finally:
                 for st in live.values():
                     self.runner.free(st["seq"])

@@ -203,6 +203,7 @@ class Runner:
             t += n
         for hook in self.hooks:
             hook.begin_step(entries, h_pos[:T])
+        self.be.begin_step()
         self.be.upload_into(self.a["inputs"], self.h_inputs)
         s = self.views(T, nrows)
         if not all_logits and nrows == T and not self.hooks and self.slot_pool is None:

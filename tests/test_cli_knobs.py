@@ -54,6 +54,22 @@ def test_run_default_model_streams_and_reports():
     assert "tok/s" in r.stderr and "experts fired" in r.stderr and "layer  0" in r.stderr
 
 
+@pytest.mark.parametrize("threads", ["", "1"])
+def test_run_stats_reports_threads_and_step_percentiles(threads):
+    """--stats: the threads the cpu backend ran with (adaptive, or fixed by COLIBRI_NUM_THREADS) and
+    the decode step time p50 / p99, consistent with the decode rate printed beside them."""
+    r = cli("run", "--max-new-tokens", "24", "--backend", "cpu", "--stats", "--ignore-eos",
+            env={"COLIBRI_NUM_THREADS": threads})
+    assert r.returncode == 0, r.stderr
+    line = next(l for l in r.stderr.splitlines() if "decode step time" in l)
+    p50, p99 = (float(line.split(k)[1].split()[0]) for k in ("p50 ", "p99 "))
+    assert 0 < p50 <= p99
+    assert "over 23 steps" in line                # 24 tokens: the first from the prefill
+    cpu = next(l for l in r.stderr.splitlines() if "[colibri] cpu:" in l)
+    assert ("1 threads (fixed" in cpu) if threads else ("adaptive up to" in cpu), cpu
+    assert "threading layer" in cpu and "steps run:" in cpu
+
+
 def test_run_with_ids(model_cache):
     _, col = convert_case(model_cache, "mixtral")
     r = cli("run", "--model", col, "--prompt", "1 2 3", "--ids", "--max-new-tokens", "4", "--backend", "reference")

@@ -4,10 +4,26 @@ Memory is host memory. Weights stay the read-only memmap views given to `to_devi
 as their stored bits (float16 -> uint16, bfloat16 -> int16; see kernels.py), so pages of experts
 never routed to are never read. Every op writes into the buffer it is given and allocates nothing.
 
-Threads: COLIBRI_NUM_THREADS arrives as `num_threads` (0 = every thread Numba started, by default
-one per core) and sizes Numba's pool with numba.set_num_threads. That setting is per calling
+Threads: COLIBRI_NUM_THREADS arrives as `num_threads`. 0 (the default): as many as the process has
+cores (cores.available_cores: affinity mask and cgroup quota, at most the threads Numba started),
+and fewer while other processes take cores (cores.Governor, re-read at a step's start every 0.25 s);
+N: exactly N, always. The count sizes Numba's pool with numba.set_num_threads, which is per calling
 thread, so it is applied again when another thread runs a step. BLAS is never called: Numba's pool
-is the only one to govern.
+is the only one to govern. Inside a parallel region threads claim chunks of rows (kernels.claim),
+so a descheduled or slower thread holds a region up by at most one chunk.
+
+Threading layer and waits, chosen by measurement (2-core CI host, float16 benchmark model, decode
+tok/s quiet / with a busy loop pinned to one core, 2 threads fixed): OpenMP with its default wait
+(spin ~300k pauses, a whole time slice, then sleep) 44 / 18, p99 194 ms under load (the spinning
+worker spends its share of the busy core, and the scheduler then favours the loop when the worker
+has work); OMP_WAIT_POLICY=passive 43 / 28, p99 51 ms, but every parallel region then wakes a
+sleeping thread: the 4-layer demo model's step 650-750 -> 1100 us; GOMP_SPINCOUNT=2000 (~40 us of
+pauses, about the gap between two regions of a step) keeps the demo step at 680-830 us; workqueue
+29 / 23 (its calling thread only waits); TBB 44 / 29 (no aarch64 wheel). With the governor on top
+(cores.py), spin 2000: 53 / 34 tok/s, p99 45 ms, and 36 tok/s with a loop taking half a core. So:
+OpenMP first, GOMP_SPINCOUNT=2000, both set before Numba starts its threads unless the environment
+sets NUMBA_THREADING_LAYER(_PRIORITY), OMP_WAIT_POLICY or GOMP_SPINCOUNT. On ARM64, libgomp's
+spin has no pause instruction, so the same count is a shorter spin (closer to passive).
 """
 from __future__ import annotations
 
@@ -22,6 +38,7 @@ from colibri_edge.errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
 from colibri_edge.modeldir import expert_sections
 from colibri_edge.quant import BLOCK
 from ..base import Backend as BackendBase, Plan, Weight, plan_buffers
+from .cores import Governor, available_cores
 
 # stored type -> element type of the view the kernels read (the type picks the widening, or for a block
 # format the decoding: a record of one block, with one field named after the format; see qir.py)
@@ -30,6 +47,20 @@ KERNEL_VIEW = {"float32": np.dtype(np.float32), "float16": np.dtype(np.uint16), 
                **{f: np.dtype([(f, "u1", (nb,))]) for f, (_, nb) in BLOCK.items()}}
 
 _thread_state = threading.local()     # the thread count set on this thread, if any
+SPINCOUNT = 2000                      # libgomp's spins before an idle thread sleeps (see above)
+
+
+def _threading_defaults():
+    """OpenMP first, a short spin before sleeping (see the module docstring); the environment wins.
+    Only effective before Numba starts its threads (the first parallel call in the process)."""
+    import numba
+    from numba.np.ufunc import parallel
+    if parallel._is_initialized:
+        return
+    if "NUMBA_THREADING_LAYER_PRIORITY" not in os.environ and "NUMBA_THREADING_LAYER" not in os.environ:
+        numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
+    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        os.environ["GOMP_SPINCOUNT"] = str(SPINCOUNT)   # read by libgomp when Numba loads it
 
 
 def _cpu_name() -> str:
@@ -67,13 +98,19 @@ class Backend(BackendBase):
         import numba
         from . import kernels, moe_kernels, qkernels
         self.numba, self.k, self.m, self.q = numba, kernels, moe_kernels, qkernels
+        _threading_defaults()
         pool = numba.config.NUMBA_NUM_THREADS
         num_threads = int(num_threads or 0)
         if num_threads < 0 or num_threads > pool:
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT,
                                f"COLIBRI_NUM_THREADS={num_threads}: Numba started {pool} threads; use 0..{pool} "
                                f"(or set NUMBA_NUM_THREADS={num_threads} before starting)")
-        self.num_threads = num_threads or pool
+        # num_threads: the most threads a step uses; threads: what the governor lets it use now
+        self.num_threads = num_threads or max(1, min(pool, available_cores()))
+        self.governor = None if num_threads else Governor(self.num_threads)
+        self.threads = self.num_threads
+        self.thread_steps = np.zeros(self.num_threads + 1, np.int64)    # steps run at each count
+        self.work = np.zeros((self.num_threads, 8), np.int64)   # the kernels' claim counters (kernels.claim)
         self.none = _readonly(np.zeros(0, np.float32))      # an absent bias or scales vector
         self.no_tally = np.zeros(0, np.int32)
         self._qscratch = np.zeros((self.num_threads, 4, 0), np.float32)   # block formats' prefill rows
@@ -151,12 +188,34 @@ class Backend(BackendBase):
         self.paged_attention(q.copy(), q, K, V, self.alloc((1, 2), i32), pos, pos, B, 0.5)
 
     def _use_threads(self):
-        if getattr(_thread_state, "n", None) != self.num_threads:
-            self.numba.set_num_threads(self.num_threads)
-            _thread_state.n = self.num_threads
+        if getattr(_thread_state, "n", None) != self.threads:
+            self.numba.set_num_threads(self.threads)
+            _thread_state.n = self.threads
+
+    def begin_step(self):
+        if self.governor is not None:
+            self.threads = self.governor.tick()
+        self.thread_steps[self.threads] += 1
+
+    def thread_stats(self) -> dict:
+        """Threads now, the most a step may use, how set, and the steps run at each count."""
+        g = self.governor
+        return {"threads": self.threads, "max_threads": self.num_threads,
+                "mode": "fixed (num_threads)" if g is None else
+                        "adaptive" if g.enabled else "adaptive, off (no /proc/stat or 1 core)",
+                "others_cores": None if g is None else round(g.others, 2),
+                "steps_by_threads": {n: int(c) for n, c in enumerate(self.thread_steps) if c}}
 
     def summary(self) -> str:
-        return f"cpu: {probe()[1]}, {self.num_threads} threads"
+        st = self.thread_stats()
+        how = "fixed" if self.governor is None else f"adaptive up to {self.num_threads}"
+        if self.governor is not None and self.governor.enabled:
+            how += f", other processes took {st['others_cores']:.2f} cores"
+        steps = ", ".join(f"{c} at {n}" for n, c in st["steps_by_threads"].items())
+        return (f"cpu: {probe()[1]}, {self.threads} threads ({how}; steps run: {steps or 'none'}; "
+                f"{self.numba.threading_layer()} threading layer, "
+                f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', 'unset')}, "
+                f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')})")
 
     # -- memory ------------------------------------------------------------------------------
     def alloc(self, shape, dtype=np.float32):
@@ -210,7 +269,7 @@ class Backend(BackendBase):
         if w.dtype in BLOCK:
             self._qmatmul(out, x, w.data, b)
         else:
-            self.k.matmul(out, x, w.data, self._scales(w), b, self.num_threads)
+            self.k.matmul(out, x, w.data, self._scales(w), b, self.work)
 
     def rmsnorm(self, out, x, weight, eps):
         self.k.rmsnorm(out, x, weight.data, float(eps))
@@ -261,25 +320,25 @@ class Backend(BackendBase):
             act = flat[start * width:start * width + n * inter].reshape(n, inter)
             if ffn.gate.dtype in BLOCK and n <= self.q.DIRECT_T and self.int8_activations:
                 self.q.qswiglu_gate_up_i8(act, x, plan.order, start, plan.top_k, ffn.gate.data, ffn.up.data,
-                                          self.num_threads, *self._acts(x.shape[1]))
+                                          self.work, *self._acts(x.shape[1]))
             elif ffn.gate.dtype in BLOCK:
                 self.q.qswiglu_gate_up(act, x, plan.order, start, plan.top_k, ffn.gate.data, ffn.up.data,
-                                       self.num_threads, self._scratch(x.shape[1]))
+                                       self.work, self._scratch(x.shape[1]))
             else:
                 self.m.swiglu_gate_up(act, x, plan.order, start, plan.top_k, ffn.gate.data, ffn.up.data,
-                                      self._scales(ffn.gate), self._scales(ffn.up), self.num_threads)
+                                      self._scales(ffn.gate), self._scales(ffn.up), self.work)
             if ffn.down.dtype in BLOCK:
                 self._qmatmul(out[start:start + n], act, ffn.down.data, self.none)
             else:
                 self.k.matmul(out[start:start + n], act, ffn.down.data, self._scales(ffn.down), self.none,
-                              self.num_threads)
+                              self.work)
 
     def _qmatmul(self, out, x, w, bias):
         """A block-format matmul: int8 activations at decode (<= 2 rows) unless turned off, else float32."""
         if x.shape[0] <= self.q.DIRECT_T and self.int8_activations:
-            self.q.qmatmul_i8(out, x, w, bias, self.num_threads, *self._acts(x.shape[1]))
+            self.q.qmatmul_i8(out, x, w, bias, self.work, *self._acts(x.shape[1]))
         else:
-            self.q.qmatmul(out, x, w, bias, self.num_threads, self._scratch(x.shape[1]))
+            self.q.qmatmul(out, x, w, bias, self.work, self._scratch(x.shape[1]))
 
     def combine(self, out, y, w, plan):
         self.m.combine(out, y, w, plan.inverse)

@@ -23,6 +23,7 @@ silently promotes to float64.
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 REDUCE = {"reassoc", "contract"}
@@ -121,9 +122,60 @@ def dot4x2(r0, r1, r2, r3, xa, xb):
 
 @njit(inline="always")
 def thread_rows(c, threads, N):
-    """Rows [lo, hi) of N that thread c of `threads` reads: one contiguous range each."""
+    """Rows [lo, hi) of N that part c of `threads` equal parts holds: one contiguous range each."""
     per = (N + threads - 1) // threads
     return min(N, c * per), min(N, (c + 1) * per)
+
+
+# -- work claiming: what a running thread takes over from a descheduled or slower one ------------
+# Each weight-reading kernel is `for c in prange(threads)`, one iteration a thread, and each thread
+# claims chunks of rows until none are left: first the chunks of its own contiguous share (so on a
+# quiet machine every thread streams the rows a static split would give it), then the next
+# unclaimed chunk of another thread's share. A thread that the OS has descheduled, or a slower core,
+# therefore holds up a region by at most the one chunk it is in, not by its whole share.
+# work: int64 [threads, 8], the claim counters, one 64-byte line a thread (no false sharing).
+CHUNK_ROWS = 64        # rows a chunk holds at least: 16 per stream of matmul's four (32 KB of f16 at K=1024)
+CHUNKS_MAX = 8          # chunks a thread's share is cut into at most
+
+
+@intrinsic
+def fetch_add(typingctx, work, row):
+    """old = work[row, 0]; work[row, 0] = old + 1, atomically (LLVM atomicrmw add, monotonic: a
+    counter hands out each index once; the region's end is what orders the rows' writes)."""
+    if not (isinstance(work, types.Array) and work.dtype == types.int64 and work.ndim == 2):
+        return None
+
+    def codegen(context, builder, sig, args):
+        aryty = sig.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        r = context.cast(builder, args[1], sig.args[1], types.intp)
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [r, context.get_constant(types.intp, 0)])
+        return builder.atomic_rmw("add", ptr, ir.Constant(ir.IntType(64), 1), "monotonic")
+    return types.int64(work, row), codegen
+
+
+@njit(inline="always")
+def reset_claims(work):
+    """Every thread's counter to 0: run by the calling thread before the parallel loop."""
+    for c in range(work.shape[0]):
+        work[c, 0] = 0
+
+
+@njit(inline="always")
+def claim(work, c, N):
+    """-> rows [lo, hi) of N for thread c to do next; lo == hi when every chunk is taken.
+    Thread c's share (part c of threads) is cut into K = min(CHUNKS_MAX, N // (threads * CHUNK_ROWS))
+    chunks, at least 1; c takes its own in order, then the next one of thread c+1, c+2, ..."""
+    threads = work.shape[0]
+    K = min(CHUNKS_MAX, max(1, N // (threads * CHUNK_ROWS)))
+    for d in range(threads):
+        o = c + d
+        if o >= threads:
+            o -= threads
+        i = fetch_add(work, o)
+        if i < K:
+            return thread_rows(o * K + i, threads * K, N)
+    return 0, 0
 
 
 @njit(inline="always")
@@ -137,12 +189,13 @@ def store4(out, t, n, q, a0, a1, a2, a3):
 
 # -- dense ---------------------------------------------------------------------------------------
 @njit(parallel=True, cache=True, fastmath=REDUCE, error_model="numpy")
-def matmul(out, x, w, scales, bias, threads):
+def matmul(out, x, w, scales, bias, work):
     """out[T,N] = (x[T,K] @ w[N,K]^T) * scales[N] + bias[N]
         w: weight [N,K];  scales: float32 [N] (int8) or empty;  bias: float32 [N] or empty;
-        threads: the size of Numba's pool (one contiguous range of rows per thread)
+        work: int64 [threads, 8], the claim counters (claim: each thread takes chunks of rows,
+        its own share's first, then what another thread has not started)
     How the weight is read decides the speed: decode (T = 1) is a GEMV bound by streaming w.
-    Each thread splits its range [lo, hi) in four quarters of q rows and walks them side by side,
+    Each chunk [lo, hi) is split in four quarters of q rows, walked side by side,
     rows n, n+q, n+2q, n+3q for n = lo..lo+q-1 (then the last (hi-lo) % 4 rows alone): four
     long sequential streams per core, which the hardware prefetcher follows across rows, and
     four dot products sharing each load of x. Measured on 2 Zen 4 cores, float16 expert
@@ -155,26 +208,30 @@ def matmul(out, x, w, scales, bias, threads):
     kernel keeps one thread pool (Numba's) for COLIBRI_NUM_THREADS to govern."""
     T = x.shape[0]
     N = w.shape[0]
-    for c in prange(threads):
-        lo, hi = thread_rows(c, threads, N)
-        q = (hi - lo) // 4
-        for n in range(lo, lo + q):
-            r0, r1, r2, r3 = w[n], w[n + q], w[n + 2 * q], w[n + 3 * q]
-            for t in range(0, T - 1, 2):
-                a0, a1, a2, a3, b0, b1, b2, b3 = dot4x2(r0, r1, r2, r3, x[t], x[t + 1])
-                store4(out, t, n, q, a0, a1, a2, a3)
-                store4(out, t + 1, n, q, b0, b1, b2, b3)
-            if T % 2:
-                a0, a1, a2, a3 = dot4(r0, r1, r2, r3, x[T - 1])
-                store4(out, T - 1, n, q, a0, a1, a2, a3)
-        for n in range(lo + 4 * q, hi):
-            for t in range(T):
-                out[t, n] = dot1(w, n, x[t])
-        if scales.shape[0] or bias.shape[0]:
-            for t in range(T):
-                for n in range(lo, hi):
-                    v = scaled(out[t, n], scales, n)
-                    out[t, n] = v + bias[n] if bias.shape[0] else v
+    reset_claims(work)
+    for c in prange(work.shape[0]):
+        while True:
+            lo, hi = claim(work, c, N)
+            if lo >= hi:
+                break
+            q = (hi - lo) // 4
+            for n in range(lo, lo + q):
+                r0, r1, r2, r3 = w[n], w[n + q], w[n + 2 * q], w[n + 3 * q]
+                for t in range(0, T - 1, 2):
+                    a0, a1, a2, a3, b0, b1, b2, b3 = dot4x2(r0, r1, r2, r3, x[t], x[t + 1])
+                    store4(out, t, n, q, a0, a1, a2, a3)
+                    store4(out, t + 1, n, q, b0, b1, b2, b3)
+                if T % 2:
+                    a0, a1, a2, a3 = dot4(r0, r1, r2, r3, x[T - 1])
+                    store4(out, T - 1, n, q, a0, a1, a2, a3)
+            for n in range(lo + 4 * q, hi):
+                for t in range(T):
+                    out[t, n] = dot1(w, n, x[t])
+            if scales.shape[0] or bias.shape[0]:
+                for t in range(T):
+                    for n in range(lo, hi):
+                        v = scaled(out[t, n], scales, n)
+                        out[t, n] = v + bias[n] if bias.shape[0] else v
 
 
 @njit(cache=True, error_model="numpy")

@@ -5,7 +5,7 @@ import numpy as np
 from numba import njit, prange
 
 from .jitcache import drop_stale
-from .kernels import F0, F1, REDUCE, dot1, dot4, dot4x2, scaled, thread_rows
+from .kernels import F0, F1, REDUCE, claim, dot1, dot4, dot4x2, reset_claims, scaled
 
 
 @njit(error_model="numpy", inline="always")
@@ -96,36 +96,40 @@ def align(offsets, order, inverse, counts, active, ids, tally):
 
 
 @njit(parallel=True, cache=True, fastmath=REDUCE, error_model="numpy")
-def swiglu_gate_up(act, x, order, start, top_k, gate, up, gate_scales, up_scales, threads):
+def swiglu_gate_up(act, x, order, start, top_k, gate, up, gate_scales, up_scales, work):
     """act[r,i] = silu(gate[i] . x[t_r] * gs[i]) * (up[i] . x[t_r] * us[i]),  t_r = order[start + r] // top_k
         gate, up: weight [I,H];  gs, us: their float32 row scales [I] (int8) or empty;
-        x [T,H];  act [R,I];  silu(g) = g / (1 + exp(-g));  threads: as in matmul
-    Read as matmul reads a weight: each thread splits its range of I in two halves of h rows and
+        x [T,H];  act [R,I];  silu(g) = g / (1 + exp(-g));  work: as in matmul
+    Read as matmul reads a weight: each chunk of I it claims is split in two halves of h rows and
     takes rows i and i+h of gate and of up together: four sequential streams per core, four
     dot products per load of x. Every token of the expert uses the four rows while they are in
     L1, so the expert's gate/up are read once per step."""
     R, I = act.shape
-    for c in prange(threads):
-        lo, hi = thread_rows(c, threads, I)
-        h = (hi - lo) // 2
-        for i in range(lo, lo + h):
-            j = i + h
-            g0, g1, u0, u1 = gate[i], gate[j], up[i], up[j]
-            for r in range(0, R - 1, 2):
-                xa, xb = x[order[start + r] // top_k], x[order[start + r + 1] // top_k]
-                ga, gb, ua, ub, gc, gd, uc, ud = dot4x2(g0, g1, u0, u1, xa, xb)
-                store_swiglu(act, r, i, ga, ua, gate_scales, up_scales)
-                store_swiglu(act, r, j, gb, ub, gate_scales, up_scales)
-                store_swiglu(act, r + 1, i, gc, uc, gate_scales, up_scales)
-                store_swiglu(act, r + 1, j, gd, ud, gate_scales, up_scales)
-            if R % 2:
-                ga, gb, ua, ub = dot4(g0, g1, u0, u1, x[order[start + R - 1] // top_k])
-                store_swiglu(act, R - 1, i, ga, ua, gate_scales, up_scales)
-                store_swiglu(act, R - 1, j, gb, ub, gate_scales, up_scales)
-        for i in range(lo + 2 * h, hi):
-            for r in range(R):
-                xr = x[order[start + r] // top_k]
-                store_swiglu(act, r, i, dot1(gate, i, xr), dot1(up, i, xr), gate_scales, up_scales)
+    reset_claims(work)
+    for c in prange(work.shape[0]):
+        while True:
+            lo, hi = claim(work, c, I)
+            if lo >= hi:
+                break
+            h = (hi - lo) // 2
+            for i in range(lo, lo + h):
+                j = i + h
+                g0, g1, u0, u1 = gate[i], gate[j], up[i], up[j]
+                for r in range(0, R - 1, 2):
+                    xa, xb = x[order[start + r] // top_k], x[order[start + r + 1] // top_k]
+                    ga, gb, ua, ub, gc, gd, uc, ud = dot4x2(g0, g1, u0, u1, xa, xb)
+                    store_swiglu(act, r, i, ga, ua, gate_scales, up_scales)
+                    store_swiglu(act, r, j, gb, ub, gate_scales, up_scales)
+                    store_swiglu(act, r + 1, i, gc, uc, gate_scales, up_scales)
+                    store_swiglu(act, r + 1, j, gd, ud, gate_scales, up_scales)
+                if R % 2:
+                    ga, gb, ua, ub = dot4(g0, g1, u0, u1, x[order[start + R - 1] // top_k])
+                    store_swiglu(act, R - 1, i, ga, ua, gate_scales, up_scales)
+                    store_swiglu(act, R - 1, j, gb, ub, gate_scales, up_scales)
+            for i in range(lo + 2 * h, hi):
+                for r in range(R):
+                    xr = x[order[start + r] // top_k]
+                    store_swiglu(act, r, i, dot1(gate, i, xr), dot1(up, i, xr), gate_scales, up_scales)
 
 
 @njit(cache=True, error_model="numpy")
