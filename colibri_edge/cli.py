@@ -31,6 +31,13 @@ def _cmd_inspect(a):
           f"weights {cfg['weight_dtype']}")
     print(f"  router {cfg['router_mode']} top-{cfg['top_k']} of {cfg['experts_per_layer']}"
           f"{', renormalised' if cfg['norm_topk_prob'] else ''}, qk_norm {cfg['qk_norm']}")
+    if "attention_scale" in cfg:
+        print(f"  attention softmax scale {cfg['attention_scale']:g} (1/sqrt(head_dim) would be "
+              f"{cfg['head_dim'] ** -0.5:.4g})")
+    if cfg.get("folded_multipliers"):
+        fm = cfg["folded_multipliers"]
+        print(f"  folded into the weights at conversion: embedding x{fm['embedding_multiplier']:g}, o_proj and "
+              f"down projections x{fm['residual_multiplier']:g}, lm_head /{fm['logits_scaling']:g}")
     print("  layer plan (mixer + ffn):")
     for l in cfg["layers"]:
         ffn = {"dense": "dense MLP", "moe": "routed experts", "moe_shared": "routed + shared experts"}[l["type"]]

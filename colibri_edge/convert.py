@@ -150,7 +150,8 @@ def translate_config(hf: dict, gen: dict, path: str = "config.json", dtype: str 
     rope_theta = _get(rope, "rope_theta", default=None) or _get(hf, "rope_theta", default=10000.0)
 
     # -- layer plan --
-    if mt == "mixtral":
+    granite = mt in ("granitemoe", "granitemoeshared")
+    if mt == "mixtral" or granite:
         E = hf.get("num_local_experts", 8)
         moe_inter = hf["intermediate_size"]
         sparse = [True] * L
@@ -160,7 +161,8 @@ def translate_config(hf: dict, gen: dict, path: str = "config.json", dtype: str 
         step = hf.get("decoder_sparse_step", 1) or 1
         mlp_only = set(hf.get("mlp_only_layers") or [])
         sparse = [(i not in mlp_only) and E > 0 and (i + 1) % step == 0 for i in range(L)]
-    shared_inter = hf.get("shared_expert_intermediate_size", 0) if mt == "qwen2_moe" else 0
+    shared_inter = hf.get("shared_expert_intermediate_size", 0) if mt == "qwen2_moe" else \
+        (hf.get("shared_intermediate_size", 0) or 0) if mt == "granitemoeshared" else 0
     top_k = hf.get("num_experts_per_tok", 2)
     if E and not 1 <= top_k <= E:
         raise invalid_model(path, "num_experts_per_tok", f"{top_k} is not in 1..{E}")
@@ -182,6 +184,9 @@ def translate_config(hf: dict, gen: dict, path: str = "config.json", dtype: str 
     elif mt == "qwen3_moe":
         head_dim = _get(hf, "head_dim", default=H // nh)
         bias = out_bias = bool(hf.get("attention_bias", False))
+    elif granite:     # q/k/v/o all biased or none; head_dim = hidden / heads (transformers' GraniteMoe)
+        head_dim = H // nh
+        bias = out_bias = bool(hf.get("attention_bias", False))
     else:  # olmoe: q/k norm sizes assume hidden/heads
         head_dim = H // nh
         bias = out_bias = bool(hf.get("attention_bias", False))
@@ -193,7 +198,23 @@ def translate_config(hf: dict, gen: dict, path: str = "config.json", dtype: str 
     eos = [e for e in eos if 0 <= e < hf["vocab_size"]]
     bos = _get(gen, "bos_token_id", default=hf.get("bos_token_id"))
 
+    extra = {}
+    if granite:
+        # attention_multiplier is the softmax scale; the other multipliers are folded into the weights by
+        # convert() (Granite(x) = same model with: embed * embedding_multiplier, o_proj / every down
+        # projection * residual_multiplier, lm_head / logits_scaling), so every backend runs it unchanged
+        extra["attention_scale"] = float(hf.get("attention_multiplier", 1.0))
+        extra["folded_multipliers"] = {k: float(hf.get(k, 1.0)) for k in
+                                       ("embedding_multiplier", "residual_multiplier", "logits_scaling")}
+        for k, v in [("attention_multiplier", extra["attention_scale"]), *extra["folded_multipliers"].items()]:
+            if not (np.isfinite(v) and v > 0):
+                raise invalid_model(path, k, f"{v} is not a positive finite number")
+    tied = bool(hf.get("tie_word_embeddings", False))
+    if granite and tied and (extra["folded_multipliers"]["embedding_multiplier"] != 1.0
+                             or extra["folded_multipliers"]["logits_scaling"] != 1.0):
+        tied = False     # the embedding and the head get different factors: lm_head is written on its own
     return {
+        **extra,
         "format_version": 1,
         "model_type": mt,
         "architectures": hf.get("architectures", []),
@@ -208,14 +229,15 @@ def translate_config(hf: dict, gen: dict, path: str = "config.json", dtype: str 
         "max_position_embeddings": max_pos,
         "rope_theta": float(rope_theta),
         "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "tie_word_embeddings": tied,
         "experts_per_layer": E,
         "top_k": top_k,
         "router_dtype": "float32",
         "router_mode": "topk",
-        "norm_topk_prob": True if mt == "mixtral" else bool(hf.get("norm_topk_prob", False)),
+        # Granite: softmax over the top-k logits = the top-k softmax probabilities renormalised
+        "norm_topk_prob": True if mt == "mixtral" or granite else bool(hf.get("norm_topk_prob", False)),
         "shared_expert_intermediate_size": shared_inter,
-        "shared_expert_gate": shared_inter > 0,
+        "shared_expert_gate": shared_inter > 0 and mt == "qwen2_moe",     # Granite's shared MLP is ungated
         "attention_bias": bool(bias),
         "attention_out_bias": bool(out_bias),
         "qk_norm": {"qwen3_moe": "per_head", "olmoe": "full"}.get(mt, "none"),
@@ -229,8 +251,9 @@ def translate_config(hf: dict, gen: dict, path: str = "config.json", dtype: str 
 # ----------------------------------------------------------------------------------------------
 # tensor names
 
-def _source_names(cfg: dict) -> dict:
-    """Colibri tensor name -> Hugging Face tensor name (non-expert tensors)."""
+def _source_names(cfg: dict, src=None) -> dict:
+    """Colibri tensor name -> Hugging Face tensor name, or (name, row0, row1) for rows of a fused
+    tensor (non-expert tensors). src, when given, picks between a checkpoint's naming variants."""
     m = {"embed_tokens": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
     moe = "block_sparse_moe" if cfg["model_type"] == "mixtral" else "mlp"
     for l in cfg["layers"]:
@@ -248,7 +271,31 @@ def _source_names(cfg: dict) -> dict:
             m[p + f"shared.{x}"] = s + f"mlp.shared_expert.{x}_proj.weight"
         m[p + "shared.gate_logit"] = s + "mlp.shared_expert_gate.weight"
         m[p + "router"] = s + f"{moe}.gate.weight"
+        if cfg["model_type"] in ("granitemoe", "granitemoeshared"):
+            r = s + "block_sparse_moe.router."
+            m[p + "router"] = r + "weight" if src is not None and r + "weight" in src else r + "layer.weight"
+            Is = cfg["shared_expert_intermediate_size"]      # the shared MLP's input_linear: [gate; up]
+            m[p + "shared.gate"] = (s + "shared_mlp.input_linear.weight", 0, Is)
+            m[p + "shared.up"] = (s + "shared_mlp.input_linear.weight", Is, 2 * Is)
+            m[p + "shared.down"] = s + "shared_mlp.output_linear.weight"
+    if src is not None and "lm_head.weight" not in src and not cfg["tie_word_embeddings"] and \
+            cfg.get("folded_multipliers"):
+        m["lm_head"] = "model.embed_tokens.weight"         # tied in the checkpoint, untied by folding
     return m
+
+
+def _fold_factors(cfg: dict) -> dict:
+    """Colibri tensor name -> the factor convert() multiplies it by (Granite's multipliers); the
+    routed experts' down projections get factors["expert.down"]."""
+    fm = cfg.get("folded_multipliers")
+    if not fm:
+        return {}
+    r = fm["residual_multiplier"]
+    f = {"embed_tokens": fm["embedding_multiplier"], "lm_head": 1.0 / fm["logits_scaling"], "expert.down": r}
+    for l in cfg["layers"]:
+        p = f"layers.{l['layer_id']}."
+        f[p + "attn.wo"] = f[p + "attn.bo"] = f[p + "shared.down"] = f[p + "mlp.down"] = r
+    return f
 
 
 def _expert_sources(src: SafetensorsIndex, cfg: dict, layer: int, j: int):
@@ -262,6 +309,11 @@ def _expert_sources(src: SafetensorsIndex, cfg: dict, layer: int, j: int):
         if per + "gate_proj.weight" in src:
             names = [per + f"{x}_proj.weight" for x in ("gate", "up", "down")]
             return tuple((lambda n=n: src.float32(n)) for n in names), names
+        if s + f"{moe}.input_linear.weight" in src:          # Granite: input_linear [E, 2I, H] = [gate; up]
+            I = cfg["moe_intermediate_size"]
+            gi, do = s + f"{moe}.input_linear.weight", s + f"{moe}.output_linear.weight"
+            gu = lambda: src.float32(gi, j)
+            return (lambda: gu()[:I].copy(), lambda: gu()[I:].copy(), lambda: src.float32(do, j)), [gi, do]
         fused = s + f"{moe}.experts."
         if fused + "gate_up_proj" in src:                 # transformers 5 fused layout [E, 2I, H], [E, H, I]
             I = cfg["moe_intermediate_size"]
@@ -369,7 +421,8 @@ def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool 
     src = SafetensorsIndex(hf_dir)
     if cfg["weight_dtype"] is None:   # keep the checkpoint's precision
         cfg["weight_dtype"] = src.dtype("model.embed_tokens.weight") if "model.embed_tokens.weight" in src else "float32"
-    names = _source_names(cfg)
+    names = _source_names(cfg, src)
+    fold = _fold_factors(cfg)
     plan = FormatPlan(cfg, cfg["weight_dtype"])
     wanted = expected_tensors(cfg, plan)
     H, I = cfg["hidden_size"], cfg["moe_intermediate_size"]
@@ -388,12 +441,21 @@ def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool 
             continue                                   # written with its quantised matrix
         if kind == "tensor":
             shape, tdtype = wanted[what]
-            hf_name = names[what]
+            hf_name, rows = names[what], None
+            if isinstance(hf_name, tuple):
+                hf_name, rows = hf_name[0], slice(*hf_name[1:])
             if hf_name not in src:
                 raise invalid_model(os.path.join(hf_dir, "*.safetensors"), hf_name,
                                     f"missing (needed for {what} by the config)")
             arr = src.float32(hf_name)
             _finite(hf_dir, hf_name, arr)
+            if rows is not None:
+                if arr.ndim != 2 or arr.shape[0] < rows.stop:
+                    raise invalid_model(os.path.join(hf_dir, "*.safetensors"), hf_name,
+                                        f"shape {list(arr.shape)}: expected at least {rows.stop} rows (fused {what})")
+                arr = arr[rows].copy()
+            if what in fold:
+                arr = arr * np.float32(fold[what])
             if tuple(arr.shape) != tuple(shape):
                 raise invalid_model(os.path.join(hf_dir, "*.safetensors"), hf_name,
                                     f"shape {list(arr.shape)}, config implies {list(shape)}")
@@ -402,6 +464,8 @@ def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool 
         else:
             getters, src_names = _expert_sources(src, cfg, *what)
             mats = [g() for g in getters]
+            if "expert.down" in fold:
+                mats[2] = mats[2] * np.float32(fold["expert.down"])
             for m, part in zip(mats, ("gate", "up", "down")):
                 _finite(hf_dir, f"{src_names[0].rsplit('.', 2)[0]} (expert {what[1]} of layer {what[0]}, {part})", m)
             w.add_expert(what[0], what[1], *mats, expert_fmts[what[0]])

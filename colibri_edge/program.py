@@ -178,7 +178,7 @@ def build(model, be, pools, resident: bool) -> Program:
         mixer = Attention(w(p + "attn.wq"), w(p + "attn.wk"), w(p + "attn.wv"), w(p + "attn.wo"),
                           w(p + "attn.bq"), w(p + "attn.bk"), w(p + "attn.bv"), w(p + "attn.bo"),
                           w(p + "attn.q_norm"), w(p + "attn.k_norm"), cfg["qk_norm"], cfg["rope_theta"],
-                          hd ** -0.5, eps, pool_of[i], pools[pool_of[i]].block_size)
+                          cfg.get("attention_scale", hd ** -0.5), eps, pool_of[i], pools[pool_of[i]].block_size)
         if spec["type"] == "dense":
             parts = (DenseMLP(ffn(p + "mlp")),)
         else:

@@ -25,7 +25,7 @@ from .errors import ColibriError, COLIBRI_ERR_INVALID_MODEL_TYPE, invalid_model
 
 FORMAT_VERSION = 2            # written; 1 (one weight type for the directory) is still read
 READ_VERSIONS = (1, 2)
-SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
 LAYER_TYPES = ("dense", "moe", "moe_shared")
 ROUTER_MODES = ("topk", "gated")
 QK_NORMS = ("none", "per_head", "full")
@@ -177,8 +177,12 @@ CONFIG_FIELDS = (
     "moe_intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
     "max_position_embeddings", "rope_theta", "rms_norm_eps", "tie_word_embeddings", "experts_per_layer", "top_k",
     "router_dtype", "router_mode", "norm_topk_prob", "shared_expert_intermediate_size", "shared_expert_gate",
-    "attention_bias", "attention_out_bias", "qk_norm", "eos_token_ids", "bos_token_id", "weight_dtype", "layers")
-OPTIONAL = ("architectures", "bos_token_id")
+    "attention_bias", "attention_out_bias", "qk_norm", "eos_token_ids", "bos_token_id", "weight_dtype", "layers",
+    "attention_scale", "folded_multipliers")
+# attention_scale: the softmax scale when it is not 1/sqrt(head_dim) (Granite's attention_multiplier);
+# folded_multipliers: what the converter multiplied into the weights (Granite), kept for inspection
+OPTIONAL = ("architectures", "bos_token_id", "attention_scale", "folded_multipliers")
+FOLDED = ("embedding_multiplier", "residual_multiplier", "logits_scaling")
 
 
 def config(cfg, path: str = "config.json") -> dict:
@@ -229,6 +233,13 @@ def config(cfg, path: str = "config.json") -> dict:
         _int(path, f"eos_token_ids[{i}]", e, 0, V - 1)
     if cfg.get("bos_token_id") is not None:
         _int(path, "bos_token_id", cfg["bos_token_id"], 0, V - 1)
+    if "attention_scale" in cfg:
+        _num(path, "attention_scale", cfg["attention_scale"], 0.0, 1e3, lo_open=True)
+    if "folded_multipliers" in cfg:
+        _obj(path, "folded_multipliers", cfg["folded_multipliers"])
+        _known(path, "folded_multipliers.", cfg["folded_multipliers"], FOLDED)
+        for k, v in cfg["folded_multipliers"].items():
+            _num(path, f"folded_multipliers.{k}", v, 0.0, 1e6, lo_open=True)
     layers = _list(path, "layers", cfg["layers"], MAX_LAYERS)
     if len(layers) != L:
         raise invalid_model(path, "layers", f"has {len(layers)} entries, num_hidden_layers is {L}")

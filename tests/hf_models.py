@@ -35,14 +35,29 @@ CASES = {
                             num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
                             vocab_size=99, max_position_embeddings=256, eos_token_id=3, pad_token_id=1,
                             bos_token_id=None)),
+    # Granite: every multiplier away from 1 (folded into the weights, attention_multiplier the softmax
+    # scale), tied embeddings (untied by the fold), top-k 1 and 3, biases on, an ungated shared MLP
+    "granitemoe": ("granitemoe", dict(hidden_size=48, intermediate_size=40, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, num_local_experts=5,
+                                      num_experts_per_tok=3, vocab_size=91, max_position_embeddings=256,
+                                      embedding_multiplier=3.0, residual_multiplier=0.6, attention_multiplier=0.3,
+                                      logits_scaling=2.5, tie_word_embeddings=True)),
+    "granitemoeshared": ("granitemoeshared", dict(hidden_size=64, intermediate_size=32, shared_intermediate_size=48,
+                                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                                  num_local_experts=4, num_experts_per_tok=1, vocab_size=88,
+                                                  max_position_embeddings=256, attention_bias=True,
+                                                  embedding_multiplier=2.0, residual_multiplier=0.4,
+                                                  attention_multiplier=0.15, logits_scaling=0.5)),
 }
-MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
 
 
 def config_for(model_type: str, **overrides):
     import transformers
     cls = {"mixtral": transformers.MixtralConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
-           "qwen3_moe": transformers.Qwen3MoeConfig, "olmoe": transformers.OlmoeConfig}[model_type]
+           "qwen3_moe": transformers.Qwen3MoeConfig, "olmoe": transformers.OlmoeConfig,
+           "granitemoe": transformers.GraniteMoeConfig,
+           "granitemoeshared": transformers.GraniteMoeSharedConfig}[model_type]
     return cls(**overrides)
 
 

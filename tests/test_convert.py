@@ -182,3 +182,45 @@ def test_converter_peak_memory_is_bounded(tmp_path):
     # and the result is whole: the model directory validates
     with Engine.open(str(tmp_path / "out"), backend="reference", max_seq_len=8) as e:
         assert e.infer(np.arange(4)).shape == (1, 4, 512)
+
+
+def test_granite_multipliers_folded(model_cache, tmp_path):
+    """Granite's multipliers: attention_multiplier becomes the softmax scale, the others are folded
+    into the weights (embedding, o_proj and every down projection, lm_head), which unties a tied
+    embedding; the stored tensors are the checkpoint's times the factors (float32: exactly)."""
+    from safetensors.numpy import load_file
+    from colibri_edge.modeldir import ModelDir
+    from hf_models import CASES, convert_case
+    hf, col = convert_case(model_cache, "granitemoe")
+    kw = CASES["granitemoe"][1]
+    m = ModelDir(col)
+    assert m.config["attention_scale"] == pytest.approx(kw["attention_multiplier"])
+    assert m.config["folded_multipliers"] == pytest.approx(
+        {k: kw[k] for k in ("embedding_multiplier", "residual_multiplier", "logits_scaling")})
+    assert not m.config["tie_word_embeddings"] and "lm_head" in m.tensors
+    src = load_file(os.path.join(hf, "model.safetensors"))
+    emb = src["model.embed_tokens.weight"]
+    assert "lm_head.weight" not in src                       # tied in the checkpoint
+    np.testing.assert_array_equal(m.raw_tensor("embed_tokens"), emb * np.float32(kw["embedding_multiplier"]))
+    np.testing.assert_array_equal(m.raw_tensor("lm_head"), emb * np.float32(1 / kw["logits_scaling"]))
+    np.testing.assert_array_equal(m.raw_tensor("layers.1.attn.wo"),
+                                  src["model.layers.1.self_attn.o_proj.weight"] * np.float32(kw["residual_multiplier"]))
+    r = subprocess.run([sys.executable, "-m", "colibri_edge", "inspect", col], capture_output=True, text=True)
+    assert r.returncode == 0 and "attention softmax scale 0.3" in r.stdout and "embedding x3" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("field,value", [("residual_multiplier", 0.0), ("logits_scaling", -2.0),
+                                         ("attention_multiplier", float("inf"))])
+def test_granite_bad_multiplier_refused(model_cache, tmp_path, field, value):
+    import shutil
+    from hf_models import convert_case
+    hf, _ = convert_case(model_cache, "granitemoe")
+    alt = tmp_path / "hf"
+    shutil.copytree(hf, alt)
+    c = _hf_config(alt)
+    c[field] = value
+    with open(alt / "config.json", "w") as f:
+        f.write(json.dumps(c).replace("Infinity", "1e999"))
+    with pytest.raises(ColibriError) as ei:
+        convert(str(alt), str(tmp_path / "out"), progress=False)
+    assert ei.value.code == COLIBRI_ERR_INVALID_MODEL and field in str(ei.value)

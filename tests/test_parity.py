@@ -66,7 +66,8 @@ def test_logits_match_transformers(engine_variant, case, model_cache):
 
 
 @pytest.mark.parametrize("case,wd", [("mixtral", "float16"), ("qwen2_moe", "bfloat16"), ("qwen3_moe", "float16"),
-                                     ("olmoe", "bfloat16"), ("mixtral_top1_tied", "int8"), ("qwen2_moe", "int8")])
+                                     ("olmoe", "bfloat16"), ("mixtral_top1_tied", "int8"), ("qwen2_moe", "int8"),
+                                     ("granitemoeshared", "float16")])
 def test_logits_match_reference_on_stored_weights(engine_variant, case, wd, model_cache):
     """The backend's reduced-precision kernels against the reference on the very same stored weights;
     decode (generate_batch) agrees token for token."""

@@ -128,6 +128,17 @@ def test_absurd_norm_eps_and_rope_theta(model, field, value):  # were accepted, 
     _refused(model, field)
 
 
+@pytest.mark.parametrize("field,value", [("attention_scale", 0.0), ("attention_scale", float("nan")),
+                                         ("attention_scale", "0.1"),
+                                         ("folded_multipliers", {"embedding_multiplier": -1.0}),
+                                         ("folded_multipliers", {"attention_multiplier": 2.0}),
+                                         ("folded_multipliers", [1.0])])
+def test_optional_scale_fields_typed(model, field, value):
+    """attention_scale and folded_multipliers (written for Granite) are typed and ranged like the rest."""
+    _edit(model, "config.json", lambda c: c.update({field: value}))
+    _refused(model, field)
+
+
 def test_unknown_fields_and_tensors_are_refused(model):
     _edit(model, "config.json", lambda c: c.update(sliding_window=16))
     _refused(model, "sliding_window", "not a field this Colibri knows")
