@@ -258,10 +258,13 @@ class Backend:
         raise NotImplementedError
 
     # -- MoE (required) ----------------------------------------------------------------------
-    def route(self, out_ids, out_w, logits, k: int, mode: str, normalize: bool):
+    def route(self, out_ids, out_w, logits, k: int, mode: str, normalize: bool, choice_bias=None,
+              norm_min: float = 0.0):
         """logits [T,E] (fp32) -> out_ids [T,k] int32, out_w [T,k] fp32.
-        topk: p = softmax(logits); the k largest p, ties to the lower expert id; renormalise if asked.
-        gated: k == E, every expert with weight p. (Model validation guarantees mode and k.)"""
+        topk: p = softmax(logits); the k largest p (+ choice_bias [E], a float32 weight, when given:
+        the choice only), ties to the lower expert id; w = their p, divided by max(their sum,
+        norm_min) if normalize. gated: k == E, every expert with weight p. (Model validation
+        guarantees mode and k; colibri_edge.routing.route is the reference.)"""
         raise NotImplementedError
 
     def align(self, bufs: dict, ids, num_tokens: int, num_experts: int, top_k: int, tally=None) -> Plan:

@@ -29,8 +29,15 @@ def _cmd_inspect(a):
     print(f"  model_type {cfg['model_type']}, hidden {cfg['hidden_size']}, heads {cfg['num_attention_heads']}"
           f"/{cfg['num_key_value_heads']} kv, head_dim {cfg['head_dim']}, vocab {cfg['vocab_size']}, "
           f"weights {cfg['weight_dtype']}")
+    floor = f" (denominator at least {cfg['router_norm_min']:g})" if cfg.get("router_norm_min") else ""
     print(f"  router {cfg['router_mode']} top-{cfg['top_k']} of {cfg['experts_per_layer']}"
-          f"{', renormalised' if cfg['norm_topk_prob'] else ''}, qk_norm {cfg['qk_norm']}")
+          f"{', choice by p + a per-expert correction bias' if cfg.get('router_choice_bias') else ''}"
+          f"{', renormalised' + floor if cfg['norm_topk_prob'] else ''}, qk_norm {cfg['qk_norm']}")
+    if cfg.get("rope_pairs") == "interleaved":
+        print("  rope: the source pairs adjacent dims; q/k rows were permuted to half-split pairs at conversion")
+    if cfg["shared_expert_intermediate_size"]:
+        print(f"  shared experts: {cfg['shared_expert_intermediate_size']} wide"
+              f"{', behind a sigmoid gate' if cfg['shared_expert_gate'] else ', ungated'}, always resident")
     if "attention_scale" in cfg:
         print(f"  attention softmax scale {cfg['attention_scale']:g} (1/sqrt(head_dim) would be "
               f"{cfg['head_dim'] ** -0.5:.4g})")

@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from .dtypes import MIXES, WEIGHT_DTYPES, block_of, fits, nbytes, widen
 from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_MODEL_TYPE, invalid_model
+from .gguf_import import unpermute
 from .modeldir import ALIGN, SUPPORTED_MODEL_TYPES, ModelWriter, check_disk, expected_tensors, expert_blob_bytes
 
 SAFETENSORS_DTYPES = {"F32": ("<f4", "float32"), "F16": ("<f2", "float16"), "BF16": ("<u2", "bfloat16")}
@@ -146,15 +147,24 @@ def translate_config(hf: dict, gen: dict, path: str = "config.json", dtype: str 
             _refuse(path, field, "logit soft-capping")
     if hf.get("mlp_bias"):
         _refuse(path, "mlp_bias", "biases in the feed-forward")
+    if mt == "ernie4_5_moe" and hf.get("use_bias"):
+        _refuse(path, "use_bias", "biases in every projection and the head")
 
     rope_theta = _get(rope, "rope_theta", default=None) or _get(hf, "rope_theta", default=10000.0)
 
     # -- layer plan --
-    granite = mt in ("granitemoe", "granitemoeshared")
+    granite, ernie = mt in ("granitemoe", "granitemoeshared"), mt == "ernie4_5_moe"
     if mt == "mixtral" or granite:
         E = hf.get("num_local_experts", 8)
         moe_inter = hf["intermediate_size"]
         sparse = [True] * L
+    elif ernie:     # MoE where (i + 1) % interval == 0 and start <= i <= end (end -1: the last layer)
+        E = _get(hf, "moe_num_experts", "num_experts", default=64)
+        moe_inter = hf["moe_intermediate_size"]
+        start, interval = hf.get("moe_layer_start_index", 1), hf.get("moe_layer_interval", 1) or 1
+        end = hf.get("moe_layer_end_index", -1)
+        end = L - 1 if end in (None, -1) else end
+        sparse = [(i + 1) % interval == 0 and start <= i <= end for i in range(L)]
     else:
         E = _get(hf, "num_experts", "num_local_experts", default=0)
         moe_inter = hf.get("moe_intermediate_size", hf["intermediate_size"]) if mt != "olmoe" else hf["intermediate_size"]
@@ -162,8 +172,9 @@ def translate_config(hf: dict, gen: dict, path: str = "config.json", dtype: str 
         mlp_only = set(hf.get("mlp_only_layers") or [])
         sparse = [(i not in mlp_only) and E > 0 and (i + 1) % step == 0 for i in range(L)]
     shared_inter = hf.get("shared_expert_intermediate_size", 0) if mt == "qwen2_moe" else \
-        (hf.get("shared_intermediate_size", 0) or 0) if mt == "granitemoeshared" else 0
-    top_k = hf.get("num_experts_per_tok", 2)
+        (hf.get("shared_intermediate_size", 0) or 0) if mt == "granitemoeshared" else \
+        moe_inter * (hf.get("moe_num_shared_experts", 0) or 0) if ernie else 0
+    top_k = _get(hf, "moe_k", "num_experts_per_tok", default=6) if ernie else hf.get("num_experts_per_tok", 2)
     if E and not 1 <= top_k <= E:
         raise invalid_model(path, "num_experts_per_tok", f"{top_k} is not in 1..{E}")
     layers, start = [], 0
@@ -187,6 +198,9 @@ def translate_config(hf: dict, gen: dict, path: str = "config.json", dtype: str 
     elif granite:     # q/k/v/o all biased or none; head_dim = hidden / heads (transformers' GraniteMoe)
         head_dim = H // nh
         bias = out_bias = bool(hf.get("attention_bias", False))
+    elif ernie:       # use_bias is refused above
+        head_dim = _get(hf, "head_dim", default=H // nh)
+        bias = out_bias = False
     else:  # olmoe: q/k norm sizes assume hidden/heads
         head_dim = H // nh
         bias = out_bias = bool(hf.get("attention_bias", False))
@@ -209,6 +223,14 @@ def translate_config(hf: dict, gen: dict, path: str = "config.json", dtype: str 
         for k, v in [("attention_multiplier", extra["attention_scale"]), *extra["folded_multipliers"].items()]:
             if not (np.isfinite(v) and v > 0):
                 raise invalid_model(path, k, f"{v} is not a positive finite number")
+    if ernie:
+        # the choice by p + e_score_correction_bias, weights p / max(sum, moe_norm_min); the rope pairs
+        # adjacent dims (2i, 2i+1): convert() permutes q/k rows to the half-split layout every backend
+        # runs (attention scores are unchanged: q and k get the same permutation)
+        extra.update(router_choice_bias=True, router_norm_min=float(hf.get("moe_norm_min", 1e-12)),
+                     rope_pairs="interleaved")
+        if not 0.0 <= extra["router_norm_min"] <= 1.0:
+            raise invalid_model(path, "moe_norm_min", f"{extra['router_norm_min']} is not in [0, 1]")
     tied = bool(hf.get("tie_word_embeddings", False))
     if granite and tied and (extra["folded_multipliers"]["embedding_multiplier"] != 1.0
                              or extra["folded_multipliers"]["logits_scaling"] != 1.0):
@@ -235,7 +257,7 @@ def translate_config(hf: dict, gen: dict, path: str = "config.json", dtype: str 
         "router_dtype": "float32",
         "router_mode": "topk",
         # Granite: softmax over the top-k logits = the top-k softmax probabilities renormalised
-        "norm_topk_prob": True if mt == "mixtral" or granite else bool(hf.get("norm_topk_prob", False)),
+        "norm_topk_prob": True if mt == "mixtral" or granite or ernie else bool(hf.get("norm_topk_prob", False)),
         "shared_expert_intermediate_size": shared_inter,
         "shared_expert_gate": shared_inter > 0 and mt == "qwen2_moe",     # Granite's shared MLP is ungated
         "attention_bias": bool(bias),
@@ -278,6 +300,10 @@ def _source_names(cfg: dict, src=None) -> dict:
             m[p + "shared.gate"] = (s + "shared_mlp.input_linear.weight", 0, Is)
             m[p + "shared.up"] = (s + "shared_mlp.input_linear.weight", Is, 2 * Is)
             m[p + "shared.down"] = s + "shared_mlp.output_linear.weight"
+        if cfg["model_type"] == "ernie4_5_moe":
+            for x in ("gate", "up", "down"):
+                m[p + f"shared.{x}"] = s + f"mlp.shared_experts.{x}_proj.weight"
+            m[p + "router_choice_bias"] = s + "mlp.moe_statics.e_score_correction_bias"
     if src is not None and "lm_head.weight" not in src and not cfg["tie_word_embeddings"] and \
             cfg.get("folded_multipliers"):
         m["lm_head"] = "model.embed_tokens.weight"         # tied in the checkpoint, untied by folding
@@ -296,6 +322,20 @@ def _fold_factors(cfg: dict) -> dict:
         p = f"layers.{l['layer_id']}."
         f[p + "attn.wo"] = f[p + "attn.bo"] = f[p + "shared.down"] = f[p + "mlp.down"] = r
     return f
+
+
+def row_permutations(cfg: dict) -> dict:
+    """Colibri tensor name -> heads, for the q/k rows a source with interleaved rope pairs (cfg
+    rope_pairs) holds in that layout: they are permuted to the half-split layout by
+    gguf_import.unpermute (q and k alike, so q.k is unchanged)."""
+    if cfg.get("rope_pairs") != "interleaved":
+        return {}
+    out = {}
+    for l in cfg["layers"]:
+        p = f"layers.{l['layer_id']}."
+        out[p + "attn.wq"] = out[p + "attn.bq"] = cfg["num_attention_heads"]
+        out[p + "attn.wk"] = out[p + "attn.bk"] = cfg["num_key_value_heads"]
+    return out
 
 
 def _expert_sources(src: SafetensorsIndex, cfg: dict, layer: int, j: int):
@@ -423,6 +463,7 @@ def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool 
         cfg["weight_dtype"] = src.dtype("model.embed_tokens.weight") if "model.embed_tokens.weight" in src else "float32"
     names = _source_names(cfg, src)
     fold = _fold_factors(cfg)
+    perm = row_permutations(cfg)
     plan = FormatPlan(cfg, cfg["weight_dtype"])
     wanted = expected_tensors(cfg, plan)
     H, I = cfg["hidden_size"], cfg["moe_intermediate_size"]
@@ -456,9 +497,13 @@ def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool 
                 arr = arr[rows].copy()
             if what in fold:
                 arr = arr * np.float32(fold[what])
+            if len(shape) == 1 and arr.shape == (1, *shape):
+                arr = arr.reshape(shape)                  # a [1, E] vector (ERNIE's correction bias)
             if tuple(arr.shape) != tuple(shape):
                 raise invalid_model(os.path.join(hf_dir, "*.safetensors"), hf_name,
                                     f"shape {list(arr.shape)}, config implies {list(shape)}")
+            if what in perm:
+                arr = unpermute(arr, perm[what])
             w.add_tensor(what, arr, tdtype)
             used.add(hf_name)
         else:

@@ -20,6 +20,11 @@ no requantisation, so Colibri runs exactly the weights llama.cpp runs. What is t
   qwen2moe    qwen2_moe    softmax top-k, not renormalised; shared expert with sigmoid gate
   qwen3moe    qwen3_moe    softmax top-k, renormalised; per-head q/k RMSNorm
   olmoe       olmoe        softmax top-k, not renormalised; q/k RMSNorm over the whole projection
+  ernie4_5-moe ernie4_5_moe softmax, the choice by p + exp_probs_b, renormalised (floor 1e-12, the
+                           Hugging Face default: no key carries moe_norm_min); dense layers before
+                           leading_dense_block_count, then every interleave_moe_layer_step-th; shared
+                           experts as wide as ffn_gate_shexp (the converter's
+                           expert_shared_feed_forward_length is not their width); q/k rows un-permuted
 (`{arch}.expert_weights_norm`, when a file has it, overrides the renormalisation.)
 
 Every failure is a ColibriError naming the file and the key or tensor: a GGUF that is not one, a
@@ -39,8 +44,13 @@ from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVA
 from . import validate
 from .modeldir import ALIGN, ModelWriter, check_disk, tensor_roles
 
-ARCHS = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
-NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
+ARCHS = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
+         "ernie4_5-moe": "ernie4_5_moe"}
+NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "ernie4_5-moe": True}
+# archs whose q/k rows the file holds with adjacent rope pairs (llama.cpp's rope type NORM): un-permuted
+# to the half-split layout every backend runs (`llama`: the converter permuted them; `ernie4_5-moe`:
+# Hugging Face's own layout, kept)
+INTERLEAVED = ("llama", "ernie4_5-moe")
 # GGML type name -> our format (the types we run as stored)
 FORMATS = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "Q8_0": "q8_0", "Q4_0": "q4_0",
            "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k",
@@ -211,9 +221,11 @@ def hf_config(m: GGUFModel) -> tuple[dict, str]:
     k = _pos(m, a + "expert_used_count", g("expert_used_count"), 1, validate.MAX_EXPERTS)
     if k > E:
         raise invalid_model(m.path, a + "expert_used_count", f"{k} experts per token of {E}")
-    ff = _pos(m, a + "feed_forward_length", g("feed_forward_length", required=arch in ("llama", "olmoe")))
+    ff = _pos(m, a + "feed_forward_length", g("feed_forward_length", required=arch in ("llama", "olmoe",
+                                                                                       "ernie4_5-moe")))
     ff_exp = _pos(m, a + "expert_feed_forward_length",
-                  g("expert_feed_forward_length", required=arch in ("qwen2moe", "qwen3moe"), default=ff))
+                  g("expert_feed_forward_length", required=arch in ("qwen2moe", "qwen3moe", "ernie4_5-moe"),
+                    default=ff))
     dense = _pos(m, a + "leading_dense_block_count", g("leading_dense_block_count", required=False, default=0), 0, L)
     if dense and arch in ("llama", "olmoe"):
         raise invalid_model(m.path, a + "leading_dense_block_count", f"{dense} dense layers in a {arch} model; "
@@ -265,6 +277,19 @@ def hf_config(m: GGUFModel) -> tuple[dict, str]:
           "norm_topk_prob": g("expert_weights_norm", bool, required=False, default=NORM_TOPK[arch])}
     if arch == "llama":
         hf.update(num_local_experts=E, intermediate_size=ff_exp)
+    elif arch == "ernie4_5-moe":
+        step = _pos(m, a + "interleave_moe_layer_step", g("interleave_moe_layer_step", required=False, default=1), 1, L)
+        shared = 0
+        if "blk.0.ffn_gate_shexp.weight" in m.tensors or f"blk.{dense}.ffn_gate_shexp.weight" in m.tensors:
+            t = m.tensor(f"blk.{dense}.ffn_gate_shexp.weight" if f"blk.{dense}.ffn_gate_shexp.weight" in m.tensors
+                         else "blk.0.ffn_gate_shexp.weight")
+            shared = int(t.shape[1])
+            if shared % ff_exp:
+                raise invalid_model(m.path, f"blk.{dense}.ffn_gate_shexp.weight", f"{shared} rows is not a whole "
+                                    f"number of experts of {ff_exp}")
+        hf.update(moe_num_experts=E, moe_k=k, moe_intermediate_size=ff_exp, intermediate_size=ff,
+                  moe_layer_start_index=dense, moe_layer_interval=step, moe_layer_end_index=-1,
+                  moe_num_shared_experts=shared // ff_exp, moe_norm_min=1e-12)
     elif arch == "olmoe":
         hf.update(num_experts=E, intermediate_size=ff_exp)
     else:
@@ -296,6 +321,7 @@ def gguf_names(cfg: dict) -> dict:
         m[p + "attn.q_norm"] = b + "attn_q_norm.weight"
         m[p + "attn.k_norm"] = b + "attn_k_norm.weight"
         m[p + "router"] = b + "ffn_gate_inp.weight"
+        m[p + "router_choice_bias"] = b + "exp_probs_b.bias"
         for x in ("gate", "up", "down"):
             m[p + f"mlp.{x}"] = b + f"ffn_{x}.weight"
             m[p + f"shared.{x}"] = b + f"ffn_{x}_shexp.weight"
@@ -338,6 +364,8 @@ class _Tensors:
         t, fmt, shape = self.m.tensor(name), self.fmt(name), self.shape(name)
         if len(want_shape) == 2 and want_shape[0] == 1 and shape == tuple(want_shape[1:]):
             shape = tuple(want_shape)                            # a [1, H] gate stored 1-D
+        if len(want_shape) == 1 and shape == (1, *want_shape):
+            shape = tuple(want_shape)                            # an [E] bias stored [1, E] (exp_probs_b)
         if shape != tuple(want_shape):
             raise invalid_model(where, name, f"shape {list(shape)}, but the metadata implies {list(want_shape)}")
         self.used.add(name)
@@ -451,7 +479,7 @@ def convert_gguf(path: str, out_dir: str, progress: bool = True) -> dict:
     moe = [l["layer_id"] for l in cfg["layers"] if l["type"] != "dense"]
     need = sum(int(t.n_bytes) + ALIGN for t, _ in m.tensors.values()) + len(moe) * E * ALIGN + (1 << 20)
     check_disk(out_dir, need)
-    permuted = arch == "llama"
+    permuted = arch in INTERLEAVED
     heads = {"attn.wq": cfg["num_attention_heads"], "attn.bq": cfg["num_attention_heads"],
              "attn.wk": cfg["num_key_value_heads"], "attn.bk": cfg["num_key_value_heads"]}
     w = ModelWriter(out_dir, cfg)

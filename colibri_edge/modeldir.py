@@ -108,6 +108,8 @@ def tensor_roles(cfg: dict) -> dict:
             t[p + "mlp.down"] = ((H, inter), W)
         else:
             t[p + "router"] = ((layer["moe_num_experts"], H), f32)
+            if cfg.get("router_choice_bias"):
+                t[p + "router_choice_bias"] = ((layer["moe_num_experts"],), f32)
         if layer["type"] == "moe_shared":
             si = cfg["shared_expert_intermediate_size"]
             t[p + "shared.gate"] = ((si, H), W)

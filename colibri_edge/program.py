@@ -5,7 +5,8 @@ each a mixer plus FFN parts, with every weight's shape in a comment.
     h  = rmsnorm(x) * post_norm;    x += sum of the FFN parts(h)
 
 Mixers:    Attention        GQA over a paged KV pool (optional q/k biases, q/k norms)
-FFN parts: MoE              route, align, the chosen experts' SwiGLU, combine
+FFN parts: MoE              route (optionally a choice-only bias and a renormalisation floor),
+                            align, the chosen experts' SwiGLU, combine
            SharedExpert     an always-on expert, optionally behind a sigmoid gate (Qwen2-MoE)
            DenseMLP         a plain SwiGLU MLP (dense layers)
 Each part's `forward(r, s)` runs its ops on the backend `r.be` over the step's arena views `s`
@@ -74,9 +75,12 @@ class MoE:
     hidden: int
     inter: int
     formats: tuple              # the experts' (gate, up, down) weight formats
+    choice_bias: Weight | None = None   # [E] float32 added to p for the choice only (ERNIE-4.5)
+    norm_min: float = 0.0       # floor of the renormalisation's denominator (ERNIE's moe_norm_min)
     tally: object = None        # int32 [E] on the backend: tokens routed to each expert
     next_layer: int = -1        # the next MoE layer (prefetch prediction), -1 for the last
     next_router: Weight | None = None
+    next_choice_bias: Weight | None = None
 
     @property
     def num_experts(self) -> int:
@@ -86,7 +90,7 @@ class MoE:
         """x += sum_j w[t,j] * expert_{ids[t,j]}(h[t])"""
         be = r.be
         be.matmul(s.router, s.h, self.router)
-        be.route(s.ids, s.w, s.router, self.top_k, self.mode, self.normalize)
+        be.route(s.ids, s.w, s.router, self.top_k, self.mode, self.normalize, self.choice_bias, self.norm_min)
         plan = be.align(r.plan_bufs, s.ids, s.T, len(self.experts), self.top_k, self.tally)
         prefetch = r.on_route(self, s) if r.hooks else None
         if r.slot_pool is None:
@@ -186,7 +190,7 @@ def build(model, be, pools, resident: bool) -> Program:
             experts = [be.upload_expert(model.expert_blob(i, j), H, I, fm) if resident else None
                        for j in range(spec["moe_num_experts"])]
             parts = (MoE(i, moe_index, w(p + "router"), experts, k, cfg["router_mode"], cfg["norm_topk_prob"],
-                         H, I, fm),)
+                         H, I, fm, w(p + "router_choice_bias"), cfg.get("router_norm_min", 0.0)),)
             moe_index += 1
             if spec["type"] == "moe_shared":
                 parts += (SharedExpert(ffn(p + "shared"), w(p + "shared.gate_logit")),)
@@ -195,5 +199,5 @@ def build(model, be, pools, resident: bool) -> Program:
     prog = Program(embed, layers, w("norm"), embed if cfg["tie_word_embeddings"] else w("lm_head"), eps)
     moe = prog.moe
     for a, b in zip(moe, moe[1:]):
-        a.next_layer, a.next_router = b.layer, b.router
+        a.next_layer, a.next_router, a.next_choice_bias = b.layer, b.router, b.choice_bias
     return prog

@@ -28,15 +28,26 @@ def topk_lower_id(p: np.ndarray, k: int):
     return order.astype(np.int32), np.take_along_axis(p, order, axis=-1)
 
 
-def route(logits: np.ndarray, k: int, mode: str = "topk", normalize: bool = True):
-    """logits [T,E] -> (ids [T,k] int32, weights [T,k] fp32). The router always runs in fp32."""
+def route(logits: np.ndarray, k: int, mode: str = "topk", normalize: bool = True, choice_bias=None,
+          norm_min: float = 0.0):
+    """logits [T,E] -> (ids [T,k] int32, weights [T,k] fp32). The router always runs in fp32.
+        p = softmax(logits)
+        ids = the k largest of p + choice_bias (choice_bias [E]: the choice only, ERNIE-4.5's
+              e_score_correction_bias; none: p itself), ties to the lower expert id
+        w = p[ids], divided by max(sum of those p, norm_min) when normalize (norm_min: ERNIE's
+              moe_norm_min floor; 0 for every other family)
+    gated: k == E, every expert with weight p."""
     p = softmax(logits.astype(np.float32))
     if mode == "gated":
         T, E = p.shape
         return np.tile(np.arange(E, dtype=np.int32), (T, 1)), p.astype(np.float32)
-    ids, w = topk_lower_id(p, k)
+    if choice_bias is None:
+        ids, w = topk_lower_id(p, k)
+    else:
+        ids, _ = topk_lower_id(p + np.asarray(choice_bias, np.float32).reshape(1, -1), k)
+        w = np.take_along_axis(p, ids, axis=-1)
     if normalize:
-        w = w / w.sum(axis=-1, keepdims=True)
+        w = w / np.maximum(w.sum(axis=-1, keepdims=True), np.float32(norm_min))
     return ids, w.astype(np.float32)
 
 

@@ -249,7 +249,8 @@ class Runner:
         if moe.next_router is not None and any(hk.wants_prediction for hk in self.hooks):
             be = self.be
             be.matmul(s.pred_router, s.h, moe.next_router)
-            be.route(s.pred_ids, s.pred_w, s.pred_router, moe.top_k, moe.mode, moe.normalize)
+            be.route(s.pred_ids, s.pred_w, s.pred_router, moe.top_k, moe.mode, moe.normalize, moe.next_choice_bias,
+                     moe.norm_min)
             pred = be.download(s.pred_ids)
         for hk in self.hooks:
             hk.on_route(moe.layer, s.ids, s.w, moe.next_layer, pred)

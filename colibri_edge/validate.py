@@ -25,7 +25,8 @@ from .errors import ColibriError, COLIBRI_ERR_INVALID_MODEL_TYPE, invalid_model
 
 FORMAT_VERSION = 2            # written; 1 (one weight type for the directory) is still read
 READ_VERSIONS = (1, 2)
-SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
+SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared",
+                         "ernie4_5_moe")
 LAYER_TYPES = ("dense", "moe", "moe_shared")
 ROUTER_MODES = ("topk", "gated")
 QK_NORMS = ("none", "per_head", "full")
@@ -178,10 +179,14 @@ CONFIG_FIELDS = (
     "max_position_embeddings", "rope_theta", "rms_norm_eps", "tie_word_embeddings", "experts_per_layer", "top_k",
     "router_dtype", "router_mode", "norm_topk_prob", "shared_expert_intermediate_size", "shared_expert_gate",
     "attention_bias", "attention_out_bias", "qk_norm", "eos_token_ids", "bos_token_id", "weight_dtype", "layers",
-    "attention_scale", "folded_multipliers")
+    "attention_scale", "folded_multipliers", "router_choice_bias", "router_norm_min", "rope_pairs")
 # attention_scale: the softmax scale when it is not 1/sqrt(head_dim) (Granite's attention_multiplier);
-# folded_multipliers: what the converter multiplied into the weights (Granite), kept for inspection
-OPTIONAL = ("architectures", "bos_token_id", "attention_scale", "folded_multipliers")
+# folded_multipliers: what the converter multiplied into the weights (Granite), kept for inspection;
+# router_choice_bias: every MoE layer has a router_choice_bias [E] added to p for the choice only, and
+# router_norm_min floors the renormalisation's denominator (ERNIE-4.5); rope_pairs: the source's rope
+# layout ("interleaved": the converter permuted q/k rows to the half-split layout), for inspection
+OPTIONAL = ("architectures", "bos_token_id", "attention_scale", "folded_multipliers", "router_choice_bias",
+            "router_norm_min", "rope_pairs")
 FOLDED = ("embedding_multiplier", "residual_multiplier", "logits_scaling")
 
 
@@ -240,6 +245,15 @@ def config(cfg, path: str = "config.json") -> dict:
         _known(path, "folded_multipliers.", cfg["folded_multipliers"], FOLDED)
         for k, v in cfg["folded_multipliers"].items():
             _num(path, f"folded_multipliers.{k}", v, 0.0, 1e6, lo_open=True)
+    if "router_choice_bias" in cfg:
+        _bool(path, "router_choice_bias", cfg["router_choice_bias"])
+    if "router_norm_min" in cfg:
+        _num(path, "router_norm_min", cfg["router_norm_min"], 0.0, 1.0)
+    if "rope_pairs" in cfg:
+        _enum(path, "rope_pairs", cfg["rope_pairs"], ("half_split", "interleaved"))
+    if (cfg.get("router_choice_bias") or cfg.get("router_norm_min")) and cfg["router_mode"] != "topk":
+        raise invalid_model(path, "router_mode", f"{cfg['router_mode']} routing takes no choice bias or "
+                            "renormalisation floor (topk does)")
     layers = _list(path, "layers", cfg["layers"], MAX_LAYERS)
     if len(layers) != L:
         raise invalid_model(path, "layers", f"has {len(layers)} entries, num_hidden_layers is {L}")

@@ -111,17 +111,25 @@ CASES = {
                               norm_topk_prob=False)),
     # exactly 8 experts: llama.cpp's Q4_K_M rule special-cases n_expert == 8 (attn_v/attn_k -> Q8_0 ...)
     "mixtral8_k": ("mixtral", dict(_COMMON, **_K, intermediate_size=256, num_local_experts=8, num_experts_per_tok=2)),
+    # ERNIE-4.5: a dense first layer (leading_dense_block_count), two shared experts (their width from the
+    # tensors: the converter's expert_shared_feed_forward_length is intermediate_size / kv heads), a
+    # choice-only correction bias (exp_probs_b), interleaved rope (llama.cpp keeps HF's q/k rows)
+    "ernie4_5_moe": ("ernie4_5_moe", dict(_COMMON, num_hidden_layers=3, hidden_size=64, intermediate_size=96,
+                                          moe_intermediate_size=32, moe_num_experts=4, moe_k=2,
+                                          moe_num_shared_experts=2, moe_layer_start_index=1)),
 }
-ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "ernie4_5_moe")
 K_CASES = ("mixtral_k", "qwen2_moe_k", "qwen3_moe_k", "olmoe_k", "mixtral8_k")
-GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
+GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe",
+             "ernie4_5_moe": "ernie4_5-moe"}
 
 
 def config_for(case: str, vocab_size: int, **overrides):
     import transformers
     model_type, kw = CASES[case]
     cls = {"mixtral": transformers.MixtralConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
-           "qwen3_moe": transformers.Qwen3MoeConfig, "olmoe": transformers.OlmoeConfig}[model_type]
+           "qwen3_moe": transformers.Qwen3MoeConfig, "olmoe": transformers.OlmoeConfig,
+           "ernie4_5_moe": transformers.Ernie4_5_MoeConfig}[model_type]
     return cls(**{**kw, "vocab_size": vocab_size, "tie_word_embeddings": False, **overrides})
 
 
@@ -322,6 +330,8 @@ def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
+# names the venv's gguf-py (0.19) does not map but llama.cpp's converter writes (its own renames)
+_EXTRA = {re.compile(r"^model\.layers\.(\d+)\.mlp\.moe_statics\.e_score_correction_bias$"): "blk.{}.exp_probs_b.bias"}
 
 
 def gguf_name_map(arch: str, hf_names, n_blocks: int) -> dict:
@@ -337,6 +347,9 @@ def gguf_name_map(arch: str, hf_names, n_blocks: int) -> dict:
         m = _EXPERT.search(hf)
         expert, base = (int(m.group(1)), _EXPERT.sub(".experts.", hf, count=1)) if m else (None, hf)
         g = tmap.get_name(base, try_suffixes=(".weight", ".bias"))
+        for pat, name in _EXTRA.items():
+            if g is None and pat.match(hf):
+                g = name.format(pat.match(hf).group(1))
         if g is None:
             missing.append(hf)
             continue

@@ -48,8 +48,23 @@ CASES = {
                                                   max_position_embeddings=256, attention_bias=True,
                                                   embedding_multiplier=2.0, residual_multiplier=0.4,
                                                   attention_multiplier=0.15, logits_scaling=0.5)),
+    # ERNIE-4.5: the choice-only correction bias (random, non-zero: randomize), interleaved rope (q/k rows
+    # permuted at conversion), top-k 4 and 1, two shared experts and none, dense first and last layers
+    # (start / end index), every other layer MoE (interval 2), head_dim unlike hidden/heads, tied and
+    # untied, a renormalisation floor that bites (k=1: w = p / max(p, 0.5))
+    "ernie4_5_moe": ("ernie4_5_moe", dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                          moe_num_experts=6, moe_k=4, moe_num_shared_experts=2,
+                                          moe_layer_start_index=1, moe_layer_end_index=2, vocab_size=93,
+                                          max_position_embeddings=256, tie_word_embeddings=True)),
+    "ernie4_5_moe_k1": ("ernie4_5_moe", dict(hidden_size=48, intermediate_size=40, moe_intermediate_size=24,
+                                             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
+                                             head_dim=24, moe_num_experts=5, moe_k=1, moe_num_shared_experts=0,
+                                             moe_layer_start_index=0, moe_layer_interval=2, moe_norm_min=0.5,
+                                             vocab_size=86, max_position_embeddings=256,
+                                             tie_word_embeddings=False, rope_theta=10000.0)),
 }
-MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
+MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "ernie4_5_moe")
 
 
 def config_for(model_type: str, **overrides):
@@ -57,7 +72,8 @@ def config_for(model_type: str, **overrides):
     cls = {"mixtral": transformers.MixtralConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
            "qwen3_moe": transformers.Qwen3MoeConfig, "olmoe": transformers.OlmoeConfig,
            "granitemoe": transformers.GraniteMoeConfig,
-           "granitemoeshared": transformers.GraniteMoeSharedConfig}[model_type]
+           "granitemoeshared": transformers.GraniteMoeSharedConfig,
+           "ernie4_5_moe": transformers.Ernie4_5_MoeConfig}[model_type]
     return cls(**overrides)
 
 

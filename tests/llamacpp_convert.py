@@ -9,7 +9,7 @@ newer than the venv's `gguf` package and shadows it (it must never be imported i
     python tests/llamacpp_convert.py fetch                          # set-up step: the only network access
     python tests/llamacpp_convert.py convert HF_DIR OUT.gguf [OUTTYPE [PRE]]
 
-Two monkeypatches make the converter work offline on a home-made tokenizer (see run_convert in
+Three monkeypatches make the converter work offline on a home-made tokenizer (see run_convert in
 /work/notes/gguf-research-scripts/): the BPE pre-tokenizer hash check is bypassed (it only knows
 published tokenizers) and returns PRE, a pre-tokenizer name llama.cpp knows ("gpt-2" matches
 `tokenizers`' ByteLevel(use_regex=True)); and a missing sentencepiece makes the llama vocab path fall
@@ -219,6 +219,15 @@ def _import_converter():
             raise FileNotFoundError("no tokenizer.model")
         return orig_spm(self)
     cb.TextModel._create_vocab_sentencepiece = _spm
+    # 3) ERNIE-4.5's set_vocab is sentencepiece only: without a tokenizer.model, the BPE path
+    import conversion.ernie as ce
+    orig_ernie = ce.Ernie4_5Model.set_vocab
+
+    def _ernie_vocab(self):
+        if not (self.dir_model / "tokenizer.model").is_file():
+            return self._set_vocab_gpt2()
+        return orig_ernie(self)
+    ce.Ernie4_5Model.set_vocab = _ernie_vocab
 
     import convert_hf_to_gguf
     return convert_hf_to_gguf

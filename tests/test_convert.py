@@ -209,6 +209,53 @@ def test_granite_multipliers_folded(model_cache, tmp_path):
     assert r.returncode == 0 and "attention softmax scale 0.3" in r.stdout and "embedding x3" in r.stdout, r.stdout
 
 
+def test_ernie_layout(model_cache):
+    """ERNIE-4.5: the layer plan from moe_layer_start/end_index and interval, q/k rows permuted from
+    interleaved to half-split rope pairs (exactly: a row permutation), v untouched, the correction bias
+    stored as the router's choice bias, shared experts' width, inspect's lines."""
+    from safetensors.numpy import load_file
+    from colibri_edge.gguf_import import unpermute
+    from colibri_edge.modeldir import ModelDir
+    from hf_models import CASES, convert_case
+    for case, plan in (("ernie4_5_moe", ["dense", "moe_shared", "moe_shared", "dense"]),
+                       ("ernie4_5_moe_k1", ["dense", "moe", "dense"])):
+        hf, col = convert_case(model_cache, case)
+        kw, m = CASES[case][1], ModelDir(col)
+        assert [l["type"] for l in m.config["layers"]] == plan
+        assert m.config["router_choice_bias"] and m.config["rope_pairs"] == "interleaved"
+        assert m.config["router_norm_min"] == pytest.approx(kw.get("moe_norm_min", 1e-12))
+        assert m.config["shared_expert_intermediate_size"] == kw["moe_intermediate_size"] * kw["moe_num_shared_experts"]
+        src = load_file(os.path.join(hf, "model.safetensors"))
+        s = "model.layers.1."
+        q = src[s + "self_attn.q_proj.weight"]
+        hd = m.config["head_dim"]
+        np.testing.assert_array_equal(m.raw_tensor("layers.1.attn.wq"), unpermute(q, kw["num_attention_heads"]))
+        # head 0 of the stored q: rows 0..hd/2-1 are the source's even rows, the rest its odd rows
+        np.testing.assert_array_equal(m.raw_tensor("layers.1.attn.wq")[:hd], np.concatenate([q[0:hd:2], q[1:hd:2]]))
+        np.testing.assert_array_equal(m.raw_tensor("layers.1.attn.wk"),
+                                      unpermute(src[s + "self_attn.k_proj.weight"], kw["num_key_value_heads"]))
+        np.testing.assert_array_equal(m.raw_tensor("layers.1.attn.wv"), src[s + "self_attn.v_proj.weight"])
+        bias = src[s + "mlp.moe_statics.e_score_correction_bias"]
+        assert np.abs(bias).max() > 0.05
+        np.testing.assert_array_equal(m.raw_tensor("layers.1.router_choice_bias"), bias.reshape(-1))
+        r = subprocess.run([sys.executable, "-m", "colibri_edge", "inspect", col], capture_output=True, text=True)
+        assert r.returncode == 0 and "correction bias" in r.stdout and "half-split" in r.stdout, r.stdout
+
+
+def test_ernie_use_bias_refused(model_cache, tmp_path):
+    import shutil
+    from hf_models import convert_case
+    hf, _ = convert_case(model_cache, "ernie4_5_moe_k1")
+    alt = tmp_path / "hf"
+    shutil.copytree(hf, alt)
+    c = _hf_config(alt)
+    c["use_bias"] = True
+    (alt / "config.json").write_text(json.dumps(c))
+    with pytest.raises(ColibriError) as ei:
+        convert(str(alt), str(tmp_path / "out"), progress=False)
+    assert ei.value.code == COLIBRI_ERR_INVALID_MODEL and "use_bias" in str(ei.value)
+
+
 @pytest.mark.parametrize("field,value", [("residual_multiplier", 0.0), ("logits_scaling", -2.0),
                                          ("attention_multiplier", float("inf"))])
 def test_granite_bad_multiplier_refused(model_cache, tmp_path, field, value):

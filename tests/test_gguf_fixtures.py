@@ -68,8 +68,8 @@ def test_gguf_metadata(f32_cases, case):
     model_type, kw = gm.CASES[case]
     arch = gm.GGUF_ARCH[model_type]
     assert f["general.architecture"] == arch
-    assert f[f"{arch}.expert_count"] == kw.get("num_local_experts", kw.get("num_experts"))
-    assert f[f"{arch}.expert_used_count"] == kw["num_experts_per_tok"]
+    assert f[f"{arch}.expert_count"] == kw.get("num_local_experts", kw.get("num_experts", kw.get("moe_num_experts")))
+    assert f[f"{arch}.expert_used_count"] == kw.get("num_experts_per_tok", kw.get("moe_k"))
     assert f["general.file_type"] == gguf.LlamaFileType.ALL_F32
     # the tokenizer: every token in id order, specials as CONTROL, merges, special ids, chat template
     tok = json.loads((c.hf_dir / "tokenizer.json").read_text())
@@ -88,8 +88,9 @@ def test_gguf_metadata(f32_cases, case):
     assert f["tokenizer.chat_template"] == gm.CHAT_TEMPLATE
     # the experts are stacked [E, out, in]
     names = {t.name for t in r.tensors}
+    first = kw.get("moe_layer_start_index", 0)           # ERNIE: dense layers first
     for kind in ("gate", "up", "down"):
-        assert f"blk.0.ffn_{kind}_exps.weight" in names
+        assert f"blk.{first}.ffn_{kind}_exps.weight" in names
 
 
 @pytest.mark.parametrize("case", gm.K_CASES)

@@ -211,6 +211,34 @@ def test_route_ties_and_many_experts(kernel_backend, normalize, rng):
                 assert rid[0, :2].tolist() == [1, 4] and (E < 40 or rid[1, :4].tolist() == [7, 39, 40, 299])
 
 
+@pytest.mark.parametrize("norm_min", [0.0, 1e-12, 1.5])
+def test_route_choice_bias_and_norm_min(kernel_backend, norm_min, rng):
+    """ERNIE-4.5's router: the choice by p + choice_bias, the weights p of the chosen, renormalised by
+    max(sum, norm_min); a bias that reorders the experts, exact score ties to the lower id, E over a
+    warp (300) and under one SIMD row (7)."""
+    ref, be = backend(kernel_backend)
+    for T, E, k in ((11, 7, 3), (4, 300, 8)):
+        logits = rng.standard_normal((T, E)).astype(np.float32)
+        bias = (0.5 * rng.standard_normal(E)).astype(np.float32)
+        logits[0, 2] = logits[0, 5] = 7.0            # equal p and equal bias: an exact score tie
+        bias[2] = bias[5] = 3.0                      # above every other p + bias
+        rid, rw = np.zeros((T, k), np.int32), np.zeros((T, k), np.float32)
+        ref.route(rid, rw, logits, k, "topk", True, ref.upload(bias), norm_min)
+        bid, bw = be.alloc((T, k), np.int32), be.alloc((T, k))
+        be.route(bid, bw, dev(be, logits), k, "topk", True, be.upload(bias), norm_min)
+        np.testing.assert_array_equal(be.download(bid), rid)
+        close(be.download(bw), rw, 1e-6)
+        p = routing.softmax(logits)
+        order = np.argsort(-(p + bias), axis=-1, kind="stable")[:, :k]
+        np.testing.assert_array_equal(rid, order)                  # the choice is by p + bias ...
+        w = np.take_along_axis(p, order, -1)                       # ... the weights are p
+        np.testing.assert_allclose(rw, w / np.maximum(w.sum(-1, keepdims=True), norm_min), rtol=1e-6)
+        assert rid[0, 0] == 2 and rid[0, 1] == 5
+        plain = np.zeros((T, k), np.int32)
+        ref.route(plain, np.zeros((T, k), np.float32), logits, k, "topk", True)
+        assert (plain != rid).any(), "the bias changed no choice: the test proves nothing"
+
+
 def test_align_worked_example(kernel_backend):
     """routing.align's docstring example, on the device: offsets, order, inverse, the counts and the
     per-expert tally added to."""

@@ -135,3 +135,40 @@ def test_decode_matches_prefill(engine_variant, case, model_cache):
         full = eng.infer([np.array(p + g[:-1]) for p, g in zip(prompts, gens)])
     for p, g, logits in zip(prompts, gens, full):
         assert np.argmax(logits[len(p) - 1:], axis=-1).tolist() == g
+
+
+@pytest.mark.parametrize("case", ["ernie4_5_moe", "ernie4_5_moe_k1"])
+def test_expert_ids_match_transformers_router(backend_name, case, model_cache):
+    """The experts every MoE layer chose == transformers' router choice (its selected_experts, read
+    from the router module) at every position whose top-k+1 scores are not near-tied."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from conftest import fp32
+    hf, col = convert_case(model_cache, case)
+    V, k = CASES[case][1]["vocab_size"], CASES[case][1]["moe_k"]
+    ids = np.random.default_rng(11).integers(0, V, (2, 17))
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, attn_implementation="eager").eval()
+    seen, scores = {}, {}
+    for i, layer in enumerate(model.model.layers):
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None and hasattr(gate, "moe_statics"):
+            def grab(mod, args, out, i=i):
+                logits, _, chosen = out
+                seen[i] = chosen.numpy()
+                scores[i] = (torch.softmax(logits.float(), -1) + mod.moe_statics.e_score_correction_bias).numpy()
+            gate.register_forward_hook(grab)
+    with torch.no_grad():
+        model(torch.as_tensor(ids))
+    with Engine.open(col, backend=backend_name, max_seq_len=64, **fp32(backend_name)) as eng:
+        rec = ExpertIds(eng)
+        eng.infer(ids)
+        ours = rec.by_layer()
+    assert sorted(ours) == sorted(seen) and seen
+    checked = 0
+    for layer, want in seen.items():
+        srt = -np.sort(-scores[layer], axis=-1)[:, :k + 1]
+        clear = np.min(np.abs(np.diff(srt, axis=-1)), axis=-1) > 1e-5
+        assert clear.mean() > 0.8
+        np.testing.assert_array_equal(ours[layer][clear], want[clear], err_msg=f"layer {layer}")
+        checked += int(clear.sum())
+    assert checked >= len(seen) * ids.size * 0.8

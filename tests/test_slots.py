@@ -178,3 +178,28 @@ def test_routing_stats_on_skewed_trace():
         assert l["imbalance"] > 1.5 and l["entropy_bits"] < l["max_entropy_bits"]
         assert sum(l["load"]) == 300 * 2
         assert np.array(l["coactivation"]).sum() == 300 * 2     # each token: one pair, counted both ways
+
+
+@pytest.mark.parametrize("policy", ["lru", "prefetch"])
+def test_slots_trace_and_simulate_on_ernie(backend_name, policy, model_cache):
+    """ERNIE-4.5 (top-4 of 6 with a choice-only bias, two shared experts, dense first and last layers)
+    through the slot pool: results equal all-resident (prefetch predicts with the next layer's bias),
+    only routed experts occupy slots (shared experts and dense MLPs stay resident), the trace holds the
+    MoE layers only, and the simulator replays the engine's counters exactly."""
+    _, col = convert_case(model_cache, "ernie4_5_moe")
+    ids = np.random.default_rng(2).integers(0, 93, size=(2, 9))
+    with Engine.open(col, backend=backend_name, **fp32(backend_name)) as e:
+        want, want_gen = e.infer(ids), e.generate(PROMPTS[0], max_new_tokens=8, ignore_eos=True)
+    with Engine.open(col, backend=backend_name, expert_slots=4, slot_policy=policy, **fp32(backend_name)) as e:
+        np.testing.assert_array_equal(e.infer(ids), want)
+        assert e.generate(PROMPTS[0], max_new_tokens=8, ignore_eos=True) == want_gen
+        bpe = e.trace_meta()["bytes_per_expert"]
+        assert e.slot_stats["resident_bytes"] <= 4 * bpe
+    with Engine.open(col, backend=backend_name, expert_slots=4, slot_policy=policy, max_batch=2, prefill_chunk=8,
+                     **fp32(backend_name)) as e:
+        tr = e.trace(PROMPTS, max_new_tokens=5, ignore_eos=True)
+        counts = e.slot_stats
+    assert tr.layer_ids.tolist() == [1, 2] and tr.expert_ids.shape[2] == 4
+    sim = replay(tr, 4, policy)
+    for f in ("hits", "misses", "evictions", "prefetch_hits"):
+        assert sim[f] == counts[f], (f, sim, counts)

@@ -132,11 +132,23 @@ def test_absurd_norm_eps_and_rope_theta(model, field, value):  # were accepted, 
                                          ("attention_scale", "0.1"),
                                          ("folded_multipliers", {"embedding_multiplier": -1.0}),
                                          ("folded_multipliers", {"attention_multiplier": 2.0}),
-                                         ("folded_multipliers", [1.0])])
+                                         ("folded_multipliers", [1.0]), ("router_choice_bias", 1),
+                                         ("router_norm_min", -1e-3), ("router_norm_min", 2.0),
+                                         ("router_norm_min", "1e-12"), ("rope_pairs", "gptj")])
 def test_optional_scale_fields_typed(model, field, value):
-    """attention_scale and folded_multipliers (written for Granite) are typed and ranged like the rest."""
+    """attention_scale and folded_multipliers (written for Granite), router_choice_bias,
+    router_norm_min and rope_pairs (ERNIE-4.5) are typed and ranged like the rest."""
     _edit(model, "config.json", lambda c: c.update({field: value}))
     _refused(model, field)
+
+
+def test_choice_bias_needs_its_tensors_and_topk(model):
+    """router_choice_bias set: every MoE layer needs its [E] bias tensor (named when missing); gated
+    routing takes none."""
+    _edit(model, "config.json", lambda c: c.update(router_choice_bias=True))
+    _refused(model, "router_choice_bias")
+    _edit(model, "config.json", lambda c: c.update(router_choice_bias=False, router_norm_min=0.5, router_mode="gated"))
+    _refused(model, "router_mode", "renormalisation floor")
 
 
 def test_unknown_fields_and_tensors_are_refused(model):

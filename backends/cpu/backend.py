@@ -292,8 +292,9 @@ class Backend(BackendBase):
         self.k.paged_attention(out, q, K, V, block_tables, seq_index, positions, int(block_size), float(scale))
 
     # -- MoE ---------------------------------------------------------------------------------
-    def route(self, out_ids, out_w, logits, k, mode, normalize):
-        self.m.route(out_ids, out_w, logits, mode == "gated", bool(normalize))
+    def route(self, out_ids, out_w, logits, k, mode, normalize, choice_bias=None, norm_min=0.0):
+        self.m.route(out_ids, out_w, logits, mode == "gated", bool(normalize),
+                     self.none if choice_bias is None else choice_bias.data, np.float32(norm_min))
 
     def align(self, bufs, ids, num_tokens, num_experts, top_k, tally=None):
         A, E = num_tokens * top_k, num_experts

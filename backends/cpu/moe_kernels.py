@@ -21,14 +21,16 @@ def store_swiglu(act, r, i, g, u, gate_scales, up_scales):
 
 
 @njit(cache=True, error_model="numpy")
-def route(out_ids, out_w, logits, gated, normalize):
+def route(out_ids, out_w, logits, gated, normalize, choice_bias, norm_min):
     """logits [T,E] -> out_ids [T,k] int32, out_w [T,k] float32; p = softmax(logits[t]) in float32.
-    topk:  the k largest, ties to the lower expert id; w = p (/ sum of the k p when normalize).
-           Ranked by logit (softmax is monotone): selection by repeated arg-max with a strict >,
-           so an equal later expert never displaces an earlier one.
+    topk:  the k largest, ties to the lower expert id; w = p (/ max(sum of the k p, norm_min) when
+           normalize). Without a choice bias ranked by logit (softmax is monotone); with one
+           (choice_bias [E], non-empty) by p + choice_bias. Selection by repeated arg-max with a
+           strict >, so an equal later expert never displaces an earlier one.
     gated: k == E, ids = 0..E-1, w = p."""
     T, E = logits.shape
     k = out_ids.shape[1]
+    biased = choice_bias.shape[0] > 0
     for t in range(T):
         row = logits[t]
         top = row[0]
@@ -45,16 +47,19 @@ def route(out_ids, out_w, logits, gated, normalize):
         chosen = F0
         for j in range(k):
             best = -1
+            best_s = F0
             for e in range(E):
                 taken = False
                 for i in range(j):
                     taken |= out_ids[t, i] == e
-                if not taken and (best < 0 or row[e] > row[best]):
-                    best = e
+                s = np.exp(row[e] - top) / total + choice_bias[e] if biased else row[e]
+                if not taken and (best < 0 or s > best_s):
+                    best, best_s = e, s
             out_ids[t, j] = best
             out_w[t, j] = np.exp(row[best] - top) / total
             chosen += out_w[t, j]
         if normalize:
+            chosen = max(chosen, norm_min)
             for j in range(k):
                 out_w[t, j] /= chosen
 

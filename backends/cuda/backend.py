@@ -129,13 +129,14 @@ class Backend(CudaRuntime):
 
     # -- MoE ---------------------------------------------------------------------------------
     @guarded
-    def route(self, out_ids, out_w, logits, k, mode, normalize):
+    def route(self, out_ids, out_w, logits, k, mode, normalize, choice_bias=None, norm_min=0.0):
         T, E = logits.shape
         if E > sources.MAX_ROUTE_EXPERTS:
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT,
                                f"route: {E} experts (the CUDA router takes {sources.MAX_ROUTE_EXPERTS})")
         self._launch("moe_route", (cdiv(T, 4),), (128,),
-                     (out_ids, out_w, logits, _i32(T), _i32(E), _i32(k), _i32(mode == "gated"), _i32(bool(normalize))))
+                     (out_ids, out_w, logits, _NULL if choice_bias is None else choice_bias.data, _i32(T), _i32(E),
+                      _i32(k), _i32(mode == "gated"), _i32(bool(normalize)), np.float32(norm_min)))
 
     @staticmethod
     def block_rows_for(assignments, num_experts):

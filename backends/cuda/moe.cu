@@ -9,16 +9,17 @@
 #define ALIGN_CHUNK 2048   // assignments staged in shared memory per pass
 
 // logits [T,E] fp32 -> ids [T,k] int32, w [T,k] fp32.
-//   p = softmax(logits[t]);  topk: the k largest p in descending order, ties to the lower expert id,
-//   w = p (/ sum of the k chosen when normalize);  gated (k == E): ids = 0..E-1, w = p.
+//   p = softmax(logits[t]);  topk: the k largest scores s = p (+ choice_bias[e] when choice_bias is
+//   not null: the choice only) in descending order, ties to the lower expert id, w = their p
+//   (/ max(sum of the k chosen p, norm_min) when normalize);  gated (k == E): ids = 0..E-1, w = p.
 // one warp per token: grid ceil(T/4), block 128
-extern "C" __global__ void moe_route(int* out_ids, float* out_w, const float* logits, int T, int E, int k,
-                                     int gated, int normalize) {
+extern "C" __global__ void moe_route(int* out_ids, float* out_w, const float* logits, const float* choice_bias,
+                                     int T, int E, int k, int gated, int normalize, float norm_min) {
     const int lane = threadIdx.x & 31;
     const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (t >= T) return;                              // whole warps; this kernel has no block barrier
     const float* x = logits + (size_t)t * E;
-    float p[ROUTE_MAXJ];
+    float p[ROUTE_MAXJ], sc[ROUTE_MAXJ];
     float mx = neg_inf();
 #pragma unroll
     for (int j = 0; j < ROUTE_MAXJ; ++j) {
@@ -38,7 +39,8 @@ extern "C" __global__ void moe_route(int* out_ids, float* out_w, const float* lo
 #pragma unroll
     for (int j = 0; j < ROUTE_MAXJ; ++j) {
         const int e = lane + 32 * j;
-        p[j] = e < E ? p[j] / s : -1.f;              // -1: not an expert, or already chosen
+        p[j] = e < E ? p[j] / s : 0.f;
+        sc[j] = e < E ? (choice_bias ? p[j] + choice_bias[e] : p[j]) : neg_inf();   // -inf: none, or chosen
     }
     if (gated) {
 #pragma unroll
@@ -50,24 +52,25 @@ extern "C" __global__ void moe_route(int* out_ids, float* out_w, const float* lo
     }
     float wsum = 0.f;
     for (int r = 0; r < k; ++r) {
-        float bv = -2.f;
+        float bv = neg_inf(), bp = 0.f;
         int bi = 0x7fffffff;
 #pragma unroll
         for (int j = 0; j < ROUTE_MAXJ; ++j)         // ascending ids: strict > keeps the lower id
-            if (p[j] > bv) { bv = p[j]; bi = lane + 32 * j; }
+            if (sc[j] > bv) { bv = sc[j]; bp = p[j]; bi = lane + 32 * j; }
         for (int o = 16; o > 0; o >>= 1) {
             const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const float op = __shfl_xor_sync(0xffffffffu, bp, o);
             const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bp = op; bi = oi; }
         }
 #pragma unroll
         for (int j = 0; j < ROUTE_MAXJ; ++j)
-            if (lane + 32 * j == bi) p[j] = -1.f;
-        if (lane == 0) { out_ids[(size_t)t * k + r] = bi; out_w[(size_t)t * k + r] = bv; }
-        wsum += bv;
+            if (lane + 32 * j == bi) sc[j] = neg_inf();
+        if (lane == 0) { out_ids[(size_t)t * k + r] = bi; out_w[(size_t)t * k + r] = bp; }
+        wsum += bp;
     }
     if (normalize && lane == 0)
-        for (int r = 0; r < k; ++r) out_w[(size_t)t * k + r] = out_w[(size_t)t * k + r] / wsum;
+        for (int r = 0; r < k; ++r) out_w[(size_t)t * k + r] = out_w[(size_t)t * k + r] / fmaxf(wsum, norm_min);
 }
 
 // exclusive prefix sum over the ALIGN_THREADS threads of the CTA; *total gets the sum

@@ -105,11 +105,12 @@ class Backend(OpenCLRuntime):
                      Hq, Hkv, D, block_size, float(scale), lm(4 * D), lm(4 * D), lm(4 * C), lm(4 * C))
 
     # -- MoE ---------------------------------------------------------------------------------------
-    def route(self, out_ids, out_w, logits, k, mode, normalize):
+    def route(self, out_ids, out_w, logits, k, mode, normalize, choice_bias=None, norm_min=0.0):
         T, E = logits.shape
         kk = self._kernel("moe.cl", "route")
         L = self._local(kk, 64)
-        self._launch(kk, (T,), (L,), out_ids, out_w, logits, T, E, k, mode == "gated", bool(normalize))
+        self._launch(kk, (T,), (L,), out_ids, out_w, logits, self._dummy if choice_bias is None else choice_bias.data,
+                     T, E, k, mode == "gated", bool(normalize), choice_bias is not None, float(norm_min))
 
     def align(self, bufs, ids, num_tokens, num_experts, top_k, tally=None):
         N, E = num_tokens * top_k, num_experts

@@ -2,17 +2,19 @@
  * Built per matrix type like dense.cl (only ffn_gate_up reads matrices here). */
 
 /* Router, fp32. p = softmax(logits[t, :]) = exp(x - max) / sum exp(x - max)
- *   topk  (gated == 0): out_ids[t, :] = the k largest p, descending, ties to the lower expert id;
- *                       out_w = their p, divided by their sum when normalize
+ *   topk  (gated == 0): out_ids[t, :] = the k largest scores s = p (+ choice_bias[e] when
+ *                       has_bias: the choice only), descending, ties to the lower expert id;
+ *                       out_w = their p, divided by max(their sum, norm_min) when normalize
  *   gated (gated == 1): k == E, out_ids[t, j] = j, out_w[t, j] = p_j
- * logits [T,E]; out_ids [T,k] int; out_w [T,k]. One work-item per token. global (T) */
-__kernel void route(ARG(int, out_ids), ARG(float, out_w), CARG(float, logits), const int T, const int E,
-                    const int k, const int gated, const int normalize)
+ * logits [T,E]; choice_bias [E]; out_ids [T,k] int; out_w [T,k]. One work-item per token. global (T) */
+__kernel void route(ARG(int, out_ids), ARG(float, out_w), CARG(float, logits), CARG(float, choice_bias),
+                    const int T, const int E, const int k, const int gated, const int normalize,
+                    const int has_bias, const float norm_min)
 {
     const int t = get_global_id(0);
     if (t >= T)
         return;
-    BIND(int, out_ids); BIND(float, out_w); CBIND(float, logits);
+    BIND(int, out_ids); BIND(float, out_w); CBIND(float, logits); CBIND(float, choice_bias);
     __global const float* x = logits + (size_t)t * E;
     float m = x[0];
     for (int e = 1; e < E; ++e)
@@ -27,31 +29,33 @@ __kernel void route(ARG(int, out_ids), ARG(float, out_w), CARG(float, logits), c
         }
         return;
     }
-    /* selection in the order (p descending, id ascending): the j-th pick is the best candidate
+    /* selection in the order (s descending, id ascending): the j-th pick is the best candidate
      * strictly after the (j-1)-th in that order, so no private "taken" array is needed */
-    float prev_p = INFINITY;
+    float prev_s = INFINITY;
     int prev_id = -1;
     float wsum = 0.0f;
     for (int j = 0; j < k; ++j) {
         int best = -1;
-        float best_p = 0.0f;
+        float best_s = 0.0f, best_p = 0.0f;
         for (int e = 0; e < E; ++e) {
             const float pe = exp(x[e] - m) / sum;
-            const int after_prev = (pe < prev_p) || (pe == prev_p && e > prev_id);
-            if (after_prev && (best < 0 || pe > best_p)) {     /* strict >: ties keep the lower id */
+            const float se = has_bias ? pe + choice_bias[e] : pe;
+            const int after_prev = (se < prev_s) || (se == prev_s && e > prev_id);
+            if (after_prev && (best < 0 || se > best_s)) {     /* strict >: ties keep the lower id */
                 best = e;
+                best_s = se;
                 best_p = pe;
             }
         }
         out_ids[(size_t)t * k + j] = best;
         out_w[(size_t)t * k + j] = best_p;
         wsum += best_p;
-        prev_p = best_p;
+        prev_s = best_s;
         prev_id = best;
     }
     if (normalize)
         for (int j = 0; j < k; ++j)
-            out_w[(size_t)t * k + j] /= wsum;
+            out_w[(size_t)t * k + j] /= fmax(wsum, norm_min);
 }
 
 /* align: counting sort of the N = T*k assignments a = t*k + j by expert ids[a] (stable):

@@ -98,8 +98,8 @@ class Backend(BackendBase):
             out[t] = np.einsum("hn,nhd->hd", p, v)
 
     # MoE
-    def route(self, out_ids, out_w, logits, k, mode, normalize):
-        ids, w = routing.route(logits, k, mode, normalize)
+    def route(self, out_ids, out_w, logits, k, mode, normalize, choice_bias=None, norm_min=0.0):
+        ids, w = routing.route(logits, k, mode, normalize, None if choice_bias is None else choice_bias.data, norm_min)
         out_ids[...] = ids
         out_w[...] = w
 
