@@ -98,7 +98,7 @@ def _cmd_run(a):
         elif a.ids:
             prompt = [int(t) for t in a.prompt.split()]
         kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                  seed=a.seed, ignore_eos=a.ignore_eos)
+                  seed=a.seed, ignore_eos=a.ignore_eos, min_p=a.min_p, repetition_penalty=a.repeat_penalty)
         t0 = time.perf_counter()
         if a.ids or not os.path.exists(os.path.join(eng.path, "tokenizer.json")):
             ids = eng.generate(prompt if a.ids else [int(t) for t in prompt.split()], **kw)
@@ -247,9 +247,13 @@ def build_parser():
     r.add_argument("--ids", action="store_true", help="the prompt is space-separated token ids")
     r.add_argument("--max-new-tokens", type=int, default=48)
     r.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens (as llama.cpp's)")
-    r.add_argument("--temperature", type=float, default=0.0)
-    r.add_argument("--top-p", type=float, default=1.0)
-    r.add_argument("--top-k", type=int, default=0)
+    # llama.cpp's sampling defaults (llama-cli), with its classic repetition guard; --temperature 0 is greedy
+    r.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default 0.8, as llama.cpp)")
+    r.add_argument("--top-p", type=float, default=0.95)
+    r.add_argument("--top-k", type=int, default=40)
+    r.add_argument("--min-p", type=float, default=0.05)
+    r.add_argument("--repeat-penalty", type=float, default=1.1,
+                   help="divide the logits of tokens already in the context (1 turns it off)")
     r.add_argument("--seed", type=int, default=None)
     r.add_argument("--backend", default=None, help="auto, cpu, opencl, cuda, reference (default: COLIBRI_BACKEND or auto)")
     r.add_argument("--max-seq-len", type=int, default=None)

@@ -1,7 +1,8 @@
 """The public Engine: open a model directory on a backend, then infer / generate / stream / chat.
 
-Thread safety: an Engine serialises its calls with a lock, so sharing one across threads is safe
-but runs one request at a time; for parallel work open one Engine per thread. Engines opened on
+Thread safety: an Engine is shared by any number of threads: generate / stream / generate_batch /
+chat submit requests to its request core (core.py), whose one thread batches every live request
+into each step (continuous batching); infer and trace run on that thread between steps. Engines opened on
 the same model directory in one process share the read-only mapped weights (one memmap); each has
 its own KV pool, arena and counters.
 """
@@ -17,7 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import knobs, sampling
-from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_MODEL
+from .core import DONE, ERROR, RETRY, TOKEN, Core, Event, Request, text_piece
+from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_MODEL, COLIBRI_ERR_OUT_OF_MEMORY
 from .modeldir import ModelDir
 from .scheduler import Runner
 
@@ -57,6 +59,9 @@ def open_model_dir(path: str) -> ModelDir:
         return m
 
 
+GEN_ARGS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+SAMPLING_EXTRAS = {"min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
+                   "top_logprobs"}
 STEP_WINDOW = 4096     # decode steps whose times the step percentiles cover (the latest ones)
 
 
@@ -93,7 +98,7 @@ class Engine:
                  prefill_chunk=256, kv_block_size=None, num_streams=None, router_warmup=None,
                  disable_fp16=None, num_threads=None, expert_slots=None, slot_policy=None, cuda_graphs=None,
                  int8_activations=None,
-                 device=None):
+                 device=None, max_queue=1024, interleave=2.0):
         self.model = open_model_dir(path)
         cfg = self.config = self.model.config
         self.path = self.model.path
@@ -138,7 +143,12 @@ class Engine:
         self.stats = Stats()
         # end-of-sequence ids (generation_config.json); the engine's own copy, so it may be changed
         self.eos_token_ids = list(cfg["eos_token_ids"])
-        self._lock = threading.RLock()
+        self._core = Core(self, sampling.integer("max_queue", max_queue, 1, 1 << 20))
+        # a step that carries prefill beside decodes takes at most `interleave` x a decode step (core.py)
+        self.interleave = sampling.real("interleave", interleave, 0.0, 1e6)
+        if 0 < self.interleave <= 1:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"interleave={interleave}: use 0 (no cap) or a "
+                               "number above 1 (a step with prefill may take that many decode steps' time)")
         self._next_seq = 0
         self._codec = None
         self.closed = False
@@ -158,6 +168,7 @@ class Engine:
     def close(self):
         if not self.closed:
             self.closed = True
+            self._core.close()
             if self.runner.slot_pool is not None:
                 self.runner.slot_pool.close()
             self.backend.close()
@@ -235,34 +246,41 @@ class Engine:
     def infer(self, input_ids):
         """int [seq] or [batch, seq] -> float32 logits [batch, seq, vocab] ([1, seq, vocab] for 1-D);
         a list of 1-D arrays of different lengths -> a list of [len, vocab] arrays."""
-        with self._lock:
-            self._check_open()
-            as_list = isinstance(input_ids, (list, tuple)) and len(input_ids) > 0 and \
-                not np.isscalar(input_ids[0])
-            if as_list:
-                seqs = [self._check_ids(x) for x in input_ids]
-            else:
-                arr = np.asarray(input_ids)
-                if arr.ndim == 1:
-                    arr = arr[None]
-                if arr.ndim != 2 or arr.size == 0:
-                    raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT,
-                                       f"input_ids must be [seq] or [batch, seq] token ids, got shape {arr.shape}")
-                seqs = [self._check_ids(x) for x in arr]
-            results = []
-            for g in range(0, len(seqs), self.max_batch):
-                group = [(self._new_seq(), ids) for ids in seqs[g:g + self.max_batch]]
-                try:
-                    for seq, ids in group:
-                        self.runner.reserve(seq, len(ids))
-                    results += self._prefill(group, all_logits=True)
-                finally:
-                    for seq, _ in group:
-                        self.runner.free(seq)
-            for j, r in enumerate(results):
-                if not np.isfinite(r.max()):
-                    raise nonfinite(f"input {j}")
-            return results if as_list else np.stack(results)
+        self._check_open()
+        as_list = isinstance(input_ids, (list, tuple)) and len(input_ids) > 0 and \
+            not np.isscalar(input_ids[0])
+        if as_list:
+            seqs = [self._check_ids(x) for x in input_ids]
+        else:
+            arr = np.asarray(input_ids)
+            if arr.ndim == 1:
+                arr = arr[None]
+            if arr.ndim != 2 or arr.size == 0:
+                raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT,
+                                   f"input_ids must be [seq] or [batch, seq] token ids, got shape {arr.shape}")
+            seqs = [self._check_ids(x) for x in arr]
+        results = []
+        for g in range(0, len(seqs), self.max_batch):
+            results += self._core.call(lambda g=g: self._infer_group(seqs[g:g + self.max_batch]))
+        for j, r in enumerate(results):
+            if not np.isfinite(r.max()):
+                raise nonfinite(f"input {j}")
+        return results if as_list else np.stack(results)
+
+    def _infer_group(self, seqs):
+        """(core thread) one group's logits, or RETRY while running requests hold the blocks it needs."""
+        group = [(self._new_seq(), ids) for ids in seqs]
+        try:
+            for seq, ids in group:
+                self.runner.reserve(seq, len(ids))
+            return self._prefill(group, all_logits=True)
+        except ColibriError as e:
+            if e.code == COLIBRI_ERR_OUT_OF_MEMORY and self._core.busy:
+                return RETRY
+            raise
+        finally:
+            for seq, _ in group:
+                self.runner.free(seq)
 
     def _prompt_ids(self, prompt):
         if isinstance(prompt, str):
@@ -285,13 +303,56 @@ class Engine:
                                "of prompts (strings, token id lists or chat message lists)")
         return list(prompts)
 
+    def _params(self, max_new_tokens=32, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=None,
+                ignore_eos=False, **extra) -> sampling.SamplingParams:
+        unknown = sorted(set(extra) - SAMPLING_EXTRAS)
+        if unknown:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"unknown generation argument {unknown[0]!r}; "
+                               f"known: {', '.join(sorted(SAMPLING_EXTRAS | set(GEN_ARGS)))}")
+        p = sampling.SamplingParams.make(self.config["vocab_size"], self.eos_token_ids, max_new_tokens, temperature,
+                                         top_p, top_k, seed, stop, ignore_eos, **extra)
+        if p.stops:
+            self.codec  # stop strings need the tokenizer
+        return p
+
+    def submit(self, prompt, priority=0, index=0, notify=None, **gen) -> Request:
+        """Queue one request (prompt: token ids, a string or chat messages; gen: generate()'s
+        arguments and the extras min_p, repetition_penalty, presence_penalty, frequency_penalty,
+        logit_bias, logprobs, top_logprobs); read its events with request.iter_events(), cancel it
+        with request.cancel(). Raises COLIBRI_ERR_UNAVAILABLE when the queue is full."""
+        return self._submit([prompt], priority, notify, **gen)[0]
+
+    def submit_batch(self, prompts, priorities=None, **gen) -> list:
+        """Queue several requests at once (one step can take all of them); prompt i samples with the
+        RNG seeded [seed, i]; priorities: one int per prompt (higher first; default 0)."""
+        prompts = self._check_prompts(prompts)
+        if priorities is not None and (not isinstance(priorities, (list, tuple)) or len(priorities) != len(prompts)):
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"priorities={priorities!r:.80}: expected one integer "
+                               f"per prompt ({len(prompts)})")
+        return self._submit(prompts, priorities or 0, **gen)
+
+    def _submit(self, prompts, priority=0, notify=None, **gen) -> list:
+        self._check_open()
+        params = self._params(**gen)
+        pri = priority if isinstance(priority, (list, tuple)) else [priority] * len(prompts)
+        pri = [sampling.integer("priority", x, -(1 << 20), 1 << 20) for x in pri]
+        reqs = [Request(self._prompt_ids(p), params, pri[i], i, notify) for i, p in enumerate(prompts)]
+        if params.max_new_tokens == 0:
+            for r in reqs:
+                r.finished = True
+                r._emit(Event(DONE, reason="length"))
+            return reqs
+        self._core.submit(reqs)
+        return reqs
+
     def generate(self, prompt, max_new_tokens=32, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=None,
-                 ignore_eos=False):
+                 ignore_eos=False, **extra):
         """prompt: token ids, a string (with a tokenizer) or chat messages [{"role","content"}].
         Returns the generated token ids (including a final end-of-sequence id, as transformers does).
-        ignore_eos (as vLLM's) generates exactly max_new_tokens."""
+        ignore_eos (as vLLM's) generates exactly max_new_tokens. extra: min_p, repetition_penalty,
+        presence_penalty, frequency_penalty, logit_bias, priority (sampling.SamplingParams)."""
         return self.generate_batch([prompt], max_new_tokens, temperature, top_p, top_k, seed, stop,
-                                   ignore_eos=ignore_eos)[0]
+                                   ignore_eos=ignore_eos, **extra)[0]
 
     def chat(self, messages, **kw):
         """Messages rendered with the model's chat template; returns the reply's text."""
@@ -302,132 +363,53 @@ class Engine:
         return self.codec.decode(ids)
 
     def stream(self, prompt, max_new_tokens=32, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=None,
-               ignore_eos=False):
-        """Yields text pieces as they are generated; a piece never splits a UTF-8 character."""
+               ignore_eos=False, **extra):
+        """Yields text pieces as they are generated; a piece never splits a UTF-8 character. Closing
+        the generator early (break, del) cancels the request: its blocks return within one step."""
         from .textio import StreamDecoder
         dec = StreamDecoder(self.codec)
-        for _, token, err in self._generate_iter([prompt], max_new_tokens, temperature, top_p, top_k, seed, stop,
-                                                 ignore_eos):
-            if err is not None:
-                raise err
-            piece = dec.push(token)
-            if piece:
-                yield piece
-        tail = dec.flush()
-        if tail:
-            yield tail
+        priority = extra.pop("priority", 0)
+        req = self._submit([prompt], priority, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                           top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos, **extra)[0]
+        try:
+            for ev in req.iter_events():
+                piece = text_piece(dec, ev)
+                if piece:
+                    yield piece
+            tail = dec.flush()
+            if tail:
+                yield tail
+        finally:
+            req.cancel()
 
     def generate_batch(self, prompts, max_new_tokens=32, temperature=0.0, top_p=1.0, top_k=0, seed=None,
-                       stop=None, return_errors=False, ignore_eos=False):
-        """Decode several sequences together; each is freed as it finishes. Returns a list of id lists.
-        A sequence that cannot continue (KV pool exhausted) fails alone: with return_errors its entry
-        is the ColibriError, otherwise the first such error is raised after the others finish."""
+                       stop=None, return_errors=False, ignore_eos=False, **extra):
+        """Decode several sequences together (submitted at once: one step can prefill all of them);
+        prompt i samples with its own RNG, seeded [seed, i]. A request that can never fit (larger
+        than the whole KV pool) fails alone: with return_errors its entry is the ColibriError,
+        otherwise the first such error is raised after the others finish; the others wait for room."""
         prompts = self._check_prompts(prompts)
         return_errors = sampling.flag("return_errors", return_errors)
-        outs = [[] for _ in prompts]
-        errors = [None] * len(prompts)
-        for i, token, err in self._generate_iter(prompts, max_new_tokens, temperature, top_p, top_k, seed, stop,
-                                                 ignore_eos):
-            if err is not None:
-                errors[i] = err
-            else:
-                outs[i].append(token)
+        priority = extra.pop("priority", 0)
+        reqs = self._submit(prompts, priority, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                            top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos, **extra)
+        outs, errors = [[] for _ in reqs], [None] * len(reqs)
+        try:
+            for i, r in enumerate(reqs):
+                for ev in r.iter_events():
+                    if ev.kind == TOKEN:
+                        outs[i].append(ev.token)
+                    elif ev.kind == ERROR:
+                        errors[i] = ev.error
+        finally:
+            for r in reqs:
+                r.cancel()
         if not return_errors:
             for e in errors:
                 if e is not None:
                     raise e
             return outs
         return [e if e is not None else o for o, e in zip(outs, errors)]
-
-    def _generate_iter(self, prompts, max_new_tokens, temperature, top_p, top_k, seed, stop, ignore_eos=False):
-        """Yields (index, token, None) per generated token, or (index, None, error) when a sequence fails."""
-        temperature, top_p, top_k = sampling.check_params(temperature, top_p, top_k)
-        max_new_tokens, seed, stops, ignore_eos = sampling.check_generation(max_new_tokens, seed, stop, ignore_eos)
-        if stops:
-            self.codec  # stop strings need the tokenizer
-        with self._lock:
-            self._check_open()
-            prompt_ids = [self._prompt_ids(p) for p in prompts]
-            rng = np.random.default_rng(seed)
-            eos = set() if ignore_eos else set(self.eos_token_ids)
-            live = {}          # index -> {"seq", "produced", "logits" (ready to sample, or None)}
-            waiting = list(range(len(prompts)))
-
-            def choose(i, st):
-                """Sample sequence i's next token; -> (token, done), or (None, NaN error) when its logits are not
-                finite (max is NaN or +inf exactly then, and allocates nothing)."""
-                if not np.isfinite(st["logits"].max()):
-                    st["logits"] = None
-                    return None, nonfinite(f"sequence {i} at position {st['seq'].cached}")
-                tok = sampling.sample(st["logits"], temperature, top_p, top_k, rng)
-                st["logits"] = None
-                st["produced"].append(tok)
-                done = tok in eos or len(st["produced"]) >= max_new_tokens
-                done = done or st["seq"].cached + 1 > self.max_seq_len
-                if stops and not done:
-                    tail = self.codec.decode(st["produced"][-64:])
-                    done = any(s in tail for s in stops)
-                return tok, done
-
-            try:
-                while waiting or live:
-                    # 1. sample every live sequence from the last decode step's logits, which are a
-                    #    view into the arena: it must happen before any other step overwrites them
-                    finished = []
-                    for i, st in live.items():
-                        tok, done = choose(i, st)
-                        yield (i, tok, None) if tok is not None else (i, None, done)
-                        if tok is None or done:
-                            finished.append(i)
-                    for i in finished:
-                        self.runner.free(live.pop(i)["seq"])
-                    # 2. admit waiting sequences while there is room; prefill them together
-                    admitted = []
-                    while waiting and len(live) + len(admitted) < self.max_batch:
-                        i = waiting.pop(0)
-                        if max_new_tokens == 0:
-                            continue
-                        seq = self._new_seq()
-                        try:
-                            self.runner.reserve(seq, len(prompt_ids[i]))
-                        except ColibriError as e:
-                            self.runner.free(seq)
-                            yield i, None, e
-                            continue
-                        admitted.append((i, seq))
-                    if admitted:
-                        t_first = time.perf_counter()
-                        lasts = self._prefill([(seq, prompt_ids[i]) for i, seq in admitted], all_logits=False)
-                        self.stats.first_token_seconds = time.perf_counter() - t_first
-                        for (i, seq), logits in zip(admitted, lasts):
-                            st = live[i] = {"seq": seq, "produced": [], "logits": logits}
-                            tok, done = choose(i, st)
-                            yield (i, tok, None) if tok is not None else (i, None, done)
-                            if tok is None or done:
-                                self.runner.free(live.pop(i)["seq"])
-                    if not live:
-                        continue
-                    # 3. one decode step: one new token per live sequence
-                    entries, owners = [], []
-                    for i, st in list(live.items()):
-                        try:
-                            self.runner.reserve(st["seq"], 1)
-                        except ColibriError as e:
-                            self.runner.free(live.pop(i)["seq"])
-                            yield i, None, e
-                            continue
-                        entries.append((st["seq"], st["produced"][-1:]))
-                        owners.append(i)
-                    if not entries:
-                        continue
-                    t0 = time.perf_counter()
-                    logits = self.backend.host_view(self.runner.step(entries))   # once per step
-                    for row, i in enumerate(owners):
-                        live[i]["logits"] = logits[row]
-                    self.stats.add_decode_step(time.perf_counter() - t0, len(entries))
-            finally:
-                for st in live.values():
-                    self.runner.free(st["seq"])
 
     # -- introspection ----------------------------------------------------------------------
     @property
@@ -458,24 +440,31 @@ class Engine:
         """Run prompts (token id lists or strings) and return the routing Trace of every step
         (prefill, and decode when max_new_tokens > 0)."""
         from .trace import TraceRecorder
-        with self._lock:
-            rec = TraceRecorder(self.runner, self.trace_meta())
-            self.runner.hooks.append(rec)
-            try:
-                if max_new_tokens > 0:
-                    self.generate_batch(list(prompts), max_new_tokens=max_new_tokens, **gen)
-                else:
-                    for p in prompts:
-                        ids = self._prompt_ids(p)
-                        seq = self._new_seq()
-                        try:
-                            self.runner.reserve(seq, len(ids))
-                            self._prefill([(seq, ids)], all_logits=False)
-                        finally:
-                            self.runner.free(seq)
-            finally:
-                self.runner.hooks.remove(rec)
-            return rec.trace()
+        self._check_open()
+        rec = TraceRecorder(self.runner, self.trace_meta())
+        self._core.call(lambda: self.runner.hooks.append(rec))      # steps of concurrent requests are traced too
+        try:
+            if max_new_tokens > 0:
+                self.generate_batch(list(prompts), max_new_tokens=max_new_tokens, **gen)
+            else:
+                for p in prompts:
+                    ids = self._prompt_ids(p)
+                    self._core.call(lambda ids=ids: self._prefill_one(ids))
+        finally:
+            self._core.call(lambda: self.runner.hooks.remove(rec))
+        return rec.trace()
+
+    def _prefill_one(self, ids):
+        seq = self._new_seq()
+        try:
+            self.runner.reserve(seq, len(ids))
+            self._prefill([(seq, ids)], all_logits=False)
+        except ColibriError as e:
+            if e.code == COLIBRI_ERR_OUT_OF_MEMORY and self._core.busy:
+                return RETRY
+            raise
+        finally:
+            self.runner.free(seq)
 
     @property
     def kv_free_blocks(self) -> int:

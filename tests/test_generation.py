@@ -2,6 +2,7 @@
 batching, per-sequence failure, bad input, streaming text, stop strings and chat templates."""
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -64,24 +65,23 @@ def test_batch_sequences_finish_at_different_times(backend_name, model_cache):
     assert [o[:len(s)] for o, s in zip(outs[0], solo)] == solo
 
 
-def test_kv_pool_exhaustion_fails_only_that_sequence(backend_name, model_cache):
+def test_kv_pool_too_small_for_all_waits_and_only_the_oversized_fails(backend_name, model_cache):
+    """A pool too small for the batch at once: every request finishes with its solo tokens (waiting, or
+    preempted and recomputed); one longer than the whole pool fails alone with its code."""
     _, col = convert_case(model_cache, "olmoe")
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12], list(range(20, 40))]
     with Engine.open(col, backend=backend_name, max_batch=3, max_seq_len=64, kv_block_size=4,
                      kv_cache_tokens=40, **fp32(backend_name)) as eng:
         solo = [eng.generate(p, max_new_tokens=12, ignore_eos=True) for p in prompts]
-        res = eng.generate_batch(prompts, max_new_tokens=12, return_errors=True, ignore_eos=True)
+        res = eng.generate_batch(prompts + [list(range(1, 46))], max_new_tokens=12, return_errors=True,
+                                 ignore_eos=True)
         assert eng.kv_free_blocks == eng.runner.pool.num_blocks
-    failed = [i for i, r in enumerate(res) if isinstance(r, ColibriError)]
-    assert failed, "the pool was sized so that one sequence cannot finish"
-    for i, r in enumerate(res):
-        if i in failed:
-            assert r.code == COLIBRI_ERR_OUT_OF_MEMORY and "kv_cache_tokens" in r.message
-        else:
-            assert r == solo[i]
-    with pytest.raises(ColibriError) as ei:     # without return_errors the error is raised
-        with Engine.open(col, backend=backend_name, max_batch=3, kv_block_size=4, kv_cache_tokens=40) as eng:
-                eng.generate_batch(prompts, max_new_tokens=12, ignore_eos=True)
+        assert eng._core.preemptions > 0, "the pool was sized so that the three cannot run together"
+        with pytest.raises(ColibriError) as ei:     # without return_errors the error is raised
+            eng.generate_batch([list(range(1, 46))], max_new_tokens=2, ignore_eos=True)
+    assert res[:3] == solo
+    assert isinstance(res[3], ColibriError) and res[3].code == COLIBRI_ERR_OUT_OF_MEMORY
+    assert "kv_cache_tokens" in res[3].message
     assert ei.value.code == COLIBRI_ERR_OUT_OF_MEMORY
 
 
@@ -155,6 +155,24 @@ def test_stream_never_splits_utf8(backend_name, text_model):
         p.encode("utf-8")                                    # every piece is valid text
         assert not p.endswith("\ufffd") or p.count("\ufffd") == len(p)
     assert "".join(streamed) == eng.codec.decode(ids_again)
+
+
+def test_stream_closed_early_cancels_its_request(backend_name, text_model):
+    """Leaving a stream() loop early (the generator closed) cancels its request: its blocks are back
+    within a step and another caller runs meanwhile (a paused stream blocks nobody)."""
+    _, col, _ = text_model
+    with Engine.open(col, backend=backend_name, max_seq_len=128, **fp32(backend_name)) as eng:
+        total = eng.runner.pool.num_blocks
+        want = eng.generate("other", max_new_tokens=6, ignore_eos=True)
+        gen = eng.stream("hello", max_new_tokens=60, temperature=1.0, seed=1, ignore_eos=True)
+        first = next(gen)
+        assert eng.generate("other", max_new_tokens=6, ignore_eos=True) == want    # while gen is paused
+        gen.close()
+        for _ in range(1000):
+            if not eng._core.busy:
+                break
+            time.sleep(0.005)
+        assert first and eng.kv_free_blocks == total
 
 
 def byte_fallback_tokenizer():

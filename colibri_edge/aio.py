@@ -1,0 +1,82 @@
+"""AsyncEngine: the request core for asyncio programs (`await generate()`, `async for` over stream()).
+
+The core thread puts each event in the request's queue and wakes the awaiting task through
+loop.call_soon_threadsafe; nothing blocks the event loop. A task cancelled while streaming (or an
+`async for` left early) cancels its request, whose blocks return to the pool within one step."""
+from __future__ import annotations
+
+import asyncio
+import queue
+
+from .core import DONE, ERROR, TOKEN, text_piece
+from .engine import Engine
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    @classmethod
+    def open(cls, path, backend=None, **kw) -> "AsyncEngine":
+        return cls(Engine.open(path, backend=backend, **kw))
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.aclose()
+
+    async def aclose(self):
+        await asyncio.to_thread(self.engine.close)
+
+    async def events(self, prompt, priority=0, **gen):
+        """Yields the request's core Events (TOKEN ..., then DONE or ERROR)."""
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+
+        def wake():
+            try:
+                loop.call_soon_threadsafe(ready.set)
+            except RuntimeError:            # the loop has closed: nobody is waiting any more
+                pass
+        req = self.engine.submit(prompt, priority=priority, notify=wake, **gen)
+        try:
+            while True:
+                ready.clear()
+                while True:
+                    try:
+                        ev = req.events.get_nowait()
+                    except queue.Empty:
+                        break
+                    yield ev
+                    if ev.kind in (DONE, ERROR):
+                        return
+                await ready.wait()
+        finally:
+            req.cancel()
+
+    async def generate(self, prompt, **gen) -> list:
+        """The generated token ids (Engine.generate's arguments)."""
+        out = []
+        async for ev in self.events(prompt, **gen):
+            if ev.kind == ERROR:
+                raise ev.error
+            if ev.kind == TOKEN:
+                out.append(ev.token)
+        return out
+
+    async def stream(self, prompt, **gen):
+        """Text pieces as they are generated (never splitting a UTF-8 character)."""
+        from .textio import StreamDecoder
+        dec = StreamDecoder(self.engine.codec)
+        async for ev in self.events(prompt, **gen):
+            piece = text_piece(dec, ev)
+            if piece:
+                yield piece
+        tail = dec.flush()
+        if tail:
+            yield tail
+
+    async def chat(self, messages, **gen) -> str:
+        ids = await self.generate(list(messages), **gen)
+        return self.engine.codec.decode(ids)

@@ -1,0 +1,402 @@
+"""The request core: continuous batching behind the Engine (DESIGN.md, "Requests").
+
+One thread (the core's) owns the runner and runs every step; callers submit Requests and read each
+one's events from its own queue, so a caller that stops reading blocks nobody. Each step packs, in
+this order (vLLM's engine core, reduced to what an edge device needs):
+
+    1. every running request that has a sampled token waiting: one decode token each;
+    2. prefill chunks of running requests not yet prefilled, oldest first, under the token budget:
+       prefill_chunk tokens (and the arena's rows less the decode tokens), and, while requests
+       decode, no more than keeps the step within `interleave` times a decode step:
+           chunk = 0.9 * t_decode * (interleave - 1) / t_per_prefill_token   (0.9: a margin for noise)
+       (both times measured, exponentially averaged), so a long prompt is prefilled a chunk per
+       step while the live streams keep their pace (interleave=0: no such cap);
+    3. waiting requests are admitted first (highest priority, then submission order; strictly in
+       that order: a later small request never overtakes an earlier large one) while there is a
+       batch slot and their whole context can be reserved; otherwise they wait.
+
+Running out of KV blocks during decode preempts the most recently admitted running request: its
+blocks are freed and it waits again at the head of its priority, its context (prompt + tokens
+generated so far) to be recomputed by prefill when it is readmitted (vLLM's recompute policy). Only a
+request that can never fit (a context larger than the whole pool, or the pool exhausted while it runs
+alone) fails, alone, with COLIBRI_ERR_OUT_OF_MEMORY. Cancelled requests leave at the next step, their
+blocks back in the pool. Between steps the core runs jobs (Engine.infer, trace hooks) on its thread.
+
+Every request carries its own SamplingParams and its own RNG (np.random.default_rng([seed, index]):
+index 0 for generate(), the prompt's position for generate_batch(seed=s)), so a seeded request's
+tokens do not depend on its neighbours.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import sampling
+from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_OUT_OF_MEMORY, COLIBRI_ERR_UNAVAILABLE
+
+DONE = "done"
+TOKEN = "token"
+ERROR = "error"
+RETRY = object()           # a job's answer: run me again after the next step
+
+
+@dataclass
+class Event:
+    kind: str               # TOKEN, ERROR or DONE
+    token: int = -1
+    error: ColibriError | None = None
+    logprob: float | None = None    # of the chosen token (when the request asked for logprobs)
+    top: list | None = None         # [(token, logprob)] * top_logprobs
+    reason: str = ""                # DONE: "stop" (eos / stop string), "length", "cancelled"
+    t: float = 0.0                  # time.perf_counter() when the core emitted it
+
+
+def text_piece(dec, ev: Event) -> str:
+    """The text a stream shows for one event: the StreamDecoder's piece of a TOKEN ("" when it
+    completes no character), the error of an ERROR raised, "" otherwise."""
+    if ev.kind == ERROR:
+        raise ev.error
+    return dec.push(ev.token) if ev.kind == TOKEN else ""
+
+
+class Request:
+    """A prompt, its sampling parameters and RNG, and the queue its events go to."""
+    _ids = itertools.count(1)
+
+    def __init__(self, prompt: np.ndarray, params: "sampling.SamplingParams", priority: int = 0, index: int = 0,
+                 notify=None):
+        self.id = next(Request._ids)
+        self.prompt = prompt
+        self.params = params
+        self.priority = int(priority)
+        self.rng = np.random.default_rng(None if params.seed is None else [params.seed, index])
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.notify = notify            # called (from the core thread) after each event: asyncio bridges
+        self.cancelled = False
+        self.finished = False
+        self.finish_no = -1             # the order the core finished requests in
+        # core-side state
+        self.ctx = prompt               # tokens to hold in the cache: the prompt, or prompt + produced
+        self.pos = 0                    # ctx tokens prefilled so far
+        self.pending = None             # a sampled token not yet fed
+        self.produced: list = []
+        self.counts: dict = {}          # generated token -> times (presence / frequency penalties)
+        self.seq = None
+        self.order = 0                  # submission order (the core's)
+        self.admitted = 0.0
+        self.first_token_at = None
+
+    def cancel(self):
+        """Leave at the next step (blocks back in the pool); the request's stream ends."""
+        self.cancelled = True
+
+    def _emit(self, ev: Event):
+        ev.t = time.perf_counter()
+        self.events.put(ev)
+        if self.notify is not None:
+            try:
+                self.notify()
+            except Exception:           # noqa: BLE001  a caller's callback never stops the core
+                self.notify = None
+
+    def iter_events(self, timeout=None):
+        """Events until DONE or ERROR (inclusive)."""
+        while True:
+            ev = self.events.get(timeout=timeout)
+            yield ev
+            if ev.kind in (DONE, ERROR):
+                return
+
+
+class Core:
+    """The step thread and its queues (see the module docstring)."""
+
+    def __init__(self, engine, max_queue: int = 1024):
+        self.e = engine
+        self.max_queue = int(max_queue)
+        self.cond = threading.Condition()
+        self.waiting: list = []            # sorted by (-priority, order)
+        self.running: list = []            # admission order
+        self.jobs: collections.deque = collections.deque()
+        self._order = itertools.count()
+        self._finished = itertools.count()
+        self._closing = False
+        self.thread = None
+        self.preemptions = 0
+        self.t_decode = None             # s, decode-only steps (EWMA)
+        self.t_token = None              # s per prefill token beyond the decode part (EWMA)
+
+    # -- callers' side ------------------------------------------------------------------------
+    def _start(self):
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._loop, name="colibri-core", daemon=True)
+            self.thread.start()
+
+    def submit(self, reqs):
+        """Queue requests together (one step can take all of them); refuses them all when the queue
+        cannot take them."""
+        with self.cond:
+            if self._closing:
+                raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, "engine is closed; open a new one")
+            if len(self.waiting) + len(reqs) > self.max_queue:
+                raise ColibriError(COLIBRI_ERR_UNAVAILABLE, f"the request queue is full ({len(self.waiting)} waiting, "
+                                   f"max_queue={self.max_queue}); retry when requests finish, or open the engine "
+                                   "with a larger max_queue")
+            for r in reqs:
+                r.order = next(self._order)
+                self.waiting.append(r)
+            self.waiting.sort(key=lambda r: (-r.priority, r.order))
+            self._start()
+            self.cond.notify_all()
+
+    def call(self, fn):
+        """Run fn() on the core thread between steps; returns its result (or raises its error). fn may
+        return RETRY: it runs again after the next step (it waits for room)."""
+        if threading.current_thread() is self.thread:
+            while True:
+                out = fn()
+                if out is not RETRY:
+                    return out
+                self._step()
+        box = {}
+        done = threading.Event()
+        with self.cond:
+            if self._closing:
+                raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, "engine is closed; open a new one")
+            self.jobs.append((fn, box, done))
+            self._start()
+            self.cond.notify_all()
+        done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def close(self):
+        with self.cond:
+            self._closing = True
+            self.cond.notify_all()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # -- the core thread ----------------------------------------------------------------------
+    def _loop(self):
+        while True:
+            with self.cond:
+                while not (self.jobs or self.waiting or self.running or self._closing):
+                    self.cond.wait()
+                if self._closing:
+                    break
+                jobs = list(self.jobs)
+                self.jobs.clear()
+            retry = []
+            for fn, box, done in jobs:
+                try:
+                    out = fn()
+                except BaseException as e:          # handed to the caller, who raises it
+                    box["error"] = e
+                    done.set()
+                    continue
+                if out is RETRY and (self.running or self.waiting):
+                    retry.append((fn, box, done))
+                elif out is RETRY:                  # nothing will free room: the job must fail itself
+                    box["error"] = ColibriError(COLIBRI_ERR_OUT_OF_MEMORY, "the KV pool cannot hold the input "
+                                                "even when idle; open the engine with a larger kv_cache_tokens")
+                    done.set()
+                else:
+                    box["value"] = out
+                    done.set()
+            if self.waiting or self.running:
+                try:
+                    self._step()
+                except BaseException as e:          # noqa: BLE001  a backend failure ends the requests in the step
+                    err = e if isinstance(e, ColibriError) else ColibriError(
+                        COLIBRI_ERR_INVALID_ARGUMENT, f"step failed: {type(e).__name__}: {e}")
+                    for r in list(self.running):
+                        self._finish(r, error=err)
+            with self.cond:
+                self.jobs.extendleft(reversed(retry))
+        closed = ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, "the engine was closed while the request ran")
+        for r in list(self.running) + list(self.waiting):
+            self._finish(r, error=closed)
+        for fn, box, done in self.jobs:
+            box["error"] = closed
+            done.set()
+
+    def _finish(self, r: Request, error=None, reason="stop"):
+        if r in self.running:
+            self.running.remove(r)
+        if r in self.waiting:
+            with self.cond:
+                self.waiting.remove(r)
+        if r.seq is not None:
+            self.e.runner.free(r.seq)
+            r.seq = None
+        r.finished = True
+        r.finish_no = next(self._finished)
+        r._emit(Event(ERROR, error=error) if error is not None else Event(DONE, reason=reason))
+
+    def _fits_ever(self, r: Request, tokens: int) -> str | None:
+        """Why `tokens` positions can never be held (the whole pool, or max_seq_len), or None."""
+        e = self.e
+        if tokens > e.max_seq_len:
+            return (f"a context of {tokens} tokens is longer than max_seq_len={e.max_seq_len}; open the engine "
+                    "with a larger max_seq_len or shorten the input")
+        for p in e.runner.states.paged:
+            need = -(-tokens // p.block_size)
+            if need > p.num_blocks:
+                return (f"a context of {tokens} tokens needs {need} blocks of {p.block_size}, more than the whole "
+                        f"{p.name} pool ({p.num_blocks} blocks); open the engine with a larger kv_cache_tokens")
+        return None
+
+    def _admit(self):
+        e = self.e
+        while self.waiting and len(self.running) < e.max_batch:
+            r = self.waiting[0]
+            if r.cancelled:
+                self._finish(r, reason="cancelled")
+                continue
+            why = self._fits_ever(r, len(r.ctx))
+            if why is not None:
+                self._finish(r, error=ColibriError(COLIBRI_ERR_OUT_OF_MEMORY if "pool" in why
+                                                   else COLIBRI_ERR_INVALID_ARGUMENT, why))
+                continue
+            seq = e._new_seq()
+            try:
+                e.runner.reserve(seq, len(r.ctx))
+            except ColibriError as err:
+                e.runner.free(seq)
+                if err.code != COLIBRI_ERR_OUT_OF_MEMORY:
+                    self._finish(r, error=err)
+                    continue
+                break                                   # waits (strictly in order) until blocks free
+            with self.cond:
+                self.waiting.pop(0)
+            r.seq, r.pos, r.admitted = seq, 0, time.perf_counter()
+            self.running.append(r)
+
+    def _preempt(self, need: Request) -> bool:
+        """Free the newest running request's blocks for `need`; it waits to be recomputed. False when
+        `need` runs alone (nothing to take from)."""
+        victims = [r for r in self.running if r is not need]
+        if not victims:
+            return False
+        v = victims[-1]
+        self.running.remove(v)
+        self.e.runner.free(v.seq)
+        v.seq = None
+        if v.pending is not None:                  # emitted, not yet fed: it becomes part of the context
+            v.produced.append(v.pending)
+            v.counts[v.pending] = v.counts.get(v.pending, 0) + 1
+        v.ctx = np.concatenate([v.prompt, np.asarray(v.produced, np.int32)]) if v.produced else v.prompt
+        v.pos, v.pending = 0, None
+        with self.cond:
+            self.waiting.append(v)
+            self.waiting.sort(key=lambda r: (-r.priority, r.order))
+        self.preemptions += 1
+        return True
+
+    def _step(self):
+        e = self.e
+        runner = e.runner
+        for r in list(self.running):
+            if r.cancelled:
+                self._finish(r, reason="cancelled")
+        self._admit()
+        if not self.running:
+            return
+        # 1. decode tokens: each one needs room for one more position (or preempts)
+        decode = []
+        for r in list(self.running):
+            if r.pending is None or r not in self.running:
+                continue
+            while True:
+                try:
+                    runner.reserve(r.seq, 1)
+                    decode.append(r)
+                    break
+                except ColibriError as err:
+                    if err.code != COLIBRI_ERR_OUT_OF_MEMORY:
+                        self._finish(r, error=err)
+                        break
+                    if not self._preempt(r):
+                        self._finish(r, error=ColibriError(COLIBRI_ERR_OUT_OF_MEMORY, f"{err.message} (the request "
+                                     "runs alone: the pool cannot hold its context)"))
+                        break
+        decode = [r for r in decode if r in self.running]
+        # 2. prefill chunks under the token budget
+        budget = min(runner.max_rows - len(decode), e.prefill_chunk)
+        if decode and e.interleave > 0 and self.t_decode is not None and self.t_token:
+            budget = min(budget, max(1, int(0.9 * self.t_decode * (e.interleave - 1) / self.t_token)))
+        entries = [(r.seq, [r.pending]) for r in decode]
+        owners = [(r, True) for r in decode]
+        for r in self.running:
+            if r.pending is not None or r.pos >= len(r.ctx) or budget <= 0 or len(entries) >= e.max_batch:
+                continue
+            n = min(budget, len(r.ctx) - r.pos)
+            entries.append((r.seq, r.ctx[r.pos:r.pos + n]))
+            owners.append((r, False))
+            r.pos += n
+            budget -= n
+        if not entries:
+            return
+        t0 = time.perf_counter()
+        logits = e.backend.host_view(runner.step(entries))
+        dt = time.perf_counter() - t0
+        ndec = len(decode)
+        npre = sum(len(t) for _, t in entries[ndec:])
+        if ndec and not npre:
+            self.t_decode = dt if self.t_decode is None else 0.8 * self.t_decode + 0.2 * dt
+        elif npre:
+            base = self.t_decode if ndec and self.t_decode is not None else 0.0
+            c = max(dt - base, 0.0) / npre
+            self.t_token = c if self.t_token is None else 0.8 * self.t_token + 0.2 * c
+        if ndec:
+            e.stats.add_decode_step(dt, ndec)
+        if npre:
+            e.stats.prefill_tokens += npre
+            e.stats.prefill_seconds += dt if not ndec else dt * npre / (npre + ndec)
+        # 3. sample: decode rows, and prefill chunks that completed their context
+        for row, (r, was_decode) in enumerate(owners):
+            if was_decode:
+                r.produced.append(r.pending)
+                r.counts[r.pending] = r.counts.get(r.pending, 0) + 1
+                r.pending = None
+            elif r.pos < len(r.ctx):
+                continue                                 # more of the prompt next step
+            self._sample(r, logits[row])
+
+    def _sample(self, r: Request, logits: np.ndarray):
+        e = self.e
+        p = r.params
+        if not np.isfinite(logits.max()):
+            from .engine import nonfinite
+            self._finish(r, error=nonfinite(f"request {r.id} at position {r.seq.cached}"))
+            return
+        tok, lp, top = sampling.sample_request(logits, p, r.prompt, r.produced, r.counts, r.rng)
+        if r.first_token_at is None:
+            r.first_token_at = time.perf_counter()
+            e.stats.first_token_seconds = r.first_token_at - r.admitted
+        r._emit(Event(TOKEN, token=tok, logprob=lp, top=top))
+        n = len(r.produced) + 1
+        if tok in p.eos:
+            r.produced.append(tok)
+            self._finish(r, reason="stop")
+        elif n >= p.max_new_tokens or r.seq.cached + 1 > e.max_seq_len:
+            r.produced.append(tok)
+            self._finish(r, reason="length")
+        elif p.stops and any(s in e.codec.decode(r.produced[-63:] + [tok]) for s in p.stops):
+            r.produced.append(tok)
+            self._finish(r, reason="stop")
+        else:
+            r.pending = tok
+
