@@ -24,7 +24,7 @@ $(VENV)/.base: pyproject.toml setup.py
 # llama.cpp's converter (convert_hf_to_gguf.py, from llama-cpp-python's sdist on PyPI, sha256-pinned):
 # the GGUF tests' files are made by it; fetched here so pytest itself never touches the network
 $(VENV)/.test: $(VENV)/.base
-	$(PIP) install -q -e '.[test,opencl,cuda,gguf]'
+	$(PIP) install -q -e '.[test,opencl,cuda,gguf,serve]'
 	$(PY) tests/llamacpp_convert.py fetch
 	touch $@
 

@@ -29,8 +29,9 @@ class AsyncEngine:
     async def aclose(self):
         await asyncio.to_thread(self.engine.close)
 
-    async def events(self, prompt, priority=0, **gen):
-        """Yields the request's core Events (TOKEN ..., then DONE or ERROR)."""
+    def submit(self, prompt, priority=0, index=0, **gen):
+        """-> (the Request, an async iterator of its Events); leaving the iterator early cancels it.
+        Call from a coroutine (it binds the running loop)."""
         loop = asyncio.get_running_loop()
         ready = asyncio.Event()
 
@@ -39,7 +40,11 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(ready.set)
             except RuntimeError:            # the loop has closed: nobody is waiting any more
                 pass
-        req = self.engine.submit(prompt, priority=priority, notify=wake, **gen)
+        req = self.engine.submit(prompt, priority=priority, index=index, notify=wake, **gen)
+        return req, self._drain(req, ready)
+
+    @staticmethod
+    async def _drain(req, ready):
         try:
             while True:
                 ready.clear()
@@ -54,6 +59,15 @@ class AsyncEngine:
                 await ready.wait()
         finally:
             req.cancel()
+
+    async def events(self, prompt, priority=0, **gen):
+        """Yields the request's core Events (TOKEN ..., then DONE or ERROR)."""
+        _, it = self.submit(prompt, priority, **gen)
+        try:
+            async for ev in it:
+                yield ev
+        finally:
+            await it.aclose()
 
     async def generate(self, prompt, **gen) -> list:
         """The generated token ids (Engine.generate's arguments)."""

@@ -218,6 +218,26 @@ def _cmd_stats(a):
     return 0
 
 
+def _cmd_serve(a):
+    import os
+    from .errors import COLIBRI_ERR_INVALID_ARGUMENT
+    from .serve import serve
+    models = {}
+    for spec in a.model:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            name, path = os.path.basename(os.path.normpath(spec)), spec
+        if not name or name in models:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"--model {spec!r}: give each model a distinct "
+                               "name (NAME=DIR)")
+        models[name] = path
+    if a.host not in ("127.0.0.1", "localhost", "::1") and not a.api_key:
+        print(f"[colibri] serving on {a.host} without --api-key: anyone who can reach it can use it", file=sys.stderr)
+    serve(models, host=a.host, port=a.port, api_key=a.api_key, cors=a.cors, request_timeout=a.request_timeout,
+          backend=a.backend, max_seq_len=a.max_seq_len, max_batch=a.max_batch, max_queue=a.max_queue)
+    return 0
+
+
 def build_parser():
     p = argparse.ArgumentParser(prog="colibri", description="Colibri Edge: MoE inference on edge hardware")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -262,6 +282,18 @@ def build_parser():
     r.add_argument("--stats", action="store_true",
                    help="print the backend's setup (cpu: threads used), decode step time p50/p99, the slot pool's counters")
     r.set_defaults(fn=_cmd_run)
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (the serve extra)")
+    sv.add_argument("--model", action="append", required=True, help="DIR or NAME=DIR (repeat for several models)")
+    sv.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    sv.add_argument("--cors", default=None, help="allow this origin (CORS), e.g. http://localhost:3000")
+    sv.add_argument("--request-timeout", type=float, default=None, help="seconds a request may run")
+    sv.add_argument("--backend", default=None)
+    sv.add_argument("--max-seq-len", type=int, default=None)
+    sv.add_argument("--max-batch", type=int, default=8)
+    sv.add_argument("--max-queue", type=int, default=1024, help="waiting requests before 429")
+    sv.set_defaults(fn=_cmd_serve)
     t = sub.add_parser("trace", help="record which experts every token chose, to an .npz")
     t.add_argument("--model", required=True)
     t.add_argument("--prompts", required=True, help="a file, one prompt a line")

@@ -192,3 +192,30 @@ def dequantised_checkpoint(hf_dir: str, model_dir: str, out_dir: str) -> str:
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(c, f)
     return out_dir
+
+
+def build_text_model(tmp) -> tuple:
+    """A mixtral with the demo's byte-level tokenizer (multi-byte characters span several tokens)
+    and a chat template: (hf_dir, model_dir, eos id)."""
+    import json
+    from colibri_edge.demo import byte_level_tokenizer
+    from colibri_edge.convert import convert
+    tmp = str(tmp)
+    tok = byte_level_tokenizer()
+    V = tok.get_vocab_size()
+    eos = tok.token_to_id("<|endoftext|>")
+    hf = build_hf(os.path.join(tmp, "hf"), "mixtral", vocab_size=V, eos_token_id=eos)
+    tok.save(os.path.join(hf, "tokenizer.json"))
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    with open(os.path.join(hf, "tokenizer_config.json"), "w") as f:
+        json.dump({"chat_template": template, "eos_token": "<|endoftext|>",
+                   "tokenizer_class": "PreTrainedTokenizerFast"}, f)
+    with open(os.path.join(hf, "generation_config.json")) as f:
+        cfg = json.load(f)
+    cfg["eos_token_id"] = eos
+    with open(os.path.join(hf, "generation_config.json"), "w") as f:
+        json.dump(cfg, f)
+    out = os.path.join(tmp, "col")
+    convert(hf, out, progress=False)
+    return hf, out, eos

@@ -165,8 +165,11 @@ def test_async_engine_streams_and_cancels(model_cache):
                 seen.append(ev)
                 if len(seen) == 3:
                     break                                 # leaving the loop cancels the request
-            await asyncio.sleep(0)
-            return solo, outs, seen, _idle(ae.engine), ae.engine.kv_free_blocks, ae.engine.runner.pool.num_blocks
+            for _ in range(500):                         # the cancel lands within a step
+                if not ae.engine._core.busy:
+                    break
+                await asyncio.sleep(0.005)
+            return solo, outs, seen, not ae.engine._core.busy, ae.engine.kv_free_blocks, ae.engine.runner.pool.num_blocks
     solo, outs, seen, idle, free, total = asyncio.run(main())
     assert outs[1] == solo and all(len(o) == 9 for o in outs)
     assert len(seen) == 3 and idle and free == total

@@ -9,7 +9,7 @@ import pytest
 
 from colibri_edge import (Engine, ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_OUT_OF_MEMORY)
 from conftest import fp32
-from hf_models import MODEL_TYPES, build_hf, convert_case, hf_greedy
+from hf_models import MODEL_TYPES, convert_case, hf_greedy
 
 N_NEW = 32
 
@@ -116,24 +116,8 @@ def test_sampling_is_seeded(backend_name, model_cache):
 
 @pytest.fixture(scope="module")
 def text_model(tmp_path_factory):
-    from colibri_edge.demo import byte_level_tokenizer
-    from colibri_edge.convert import convert
-    tmp = tmp_path_factory.mktemp("text")
-    tok = byte_level_tokenizer()
-    V = tok.get_vocab_size()
-    eos = tok.token_to_id("<|endoftext|>")
-    hf = build_hf(str(tmp / "hf"), "mixtral", vocab_size=V, eos_token_id=eos)
-    tok.save(str(tmp / "hf" / "tokenizer.json"))
-    template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-                "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-    json.dump({"chat_template": template, "eos_token": "<|endoftext|>", "tokenizer_class": "PreTrainedTokenizerFast"},
-              open(tmp / "hf" / "tokenizer_config.json", "w"))
-    cfg = json.load(open(tmp / "hf" / "generation_config.json"))
-    cfg["eos_token_id"] = eos
-    json.dump(cfg, open(tmp / "hf" / "generation_config.json", "w"))
-    out = str(tmp / "col")
-    convert(hf, out, progress=False)
-    return hf, out, eos
+    from hf_models import build_text_model
+    return build_text_model(tmp_path_factory.mktemp("text"))
 
 
 def test_stream_never_splits_utf8(backend_name, text_model):
