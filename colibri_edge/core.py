@@ -22,6 +22,11 @@ request that can never fit (a context larger than the whole pool, or the pool ex
 alone) fails, alone, with COLIBRI_ERR_OUT_OF_MEMORY. Cancelled requests leave at the next step, their
 blocks back in the pool. Between steps the core runs jobs (Engine.infer, trace hooks) on its thread.
 
+core_thread=False (COLIBRI_CORE_THREAD=0): no core thread; whichever caller waits for a result runs
+the next step under the core's step lock (leader and followers), so the steps run on the callers'
+threads: for tools that cannot run on another thread (Oclgrind's uninitialised-value checker crashes
+off the main thread), and single-threaded programs. Not for AsyncEngine (it would block the loop).
+
 Every request carries its own SamplingParams and its own RNG (np.random.default_rng([seed, index]):
 index 0 for generate(), the prompt's position for generate_batch(seed=s)), so a seeded request's
 tokens do not depend on its neighbours.
@@ -44,6 +49,7 @@ DONE = "done"
 TOKEN = "token"
 ERROR = "error"
 RETRY = object()           # a job's answer: run me again after the next step
+CORE_STACK_BYTES = 64 << 20
 
 
 @dataclass
@@ -77,6 +83,7 @@ class Request:
         self.priority = int(priority)
         self.rng = np.random.default_rng(None if params.seed is None else [params.seed, index])
         self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.core = None                # set by Core.submit (inline cores step from iter_events)
         self.notify = notify            # called (from the core thread) after each event: asyncio bridges
         self.cancelled = False
         self.finished = False
@@ -108,6 +115,9 @@ class Request:
     def iter_events(self, timeout=None):
         """Events until DONE or ERROR (inclusive)."""
         while True:
+            if self.core is not None and self.core.inline:
+                while self.events.empty():
+                    self.core.run_once()
             ev = self.events.get(timeout=timeout)
             yield ev
             if ev.kind in (DONE, ERROR):
@@ -117,8 +127,10 @@ class Request:
 class Core:
     """The step thread and its queues (see the module docstring)."""
 
-    def __init__(self, engine, max_queue: int = 1024):
+    def __init__(self, engine, max_queue: int = 1024, inline: bool = False):
         self.e = engine
+        self.inline = bool(inline)
+        self.step_lock = threading.RLock()
         self.max_queue = int(max_queue)
         self.cond = threading.Condition()
         self.waiting: list = []            # sorted by (-priority, order)
@@ -134,9 +146,16 @@ class Core:
 
     # -- callers' side ------------------------------------------------------------------------
     def _start(self):
-        if self.thread is None:
-            self.thread = threading.Thread(target=self._loop, name="colibri-core", daemon=True)
-            self.thread.start()
+        if self.thread is None and not self.inline:
+            # the steps run on this thread: give it the stack a main thread has (a kernel interpreter
+            # such as Oclgrind, or a deep native call, would overflow a default thread stack)
+            old = threading.stack_size()
+            try:
+                threading.stack_size(CORE_STACK_BYTES)
+                self.thread = threading.Thread(target=self._loop, name="colibri-core", daemon=True)
+                self.thread.start()
+            finally:
+                threading.stack_size(old)
 
     def submit(self, reqs):
         """Queue requests together (one step can take all of them); refuses them all when the queue
@@ -150,6 +169,7 @@ class Core:
                                    "with a larger max_queue")
             for r in reqs:
                 r.order = next(self._order)
+                r.core = self
                 self.waiting.append(r)
             self.waiting.sort(key=lambda r: (-r.priority, r.order))
             self._start()
@@ -158,12 +178,17 @@ class Core:
     def call(self, fn):
         """Run fn() on the core thread between steps; returns its result (or raises its error). fn may
         return RETRY: it runs again after the next step (it waits for room)."""
-        if threading.current_thread() is self.thread:
-            while True:
-                out = fn()
-                if out is not RETRY:
-                    return out
-                self._step()
+        if threading.current_thread() is self.thread or self.inline:
+            with self.step_lock:
+                self._reap()
+                while True:
+                    out = fn()
+                    if out is not RETRY:
+                        return out
+                    if not (self.running or self.waiting):
+                        raise ColibriError(COLIBRI_ERR_OUT_OF_MEMORY, "the KV pool cannot hold the input even "
+                                           "when idle; open the engine with a larger kv_cache_tokens")
+                    self._guarded_step()
         box = {}
         done = threading.Event()
         with self.cond:
@@ -183,6 +208,27 @@ class Core:
             self.cond.notify_all()
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join()
+        if self.inline:
+            with self.step_lock:
+                self._fail_all()
+
+    def run_once(self):
+        """(inline cores) one step, by whichever caller gets the step lock first; the others find
+        their events when they get it."""
+        with self.step_lock:
+            if self._closing:
+                self._fail_all()
+            elif self.waiting or self.running:
+                self._guarded_step()
+
+    def _guarded_step(self):
+        try:
+            self._step()
+        except BaseException as e:          # noqa: BLE001  a backend failure ends the requests in the step
+            err = e if isinstance(e, ColibriError) else ColibriError(
+                COLIBRI_ERR_INVALID_ARGUMENT, f"step failed: {type(e).__name__}: {e}")
+            for r in list(self.running):
+                self._finish(r, error=err)
 
     @property
     def busy(self) -> bool:
@@ -216,21 +262,19 @@ class Core:
                     box["value"] = out
                     done.set()
             if self.waiting or self.running:
-                try:
-                    self._step()
-                except BaseException as e:          # noqa: BLE001  a backend failure ends the requests in the step
-                    err = e if isinstance(e, ColibriError) else ColibriError(
-                        COLIBRI_ERR_INVALID_ARGUMENT, f"step failed: {type(e).__name__}: {e}")
-                    for r in list(self.running):
-                        self._finish(r, error=err)
+                self._guarded_step()
             with self.cond:
                 self.jobs.extendleft(reversed(retry))
+        self._fail_all()
+
+    def _fail_all(self):
         closed = ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, "the engine was closed while the request ran")
         for r in list(self.running) + list(self.waiting):
             self._finish(r, error=closed)
-        for fn, box, done in self.jobs:
+        for fn, box, done in list(self.jobs):
             box["error"] = closed
             done.set()
+        self.jobs.clear()
 
     def _finish(self, r: Request, error=None, reason="stop"):
         if r in self.running:
@@ -305,12 +349,15 @@ class Core:
         self.preemptions += 1
         return True
 
+    def _reap(self):
+        """Cancelled requests leave (their blocks back in the pool)."""
+        for r in [r for r in self.running + self.waiting if r.cancelled]:
+            self._finish(r, reason="cancelled")
+
     def _step(self):
         e = self.e
         runner = e.runner
-        for r in list(self.running):
-            if r.cancelled:
-                self._finish(r, reason="cancelled")
+        self._reap()
         self._admit()
         if not self.running:
             return

@@ -98,7 +98,7 @@ class Engine:
                  prefill_chunk=256, kv_block_size=None, num_streams=None, router_warmup=None,
                  disable_fp16=None, num_threads=None, expert_slots=None, slot_policy=None, cuda_graphs=None,
                  int8_activations=None,
-                 device=None, max_queue=1024, interleave=2.0):
+                 device=None, max_queue=1024, interleave=2.0, core_thread=None):
         self.model = open_model_dir(path)
         cfg = self.config = self.model.config
         self.path = self.model.path
@@ -143,7 +143,8 @@ class Engine:
         self.stats = Stats()
         # end-of-sequence ids (generation_config.json); the engine's own copy, so it may be changed
         self.eos_token_ids = list(cfg["eos_token_ids"])
-        self._core = Core(self, sampling.integer("max_queue", max_queue, 1, 1 << 20))
+        self._core = Core(self, sampling.integer("max_queue", max_queue, 1, 1 << 20),
+                          inline=not knobs.resolve("COLIBRI_CORE_THREAD", core_thread))
         # a step that carries prefill beside decodes takes at most `interleave` x a decode step (core.py)
         self.interleave = sampling.real("interleave", interleave, 0.0, 1e6)
         if 0 < self.interleave <= 1:

@@ -245,3 +245,73 @@ def test_bad_sampling_extras_are_coded(model_cache, bad):
             eng.generate(PROMPTS[0], max_new_tokens=2, **bad)
         assert ei.value.code == COLIBRI_ERR_INVALID_ARGUMENT
         assert eng.generate(PROMPTS[0], max_new_tokens=2, ignore_eos=True)   # nothing was left behind
+
+
+def _decode_logits(eng, company):
+    """(core thread) sequence A's logits over 6 decode steps, each step shared with company(step)'s
+    entries: nothing, 3 other decoding sequences, or a 20-token prefill chunk."""
+    r = eng.runner
+    A, others, L = r.new_sequence(900), [r.new_sequence(901 + i) for i in range(3)], r.new_sequence(999)
+    try:
+        for s in [A] + others:
+            r.reserve(s, 5)
+        r.step([(A, [1, 2, 3, 4, 5])] + [(o, [9, 8, 7, 6, 5]) for o in others])
+        out = []
+        for step in range(6):
+            r.reserve(A, 1)
+            extra = []
+            if company == "decodes":
+                for o in others:
+                    r.reserve(o, 1)
+                extra = [(o, [3 + step]) for o in others]
+            elif company == "prefill":
+                r.reserve(L, 20)
+                extra = [(L, list(range(10 + step, 30 + step)))]
+            out.append(np.array(eng.backend.host_view(r.step([(A, [7 + step])] + extra))[0]))
+        return np.stack(out)
+    finally:
+        for s in [A, L] + others:
+            r.free(s)
+
+
+def test_batch_invariance(backend_name, model_cache):
+    """A decoding row's logits alone, beside 3 other decoding rows, and beside a prefill chunk (which
+    sends the step through the GEMM paths): bit for bit on the reference; within the kernels'
+    tolerance elsewhere (the cpu kernels pair tokens in their dot products: measured ~1e-6, README)."""
+    _, col = convert_case(model_cache, "qwen3_moe")
+    with Engine.open(col, backend=backend_name, max_batch=8, max_seq_len=128, **fp32(backend_name)) as eng:
+        runs = {c: eng._core.call(lambda c=c: _decode_logits(eng, c)) for c in ("alone", "decodes", "prefill")}
+    scale = np.abs(runs["alone"]).max()
+    for c in ("decodes", "prefill"):
+        if backend_name == "reference":
+            np.testing.assert_array_equal(runs[c], runs["alone"], err_msg=c)
+        else:
+            assert np.abs(runs[c] - runs["alone"]).max() / scale < 1e-5, c
+
+
+def test_inline_core_callers_run_the_steps(model_cache):
+    """core_thread=False: no core thread; the waiting callers take turns running steps. Four threads
+    at once get their solo tokens, a pool too small for all of them waits instead of failing, a
+    cancelled request leaves at the next step, and COLIBRI_CORE_THREAD=2 is refused by name."""
+    _, col = convert_case(model_cache, "qwen3_moe")
+    with Engine.open(col, backend="reference", max_batch=4, max_seq_len=64, kv_block_size=4, kv_cache_tokens=40,
+                     core_thread=False) as eng:
+        assert eng._core.thread is None
+        solo = [eng.generate(p, max_new_tokens=12, ignore_eos=True) for p in PROMPTS[:4]]
+        out = [None] * 4
+        threads = [threading.Thread(target=lambda i=i: out.__setitem__(
+            i, eng.generate(PROMPTS[i], max_new_tokens=12, ignore_eos=True))) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert out == solo and eng._core.thread is None
+        assert eng.generate_batch(PROMPTS[:4], max_new_tokens=12, ignore_eos=True) == solo
+        r = eng.submit(PROMPTS[1], max_new_tokens=30, ignore_eos=True)
+        next(r.iter_events())
+        r.cancel()
+        assert eng.infer(PROMPTS[0]).shape[1] == len(PROMPTS[0])      # a step runs: the cancelled one leaves
+        assert eng.kv_free_blocks == eng.runner.pool.num_blocks and r.finished
+    with pytest.raises(ColibriError) as ei:
+        Engine.open(col, backend="reference", core_thread=2)
+    assert ei.value.code == COLIBRI_ERR_INVALID_ARGUMENT and "COLIBRI_CORE_THREAD" in ei.value.message

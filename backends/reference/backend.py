@@ -20,6 +20,14 @@ def _f32(w):
     return widen(w.data, w.dtype, w.scales) if isinstance(w, Weight) else w
 
 
+def _rows_matmul(out, x, w):
+    """out[t] = w @ x[t], one GEMV per row: a row's result never depends on the rows sharing the call
+    (BLAS picks GEMV or GEMM, with different summation orders, by the row count), so the reference
+    is batch-invariant bit for bit (request core, issue 19)."""
+    for t in range(x.shape[0]):
+        np.matmul(w, x[t], out=out[t])
+
+
 def _storage(dtype):
     return np.dtype(np.uint8) if dtype == "uint8" else storage_dtype(dtype)
 
@@ -56,7 +64,7 @@ class Backend(BackendBase):
             out[...] = table[ids]
 
     def matmul(self, out, x, w, bias=None):
-        out[...] = x @ _f32(w).T
+        _rows_matmul(out, x, _f32(w))
         if bias is not None:
             out += _f32(bias)
 
@@ -117,12 +125,14 @@ class Backend(BackendBase):
             tokens = plan.order[a:b] // k
             ffn = experts[e]
             xs = x[tokens]
-            g = xs @ _f32(ffn.gate).T
-            u = xs @ _f32(ffn.up).T
+            g, u = np.empty((b - a, ffn.gate.shape[0]), np.float32), np.empty((b - a, ffn.up.shape[0]), np.float32)
+            _rows_matmul(g, xs, _f32(ffn.gate))
+            _rows_matmul(u, xs, _f32(ffn.up))
             act = g / (1.0 + np.exp(-g)) * u                  # SwiGLU: silu(gate) * up
-            out[a:b] = act @ _f32(ffn.down).T
+            _rows_matmul(out[a:b], act, _f32(ffn.down))
 
     def combine(self, out, y, w, plan):
         T, k = plan.num_tokens, plan.top_k
         rows = y[plan.inverse[: T * k]].reshape(T, k, -1)
-        out += np.einsum("tk,tkh->th", w, rows)
+        for j in range(k):                    # in choice order, elementwise: no row depends on another
+            out += w[:, j:j + 1] * rows[:, j]

@@ -114,8 +114,10 @@ def _child(model_dir, out_path, options="{}"):
     import json
     import numpy as np
     from colibri_edge import Engine
+    # core_thread=False: the steps run on this (the main) thread; Oclgrind's --uninitialized plugin
+    # crashes when kernels are enqueued from another thread (Oclgrind 21.10, reproduced with PyOpenCL alone)
     eng = Engine.open(model_dir, backend="opencl", max_seq_len=32, max_batch=2, prefill_chunk=5,
-                      kv_block_size=4, kv_cache_tokens=64, num_streams=2, **json.loads(options))
+                      kv_block_size=4, kv_cache_tokens=64, num_streams=2, core_thread=False, **json.loads(options))
     print(SENTINEL + eng.backend.dev.platform.name.strip(), flush=True)
     V = eng.config["vocab_size"]
     ids = (np.arange(PROMPT_TOKENS) * 7 + 3) % V
