@@ -43,6 +43,21 @@ class AsyncEngine:
         req = self.engine.submit(prompt, priority=priority, index=index, notify=wake, **gen)
         return req, self._drain(req, ready)
 
+    def submit_n(self, prompt, n, priority=0, **gen):
+        """n samples of one prompt sharing its prefill (Engine.submit_n): [(request, events)] * n."""
+        loop = asyncio.get_running_loop()
+        readies = [asyncio.Event() for _ in range(n)]
+
+        def waker():
+            def wake():
+                try:
+                    loop.call_soon_threadsafe(lambda: [r.set() for r in readies])
+                except RuntimeError:
+                    pass
+            return wake
+        reqs = self.engine.submit_n(prompt, n, priority=priority, notify=waker(), **gen)
+        return [(r, self._drain(r, ev)) for r, ev in zip(reqs, readies)]
+
     @staticmethod
     async def _drain(req, ready):
         try:

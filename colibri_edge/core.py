@@ -95,6 +95,8 @@ class Request:
         self.produced: list = []
         self.counts: dict = {}          # generated token -> times (presence / frequency penalties)
         self.seq = None
+        self.parent = None              # n > 1: the request whose prefilled prompt this one shares
+        self.shared = 0                 # positions it took from the parent (not prefilled itself)
         self.order = 0                  # submission order (the core's)
         self.admitted = 0.0
         self.first_token_at = None
@@ -314,9 +316,17 @@ class Core:
                 self._finish(r, error=ColibriError(COLIBRI_ERR_OUT_OF_MEMORY if "pool" in why
                                                    else COLIBRI_ERR_INVALID_ARGUMENT, why))
                 continue
+            p = r.parent
+            if p is not None and not p.finished and (p in self.waiting or (p.seq is not None and p.pos < len(p.ctx))):
+                break                                   # its parent's prompt is not prefilled yet: wait for it
             seq = e._new_seq()
+            start = 0
+            if p is not None and p.seq is not None and r.ctx is r.prompt and p.pos >= len(p.ctx) >= len(r.ctx):
+                # share the parent's whole blocks below the last prompt token (which this one computes
+                # itself, for its own first logits): n samples of one prompt, one prefill
+                start = e.runner.states.share_prefix(p.seq, seq, len(r.ctx) - 1)
             try:
-                e.runner.reserve(seq, len(r.ctx))
+                e.runner.reserve(seq, len(r.ctx) - start)
             except ColibriError as err:
                 e.runner.free(seq)
                 if err.code != COLIBRI_ERR_OUT_OF_MEMORY:
@@ -325,7 +335,7 @@ class Core:
                 break                                   # waits (strictly in order) until blocks free
             with self.cond:
                 self.waiting.pop(0)
-            r.seq, r.pos, r.admitted = seq, 0, time.perf_counter()
+            r.seq, r.pos, r.shared, r.admitted = seq, start, start, time.perf_counter()
             self.running.append(r)
 
     def _preempt(self, need: Request) -> bool:

@@ -332,12 +332,25 @@ class Engine:
                                f"per prompt ({len(prompts)})")
         return self._submit(prompts, priorities or 0, **gen)
 
-    def _submit(self, prompts, priority=0, notify=None, **gen) -> list:
+    def submit_n(self, prompt, n, priority=0, notify=None, **gen) -> list:
+        """n samples of one prompt (the OpenAI API's n): request i samples with the RNG seeded
+        [seed, i]; the prompt is prefilled once, by request 0, and the others share its KV blocks
+        (all but the block holding the last prompt token, which each computes for its own first
+        logits)."""
+        n = sampling.integer("n", n, 1, 1 << 10)
+        reqs = self._submit([prompt] * n, priority, notify, _share=True, **gen)
+        return reqs
+
+    def _submit(self, prompts, priority=0, notify=None, _share=False, **gen) -> list:
         self._check_open()
         params = self._params(**gen)
         pri = priority if isinstance(priority, (list, tuple)) else [priority] * len(prompts)
         pri = [sampling.integer("priority", x, -(1 << 20), 1 << 20) for x in pri]
         reqs = [Request(self._prompt_ids(p), params, pri[i], i, notify) for i, p in enumerate(prompts)]
+        if _share:
+            for r in reqs[1:]:
+                r.prompt = r.ctx = reqs[0].prompt
+                r.parent = reqs[0]
         if params.max_new_tokens == 0:
             for r in reqs:
                 r.finished = True

@@ -179,14 +179,7 @@ def create_app(models: dict, api_key: str | None = None, cors: str | None = None
         if gen["max_new_tokens"] > e.max_seq_len:
             gen["max_new_tokens"] = e.max_seq_len
         stops = [] if b.stop is None else [b.stop] if isinstance(b.stop, str) else list(b.stop)
-        subs = []
-        try:
-            for i in range(b.n):
-                subs.append(h.aio.submit(prompt, b.priority, index=i, **gen))
-        except ColibriError:
-            for req, _ in subs:                  # all or nothing
-                req.cancel()
-            raise
+        subs = h.aio.submit_n(prompt, b.n, b.priority, **gen)     # all or nothing; n > 1 shares the prefill
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         t0 = time.perf_counter()

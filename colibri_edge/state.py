@@ -67,6 +67,7 @@ class PagedPool:
         self.num_blocks, self.block_size = int(num_blocks), int(block_size)
         self.per_token, self.tensors, self.hint = tuple(per_token), tuple(tensors), hint
         self._free = FreeList(self.num_blocks)
+        self._refs = {}                 # block -> sequences holding it, for blocks held by more than one
 
     @property
     def free_blocks(self) -> int:
@@ -91,7 +92,23 @@ class PagedPool:
     def release(self, seq, index):
         table = seq.tables[index]
         while table:
-            self._free.append(table.pop())
+            b = table.pop()
+            n = self._refs.pop(b, 1) - 1
+            if n > 0:
+                if n > 1:
+                    self._refs[b] = n
+            else:
+                self._free.append(b)
+
+    def share(self, src, dst, index, tokens):
+        """dst (empty) holds src's first tokens // block_size blocks too (read-only: positions below
+        `tokens` are never written again); each shared block goes back to the pool when its last
+        holder releases it."""
+        n = tokens // self.block_size
+        shared = src.tables[index][:n]
+        for b in shared:
+            self._refs[b] = self._refs.get(b, 1) + 1
+        dst.tables[index][:] = list(shared)
 
     def storage(self) -> dict:
         """(layer, tensor) -> shape of the float32 storage this pool needs."""
@@ -171,6 +188,21 @@ class States:
                 raise ColibriError(COLIBRI_ERR_OUT_OF_MEMORY, why)
         for p, i in kinds:
             p.grow(seq, i, total)
+
+    def share_prefix(self, src: SeqState, dst: SeqState, tokens: int) -> int:
+        """dst (new, empty) starts with src's cached prefix: the whole blocks of its first `tokens`
+        positions, shared, not copied. Returns the positions dst now holds (a multiple of every paged
+        pool's block size), 0 when a pool cannot share (fixed per-sequence state: recurrent layers)."""
+        if self.fixed or dst.cached or tokens > src.cached:
+            return 0
+        step = math.lcm(*[p.block_size for p in self.paged]) if self.paged else 0
+        n = tokens // step * step if step else 0
+        if n == 0:
+            return 0
+        for i, p in enumerate(self.paged):
+            p.share(src, dst, i, n)
+        dst.cached = n
+        return n
 
     def release(self, seq: SeqState):
         for i, p in enumerate(self.paged):

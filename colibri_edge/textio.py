@@ -18,6 +18,14 @@ class TextCodec:
         self.config = tokenizer_config or {}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list:
+        if not isinstance(text, str):
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"text to encode must be a string, got "
+                               f"{type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"the text is not valid Unicode ({e.reason} at "
+                               f"character {e.start}: a lone surrogate); send UTF-8 text") from None
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:

@@ -315,3 +315,44 @@ def test_inline_core_callers_run_the_steps(model_cache):
     with pytest.raises(ColibriError) as ei:
         Engine.open(col, backend="reference", core_thread=2)
     assert ei.value.code == COLIBRI_ERR_INVALID_ARGUMENT and "COLIBRI_CORE_THREAD" in ei.value.message
+
+
+def test_n_samples_share_one_prefill(backend_name, model_cache):
+    """submit_n: the prompt is prefilled once; the other samples share its whole KV blocks (computing
+    only the block with the last prompt token), so prefill tokens are P + (n-1) * (P - shared) and
+    fewer blocks are held; at temperature 0 every sample equals the solo run, sampled ones follow
+    their own seeds [seed, i] like generate_batch's; every block returns to the pool."""
+    _, col = convert_case(model_cache, "qwen3_moe")
+    prompt = [(3 * j + 1) % V for j in range(37)]                 # 37 tokens, blocks of 8: 32 shared
+    with Engine.open(col, backend=backend_name, max_batch=4, max_seq_len=128, kv_block_size=8,
+                     **fp32(backend_name)) as eng:
+        solo = eng.generate(prompt, max_new_tokens=10, ignore_eos=True)
+        before = eng.stats.prefill_tokens
+        reqs = eng.submit_n(prompt, 3, max_new_tokens=10, ignore_eos=True)
+        outs = [[ev.token for ev in r.iter_events(timeout=60) if ev.kind == TOKEN] for r in reqs]
+        assert outs == [solo] * 3
+        assert [r.shared for r in reqs] == [0, 32, 32]
+        assert eng.stats.prefill_tokens - before == 37 + 2 * 5
+        sampled = eng.submit_n(prompt, 3, max_new_tokens=8, temperature=0.9, seed=4, ignore_eos=True)
+        got = [[ev.token for ev in r.iter_events(timeout=60) if ev.kind == TOKEN] for r in sampled]
+        assert len({tuple(g) for g in got}) > 1                    # their own seeds
+        assert _idle(eng) and eng.kv_free_blocks == eng.runner.pool.num_blocks
+
+
+def test_shared_blocks_are_freed_by_their_last_holder():
+    """PagedPool refcounts: a block two sequences hold returns to the pool only when both release it."""
+    from colibri_edge.state import PagedPool, States
+    pool = PagedPool("kv", [0], 10, 4, (1, 2))
+    st = States([pool], 64)
+    a, b = st.new(1), st.new(2)
+    st.reserve(a, 13)                                  # 4 blocks
+    a.cached = 13
+    assert st.share_prefix(a, b, 12) == 12 and b.tables[0] == a.tables[0][:3]
+    st.reserve(b, 3)                                   # 12 -> 15 positions: one block of its own
+    assert pool.free_blocks == 10 - 5
+    st.release(a)
+    assert pool.free_blocks == 10 - 4                  # a's own last block only
+    st.release(b)
+    assert pool.free_blocks == 10
+    c = st.new(3)
+    assert st.share_prefix(c, st.new(4), 4) == 0       # nothing cached to share

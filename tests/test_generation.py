@@ -159,6 +159,17 @@ def test_stream_closed_early_cancels_its_request(backend_name, text_model):
         assert first and eng.kv_free_blocks == total
 
 
+def test_text_that_is_not_unicode_is_a_coded_error(text_model):
+    """A lone surrogate (what a JSON body can carry as \ud800) is refused by name, not a TypeError."""
+    _, col, _ = text_model
+    with Engine.open(col, backend="reference", max_seq_len=64) as eng:
+        for bad in ("a\ud800b", [{"role": "user", "content": "\udfff"}]):
+            with pytest.raises(ColibriError) as ei:
+                eng.generate(bad, max_new_tokens=2)
+            assert ei.value.code == COLIBRI_ERR_INVALID_ARGUMENT and "surrogate" in ei.value.message
+        assert eng.generate("ok", max_new_tokens=2, ignore_eos=True)
+
+
 def byte_fallback_tokenizer():
     """A Llama/Mixtral-style SentencePiece BPE with byte fallback: a few whole-word tokens, every other
     character as its UTF-8 bytes <0xNN>, Metaspace spaces."""
