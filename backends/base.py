@@ -19,7 +19,7 @@ Optional -- each has its default below, and the core never probes a backend with
     begin_step()                    once before each step (cpu: re-read free cores)  nothing
     graph_step(key, fn, *args)      capture a decode step once, replay it after     run fn
     memory_available(), copies_weights   what Engine.open may allocate; device copies   host memory / False
-    prepare(formats, max_cols)      warm the model's formats' kernels, size scratch  nothing
+    prepare(formats, max_cols, max_rows)  warm the model's formats' kernels, size scratch  nothing
     list_devices()                  device/platform lines for `colibri backends`    none
     alloc_slots/load_slot/slot_ffn  expert slot pool storage                        one [N, blob] buffer
     _fork(n)/_join(side)            side queues for independent experts             no side queues
@@ -287,9 +287,9 @@ class Backend:
     copies_weights = False         # True: weights are copied into the backend's memory (a device), so
                                    # they count against memory_available; host backends map them
 
-    def prepare(self, formats: set, max_cols: int):
-        """Called once a model is known, before its weights are uploaded: the weight formats it uses
-        and its widest matrix row. A backend compiles and warms only those kernels and sizes its own
+    def prepare(self, formats: set, max_cols: int, max_rows: int = 2):
+        """Called once a model is known, before its weights are uploaded: the weight formats it uses,
+        its widest matrix row and the most rows (tokens) a step passes. A backend compiles and warms only those kernels and sizes its own
         scratch here (nothing it will not run is compiled). Default: nothing to do."""
 
     def memory_available(self) -> tuple:

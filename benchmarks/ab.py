@@ -1,6 +1,6 @@
 """A/B: this tree's Colibri against an earlier commit's, interleaved in one run (part of `make bench`).
 
-    python benchmarks/ab.py --base REV [--rounds 3] [--dtypes float16,int8]
+    python benchmarks/ab.py --base REV [--rounds 3] [--dtypes float16,int8[,q4_k_m,...]]
 
 The earlier commit is checked out as a git worktree (cache/ab-base-REV, reused). Each round runs, per
 weight type, one subprocess per tree, the order alternating between rounds, on the benchmark model
@@ -160,6 +160,10 @@ def main(argv=None):
     rev = subprocess.run(["git", "-C", base, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     new = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     m = models.build_all(a.small, with_gguf=False, log=lambda s: print(s, file=sys.stderr, flush=True))
+    for dt in a.dtypes.split(","):          # block formats (q4_k_m, q8_0, ...): our converter's, from the same weights
+        if dt not in m["colibri"]:
+            m["colibri"][dt] = models.build_colibri(m["hf"], os.path.join(m["root"], f"colibri-{dt}"), dt,
+                                                    log=lambda s: print(s, file=sys.stderr, flush=True))
     prompt = models.prompts(m["spec"], 128, 1)[0]
     trees = {"old": base, "new": None}
     res = {"base": rev, "new": new, "dirty": bool(subprocess.run(["git", "-C", REPO, "status", "--porcelain",

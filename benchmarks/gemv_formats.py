@@ -57,6 +57,7 @@ def main(argv=None):
     none = np.zeros(0, np.float32)
     qx, dx, xs = np.zeros((2, K), np.int8), np.zeros((2, K // 32), np.float32), np.zeros((2, K // 32), np.float32)
     scratch = np.zeros((th, 4, K), np.float32)
+    work = np.zeros((th, 8), np.int64)                  # the claim counters (kernels.claim), one row a thread
     out = np.zeros((1, N), np.float32)
     print(f"BLAS sgemv read bandwidth, {th} threads: {blas_probe(th):.1f} GB/s")
     print("| format | bytes / weight | float32 activations GB/s (Gw/s) | int8 activations GB/s (Gw/s) |")
@@ -68,8 +69,8 @@ def main(argv=None):
         emu_q, emu_d, _ = quant.quantize_activations(x)
         emu = quant.dequantize(raw, fmt, K).astype(np.float64) @ (emu_q[0] * np.repeat(emu_d[0], 32)).astype(np.float64)
         row = []
-        for name, fn, want in (("f32", lambda: Q.qmatmul(out, x, w, none, th, scratch), ref),
-                               ("i8", lambda: Q.qmatmul_i8(out, x, w, none, th, qx, dx, xs), emu)):
+        for name, fn, want in (("f32", lambda: Q.qmatmul(out, x, w, none, work, scratch), ref),
+                               ("i8", lambda: Q.qmatmul_i8(out, x, w, none, work, qx, dx, xs), emu)):
             fn()
             err = np.abs(out[0] - want).max() / np.abs(want).max()
             if err > 1e-4:

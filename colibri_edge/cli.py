@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from .errors import ColibriError
+from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
 
 
 def _cmd_convert(a):
@@ -231,11 +231,30 @@ def _cmd_serve(a):
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"--model {spec!r}: give each model a distinct "
                                "name (NAME=DIR)")
         models[name] = path
+    budgets, default = {}, None
+    for spec in a.memory_budget or []:
+        name, sep, size = spec.rpartition("=")
+        if sep:
+            budgets[name] = parse_size(size, f"--memory-budget {spec}")
+        else:
+            default = parse_size(size, f"--memory-budget {spec}")
+    if default is not None:
+        budgets = {**{n: default for n in models}, **budgets}
     if a.host not in ("127.0.0.1", "localhost", "::1") and not a.api_key:
         print(f"[colibri] serving on {a.host} without --api-key: anyone who can reach it can use it", file=sys.stderr)
     serve(models, host=a.host, port=a.port, api_key=a.api_key, cors=a.cors, request_timeout=a.request_timeout,
-          backend=a.backend, max_seq_len=a.max_seq_len, max_batch=a.max_batch, max_queue=a.max_queue)
+          budgets=budgets, backend=a.backend, max_seq_len=a.max_seq_len, max_batch=a.max_batch,
+          max_queue=a.max_queue)
     return 0
+
+
+def parse_size(text: str, what: str) -> int:
+    """'512M', '2G', '1.5GiB', '4096' -> bytes (K, M, G, T are powers of 1024, as free -h prints)."""
+    import re
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if not m or float(m.group(1)) <= 0:
+        raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{what}: give a size such as 512M, 2G or 1.5GiB")
+    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
 
 
 def build_parser():
@@ -293,6 +312,10 @@ def build_parser():
     sv.add_argument("--max-seq-len", type=int, default=None)
     sv.add_argument("--max-batch", type=int, default=8)
     sv.add_argument("--max-queue", type=int, default=1024, help="waiting requests before 429")
+    sv.add_argument("--memory-budget", action="append", metavar="[NAME=]SIZE",
+                    help="memory a model's engine may allocate (arena, KV pool, expert slots), e.g. 2G; "
+                    "NAME=SIZE for one model, SIZE for the others; the server refuses to start, with the "
+                    "numbers, when they do not fit")
     sv.set_defaults(fn=_cmd_serve)
     t = sub.add_parser("trace", help="record which experts every token chose, to an .npz")
     t.add_argument("--model", required=True)

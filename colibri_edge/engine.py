@@ -98,7 +98,7 @@ class Engine:
                  prefill_chunk=256, kv_block_size=None, num_streams=None, router_warmup=None,
                  disable_fp16=None, num_threads=None, expert_slots=None, slot_policy=None, cuda_graphs=None,
                  int8_activations=None,
-                 device=None, max_queue=1024, interleave=2.0, core_thread=None):
+                 device=None, max_queue=1024, interleave=2.0, core_thread=None, memory_budget=None):
         self.model = open_model_dir(path)
         cfg = self.config = self.model.config
         self.path = self.model.path
@@ -139,7 +139,9 @@ class Engine:
                                f"{len(self.model.experts)} experts; leave it unset to keep every expert resident")
         self.runner = Runner(self.model, self.backend, rows, self.max_batch, self.max_seq_len,
                              -(-int(kv_cache_tokens) // block), block,
-                             expert_slots=slots or None, slot_policy=policy)
+                             expert_slots=slots or None, slot_policy=policy,
+                             memory_budget=None if memory_budget is None else
+                             sampling.integer("memory_budget", memory_budget, 1, 1 << 60))
         self.stats = Stats()
         # end-of-sequence ids (generation_config.json); the engine's own copy, so it may be changed
         self.eos_token_ids = list(cfg["eos_token_ids"])

@@ -61,7 +61,7 @@ class Runner:
 
     def __init__(self, model: ModelDir, backend, max_rows: int, max_batch: int,
                  max_seq_len: int, num_kv_blocks: int, block_size: int,
-                 expert_slots: int | None = None, slot_policy: str = "lru"):
+                 expert_slots: int | None = None, slot_policy: str = "lru", memory_budget: int | None = None):
         self.model, self.be, self.cfg = model, backend, model.config
         cfg = self.cfg
         self.max_rows, self.max_batch, self.max_seq_len = max_rows, max_batch, max_seq_len
@@ -69,7 +69,7 @@ class Runner:
         self.limits, self.states = layout(cfg, max_rows, max_batch, max_seq_len, num_kv_blocks, block_size)
         self.top_k = arena.fan(cfg)
         self.spec = arena.buffers(cfg, self.limits)
-        self._check_memory(expert_slots)
+        self._check_memory(expert_slots, memory_budget)
         self.slot_pool = None
         try:
             if expert_slots is not None:
@@ -77,7 +77,7 @@ class Runner:
                 self.slot_pool = SlotPool(backend, model, expert_slots, slot_policy)
             backend.prepare(model.formats, max([cfg["hidden_size"], cfg["moe_intermediate_size"],
                                                  cfg["intermediate_size"], cfg["shared_expert_intermediate_size"],
-                                                 cfg["num_attention_heads"] * cfg["head_dim"]]))
+                                                 cfg["num_attention_heads"] * cfg["head_dim"]]), max_rows)
             self.program = program.build(model, backend, self.states.paged, resident=self.slot_pool is None)
             self._alloc()
         except MemoryError:                 # what the check could not see (another process took it)
@@ -91,8 +91,9 @@ class Runner:
         self._views = {}
 
     # -- setup ------------------------------------------------------------------------------
-    def _check_memory(self, expert_slots):
-        """Everything the engine allocates at open, against what the backend has, before any of it."""
+    def _check_memory(self, expert_slots, budget=None):
+        """Everything the engine allocates at open, against what the backend has and the engine's
+        memory budget (when given), before any of it."""
         from .planning import human
         be = self.be
         need = {"arena (max_batch, prefill_chunk)": arena.nbytes(self.spec),
@@ -104,6 +105,12 @@ class Runner:
                 (0 if expert_slots is not None else sum(e.weight_size for e in self.model.experts))
         total = sum(need.values())
         self.need_text = f"{human(total)} (" + ", ".join(f"{k} {human(v)}" for k, v in need.items()) + ")"
+        self.memory_need = total
+        if budget is not None and total > budget:
+            raise ColibriError(COLIBRI_ERR_OUT_OF_MEMORY,
+                               f"opening this engine needs {self.need_text}, over its memory budget of "
+                               f"{human(budget)}; give it a larger budget, or open it with a smaller max_batch, "
+                               "prefill_chunk, kv_cache_tokens or expert_slots")
         avail, what = be.memory_available()
         if total > avail:
             raise ColibriError(COLIBRI_ERR_OUT_OF_MEMORY,

@@ -139,6 +139,13 @@ def create_app(models: dict, api_key: str | None = None, cors: str | None = None
         ignore_eos: bool = False
         user: str | None = None
         priority: int = 0
+        # accepted so that their refusal can say why (400), not "extra inputs are not permitted"
+        tools: list | None = None
+        tool_choice: str | dict | None = None
+        functions: list | None = None
+        function_call: str | dict | None = None
+        parallel_tool_calls: bool | None = None
+        response_format: dict | None = None
 
     class Completion(Common):
         prompt: str | list[int]
@@ -313,12 +320,26 @@ def create_app(models: dict, api_key: str | None = None, cors: str | None = None
         return StreamingResponse(sse(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+    def unsupported(b: Common):
+        """The message refusing what the server does not do yet (tool calls, structured output), or None."""
+        if b.tools or b.functions or b.tool_choice not in (None, "none") or b.function_call not in (None, "none"):
+            return ("tool calls are not supported by colibri serve yet: send the request without 'tools' / "
+                    "'tool_choice' (or 'functions' / 'function_call') and describe the tools in the prompt")
+        if b.response_format is not None and b.response_format.get("type", "text") != "text":
+            return (f"response_format {b.response_format.get('type')!r} is not supported by colibri serve yet; "
+                    "only {'type': 'text'}: ask for the format in the prompt")
+        return None
+
     async def generation(http, body, chat):
         try:
             h = host_of(body.model)
         except LookupError:
             return error(404, f"model {body.model!r} is not served here; GET /v1/models lists "
                          f"{', '.join(sorted(hosts))}", "model_not_found")
+        why = unsupported(body)
+        if why:
+            metrics.requests.labels(h.name, "chat" if chat else "completions", "400").inc()
+            return error(400, why, "unsupported")
         try:
             if chat:
                 prompt = [m.model_dump() for m in body.messages]
@@ -367,16 +388,44 @@ def create_app(models: dict, api_key: str | None = None, cors: str | None = None
     return app
 
 
-def serve(models: dict, host="127.0.0.1", port=8000, api_key=None, cors=None, request_timeout=None, **engine_kw):
+def check_budgets(budgets: dict, available: int | None = None):
+    """The models' memory budgets ({name: bytes}) against the memory this process may take (host
+    memory: colibri_edge.memory): ColibriError(COLIBRI_ERR_OUT_OF_MEMORY) with the numbers when they
+    add up to more, before any engine is opened."""
+    from .memory import host_available
+    from .planning import human
+    total = sum(budgets.values())
+    if available is None:
+        available, what = host_available()
+    else:
+        what = "the given limit"
+    if total > available:
+        parts = ", ".join(f"{n} {human(b)}" for n, b in budgets.items())
+        raise ColibriError(COLIBRI_ERR_OUT_OF_MEMORY, f"the models' memory budgets add up to {human(total)} "
+                           f"({parts}), but {what} leaves {human(available)}; give them smaller budgets or "
+                           "serve fewer models")
+
+
+def serve(models: dict, host="127.0.0.1", port=8000, api_key=None, cors=None, request_timeout=None,
+          budgets: dict | None = None, **engine_kw):
     """Open an engine per model directory ({name: dir}) and serve them until SIGINT / SIGTERM
-    (uvicorn stops accepting, lets running responses finish, then the engines are closed)."""
+    (uvicorn stops accepting, lets running responses finish, then the engines are closed).
+    budgets: {name: bytes} the engine of that model may allocate (arena, KV pool, expert slots,
+    device copies of weights); checked together against the memory available, then each engine
+    against its own at open: the server refuses to start, with the numbers, when they do not fit."""
     _deps()
     import uvicorn
     from .engine import Engine
+    budgets = dict(budgets or {})
+    unknown = sorted(set(budgets) - set(models))
+    if unknown:
+        raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"memory budget for {', '.join(unknown)}: no such model "
+                           f"(models: {', '.join(models)})")
+    check_budgets(budgets)
     engines = {}
     try:
         for name, path in models.items():
-            engines[name] = Engine.open(path, **engine_kw)
+            engines[name] = Engine.open(path, memory_budget=budgets.get(name), **engine_kw)
         app = create_app(engines, api_key=api_key, cors=cors, request_timeout=request_timeout)
         uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=30)
     finally:

@@ -194,9 +194,9 @@ def dequantised_checkpoint(hf_dir: str, model_dir: str, out_dir: str) -> str:
     return out_dir
 
 
-def build_text_model(tmp) -> tuple:
-    """A mixtral with the demo's byte-level tokenizer (multi-byte characters span several tokens)
-    and a chat template: (hf_dir, model_dir, eos id)."""
+def build_text_model(tmp, case="mixtral") -> tuple:
+    """A model of CASES[case]'s shape with the demo's byte-level tokenizer (multi-byte characters
+    span several tokens) and a chat template: (hf_dir, model_dir, eos id)."""
     import json
     from colibri_edge.demo import byte_level_tokenizer
     from colibri_edge.convert import convert
@@ -204,7 +204,7 @@ def build_text_model(tmp) -> tuple:
     tok = byte_level_tokenizer()
     V = tok.get_vocab_size()
     eos = tok.token_to_id("<|endoftext|>")
-    hf = build_hf(os.path.join(tmp, "hf"), "mixtral", vocab_size=V, eos_token_id=eos)
+    hf = build_hf(os.path.join(tmp, "hf"), case, vocab_size=V, eos_token_id=eos)
     tok.save(os.path.join(hf, "tokenizer.json"))
     template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")

@@ -3,6 +3,7 @@ and RNG, cancellation, chunked prefill interleaved with decode, waiting and pree
 failing, a bounded queue, AsyncEngine; the sampling extras against NumPy statements of their
 definitions."""
 import asyncio
+import os
 import threading
 import time
 
@@ -274,19 +275,42 @@ def _decode_logits(eng, company):
             r.free(s)
 
 
+def _invariance_runs(col, backend_name, **opts):
+    with Engine.open(col, backend=backend_name, max_batch=8, max_seq_len=128, **opts) as eng:
+        return {c: eng._core.call(lambda c=c: _decode_logits(eng, c)) for c in ("alone", "decodes", "prefill")}
+
+
+BITWISE = ("reference", "cpu")       # batch invariant bit for bit (README); elsewhere within 1e-5
+
+
 def test_batch_invariance(backend_name, model_cache):
     """A decoding row's logits alone, beside 3 other decoding rows, and beside a prefill chunk (which
-    sends the step through the GEMM paths): bit for bit on the reference; within the kernels'
-    tolerance elsewhere (the cpu kernels pair tokens in their dot products: measured ~1e-6, README)."""
+    sends the step through the GEMM paths): bit for bit on the reference and cpu backends; within
+    the kernels' tolerance elsewhere."""
     _, col = convert_case(model_cache, "qwen3_moe")
-    with Engine.open(col, backend=backend_name, max_batch=8, max_seq_len=128, **fp32(backend_name)) as eng:
-        runs = {c: eng._core.call(lambda c=c: _decode_logits(eng, c)) for c in ("alone", "decodes", "prefill")}
+    runs = _invariance_runs(col, backend_name, **fp32(backend_name))
     scale = np.abs(runs["alone"]).max()
     for c in ("decodes", "prefill"):
-        if backend_name == "reference":
+        if backend_name in BITWISE:
             np.testing.assert_array_equal(runs[c], runs["alone"], err_msg=c)
         else:
             assert np.abs(runs[c] - runs["alone"]).max() / scale < 1e-5, c
+
+
+@pytest.mark.parametrize("int8_activations", [True, False])
+def test_batch_invariance_in_block_formats(model_cache, int8_activations):
+    """The cpu backend's block formats (a q4_k_m mix: q4_k, q6_k and fallbacks), with int8
+    activations (the default) and without: bit for bit alone, beside decodes, beside a prefill chunk."""
+    from colibri_edge.convert import convert
+    from hf_models import build_hf
+    hf, col = os.path.join(model_cache, "inv_hf_mixtral"), os.path.join(model_cache, "inv_col_mixtral_q4_k_m")
+    if not os.path.exists(os.path.join(col, "config.json")):
+        build_hf(hf, "mixtral", hidden_size=256, intermediate_size=256, head_dim=64, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=V)
+        convert(hf, col, dtype="q4_k_m", progress=False)
+    runs = _invariance_runs(col, "cpu", int8_activations=int8_activations)
+    for c in ("decodes", "prefill"):
+        np.testing.assert_array_equal(runs[c], runs["alone"], err_msg=c)
 
 
 def test_inline_core_callers_run_the_steps(model_cache):

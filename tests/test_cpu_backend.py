@@ -56,6 +56,40 @@ def test_stream_layout_covers_every_row(threads, rng):
             close(act, g / (1 + np.exp(-g)) * u, 1e-5)
 
 
+@pytest.mark.parametrize("int8_activations", [True, False])
+def test_a_tokens_sums_do_not_depend_on_the_batch(int8_activations, rng):
+    """Batch invariance at the kernels: in every weight type the cpu backend runs, a token's matmul
+    row and its gate/up activations are bit for bit the same whether 1, 2, 3, 4, 5 or 9 tokens share
+    the call and wherever it stands among them (a pair's first or second, or a lone last one), on
+    rows that fill the four streams and on the leftover rows (N = 37; the expert's I = 256 rows)."""
+    from colibri_edge.backends import create
+    from colibri_edge.backends.base import FFN, Plan
+    from colibri_edge.dtypes import narrow, quantize_rows
+    be = create("cpu", int8_activations=int8_activations, num_threads=2)
+    N, K, I, Ts = 37, 512, 256, (1, 2, 3, 4, 5, 9)
+    x = rng.standard_normal((max(Ts), K)).astype(np.float32)
+    for wd in be.weight_dtypes:
+        def up(w32):
+            q, sc = quantize_rows(w32) if wd == "int8" else (narrow(w32, wd), None)
+            return be.upload(q, wd, scales=sc, shape=w32.shape)
+        W = up(rng.standard_normal((N, K)).astype(np.float32) / np.sqrt(K))
+        ffn = FFN(*(up(rng.standard_normal(s).astype(np.float32) / np.sqrt(s[1])) for s in [(I, K), (I, K), (K, I)]))
+        outs, acts = {}, {}
+        for T in Ts:
+            o = be.alloc((T, N))
+            be.matmul(o, x[:T].copy(), W)
+            outs[T] = be.download(o)
+            order = np.arange(T, dtype=np.int32)
+            plan = Plan(np.array([0, T], np.int32), order, order.copy(), np.array([T], np.int32), T, 1,
+                        np.array([0], np.int32), num_experts=1)
+            act = be.alloc((T, I))
+            be.grouped_ffn(be.alloc((T, K)), x[:T].copy(), [ffn], plan, act)
+            acts[T] = be.download(act)
+        for T in Ts:
+            np.testing.assert_array_equal(outs[T], outs[max(Ts)][:T], err_msg=f"{wd} matmul T={T}")
+            np.testing.assert_array_equal(acts[T], acts[max(Ts)][:T], err_msg=f"{wd} gate/up T={T}")
+
+
 def test_weights_stay_in_the_memmap(model_cache):
     _, col = convert_case(model_cache, "qwen2_moe", out_dtype="bfloat16")
     with Engine.open(col, backend="cpu", max_seq_len=32) as eng:

@@ -113,20 +113,22 @@ class Backend(BackendBase):
         self.work = np.zeros((self.num_threads, 8), np.int64)   # the kernels' claim counters (kernels.claim)
         self.none = _readonly(np.zeros(0, np.float32))      # an absent bias or scales vector
         self.no_tally = np.zeros(0, np.int32)
-        self._qscratch = np.zeros((self.num_threads, 4, 0), np.float32)   # block formats' prefill rows
-        # block formats at decode (<= 2 rows): activations quantised to int8 per 32, integer dots
-        # (qir.py); the float32-activation path stays, int8_activations=False / COLIBRI_INT8_ACTIVATIONS=0
+        self._qscratch = np.zeros((self.num_threads, 4, 0), np.float32)   # block formats' dequantised rows
+        # block formats: activations quantised to int8 per 32, integer dots (qir.py); the
+        # float32-activation path stays, int8_activations=False / COLIBRI_INT8_ACTIVATIONS=0
         self.int8_activations = bool(int8_activations)
-        self._qx = (np.zeros((2, 0), np.int8), np.zeros((2, 0), np.float32), np.zeros((2, 0), np.float32))
+        self._qx = (np.zeros((1, 0), np.int8), np.zeros((1, 0), np.float32), np.zeros((1, 0), np.float32))
         self._warm_up(("float32",), common=True)
 
-    def prepare(self, formats, max_cols):
+    def prepare(self, formats, max_cols, max_rows=2):
         """Compile (or load from Numba's cache) and warm the kernels of the model's formats, and size
-        the block formats' prefill scratch [threads, 4, max_cols]: nothing the model will not run."""
+        the block formats' scratch: the dequantised rows [threads, 4, max_cols] and the int8
+        activations of max_rows rows: nothing the model will not run."""
         if any(is_block(f) for f in formats):
             self._scratch(max_cols)
-            self._acts(max_cols)
+            self._acts(max_cols, max_rows)
         self._warm_up(tuple(f for f in sorted(formats) if f != "float32"))
+
 
     def _scratch(self, cols):
         """The prefill scratch, at least cols wide: prepare() sizes it for a model, so this grows it only
@@ -136,13 +138,14 @@ class Backend(BackendBase):
             self._qscratch = np.zeros((max(t, self.num_threads), 4, max(c, cols)), np.float32)
         return self._qscratch
 
-    def _acts(self, cols):
-        """The int8 activations of <= 2 rows (qx int8 [2, cols], dx and xs float32 [2, cols / 32]),
+    def _acts(self, cols, rows):
+        """The int8 activations of rows rows (qx int8 [rows, cols], dx and xs float32 [rows, cols / 32]),
         sized by prepare(); grown here only for ops called directly."""
-        if self._qx[0].shape[1] < cols:
-            c = -(-cols // 32) * 32
-            self._qx = (np.zeros((2, c), np.int8), np.zeros((2, c // 32), np.float32),
-                        np.zeros((2, c // 32), np.float32))
+        r, c = self._qx[0].shape
+        if c < cols or r < rows:
+            r, c = max(r, rows), max(c, -(-cols // 32) * 32)
+            self._qx = (np.zeros((r, c), np.int8), np.zeros((r, c // 32), np.float32),
+                        np.zeros((r, c // 32), np.float32))
         return self._qx
 
     def _warm_up(self, formats, common=False):
@@ -156,7 +159,7 @@ class Backend(BackendBase):
         x, o, y, h = self.alloc((T, H)), self.alloc((T, H)), self.alloc((T * k, H)), self.alloc((T * k, I))
         x5 = self.alloc((5, H))
         ids, pos = self.alloc((T, k), i32), self.alloc((T,), i32)
-        ids[:] = [[0, 1], [2, 0]]            # <= 2 rows an expert: the decode (int8-activation) path
+        ids[:] = [[0, 1], [2, 0]]            # 1 and 2 rows an expert (an odd and an even count)
         norm = self.upload(np.ones(H, f32))
         bufs = {n: self.alloc(s, d) for n, (s, d) in plan_buffers(5 * k, E).items()}
         for wd in formats:
@@ -319,9 +322,9 @@ class Backend(BackendBase):
             ffn = experts[e]
             inter = ffn.gate.shape[0]
             act = flat[start * width:start * width + n * inter].reshape(n, inter)
-            if ffn.gate.dtype in BLOCK and n <= self.q.DIRECT_T and self.int8_activations:
+            if ffn.gate.dtype in BLOCK and self.int8_activations:
                 self.q.qswiglu_gate_up_i8(act, x, plan.order, start, plan.top_k, ffn.gate.data, ffn.up.data,
-                                          self.work, *self._acts(x.shape[1]))
+                                          self.work, *self._acts(x.shape[1], n))
             elif ffn.gate.dtype in BLOCK:
                 self.q.qswiglu_gate_up(act, x, plan.order, start, plan.top_k, ffn.gate.data, ffn.up.data,
                                        self.work, self._scratch(x.shape[1]))
@@ -335,11 +338,13 @@ class Backend(BackendBase):
                               self.work)
 
     def _qmatmul(self, out, x, w, bias):
-        """A block-format matmul: int8 activations at decode (<= 2 rows) unless turned off, else float32."""
-        if x.shape[0] <= self.q.DIRECT_T and self.int8_activations:
-            self.q.qmatmul_i8(out, x, w, bias, self.work, *self._acts(x.shape[1]))
+        """A block-format matmul: int8 activations unless turned off, else float32 (each for every row
+        count, so a row's result never depends on the others: batch invariance)."""
+        T, K = x.shape
+        if self.int8_activations:
+            self.q.qmatmul_i8(out, x, w, bias, self.work, *self._acts(K, T))
         else:
-            self.q.qmatmul(out, x, w, bias, self.work, self._scratch(x.shape[1]))
+            self.q.qmatmul(out, x, w, bias, self.work, self._scratch(K))
 
     def combine(self, out, y, w, plan):
         self.m.combine(out, y, w, plan.inverse)

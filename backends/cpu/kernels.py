@@ -89,35 +89,90 @@ def dot1(w, n, xr):
     return acc
 
 
-@njit(fastmath=REDUCE, error_model="numpy", inline="always")
-def dot4(r0, r1, r2, r3, xr):
-    """(r0 . xr, r1 . xr, r2 . xr, r3 . xr): four weight rows [K] in one pass, each load of xr used 4 times."""
-    a0 = a1 = a2 = a3 = F0
-    for k in range(xr.shape[0]):
-        xk = xr[k]
-        a0 += widen(r0[k]) * xk
-        a1 += widen(r1[k]) * xk
-        a2 += widen(r2[k]) * xk
-        a3 += widen(r3[k]) * xk
-    return a0, a1, a2, a3
+# -- four rows against one or two tokens, in explicit vectors (batch invariance) -------------------
+# fdot4 and fdot4x2 spell out their arithmetic in LLVM IR: per (row, token) one <8 x float>
+# accumulator, acc = fma(widen(w[k:k+8]), x[k:k+8], acc) for k = 0, 8, ... in order, a scalar chain
+# for the last K % 8 elements, then the vector's sum plus the chain. A token's sums are therefore
+# the same whether it runs alone (fdot4) or beside another (fdot4x2), whatever T: written as Numba
+# loops with "reassoc", LLVM vectorised four sums and eight with different numbers of partial sums,
+# so a row's result depended on how many tokens shared the call (~1e-6 of a logit). One chain per
+# (row, token) is 4 (8) independent FMA chains, past the memory rate of a decode GEMV (float16:
+# 16 bytes a cycle a core) and at full FMA rate for pairs.
+_STORED = {types.float32: (ir.FloatType(), 4), types.uint16: (ir.IntType(16), 2), types.int16: (ir.IntType(16), 2),
+           types.int8: (ir.IntType(8), 1)}
 
 
-@njit(fastmath=REDUCE, error_model="numpy", inline="always")
-def dot4x2(r0, r1, r2, r3, xa, xb):
-    """dot4 for two tokens at once: each widened weight vector feeds two FMAs (prefill GEMM)."""
-    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = F0
-    for k in range(xa.shape[0]):
-        xk, yk = xa[k], xb[k]
-        v0, v1, v2, v3 = widen(r0[k]), widen(r1[k]), widen(r2[k]), widen(r3[k])
-        a0 += v0 * xk
-        a1 += v1 * xk
-        a2 += v2 * xk
-        a3 += v3 * xk
-        b0 += v0 * yk
-        b1 += v1 * yk
-        b2 += v2 * yk
-        b3 += v3 * yk
-    return a0, a1, a2, a3, b0, b1, b2, b3
+def _widen_ir(builder, v, dt, n):
+    """IR: stored weight bits v (<n x T>, or a scalar when n is 0) -> float32, as widen() does."""
+    f32 = ir.FloatType() if n == 0 else ir.VectorType(ir.FloatType(), n)
+    if dt == types.float32:
+        return v
+    if dt == types.uint16:
+        return builder.fpext(builder.bitcast(v, ir.HalfType() if n == 0 else ir.VectorType(ir.HalfType(), n)), f32)
+    if dt == types.int16:
+        i32 = ir.IntType(32) if n == 0 else ir.VectorType(ir.IntType(32), n)
+        sixteen = ir.Constant(i32, 16) if n == 0 else ir.Constant(i32, [16] * n)
+        return builder.bitcast(builder.shl(builder.zext(v, i32), sixteen), f32)
+    return builder.sitofp(v, f32)
+
+
+def _fdot_codegen(ntok):
+    def codegen(context, builder, sig, args):
+        from .qir import _fn, c64, data_ptr, load, reduce_add
+        f32, v8 = ir.FloatType(), ir.VectorType(ir.FloatType(), 8)
+        dt = sig.args[0].dtype
+        ety, esz = _STORED[dt]
+        rows = [data_ptr(context, builder, sig.args[r], args[r]) for r in range(4)]
+        xs = [data_ptr(context, builder, sig.args[4 + t], args[4 + t]) for t in range(ntok)]
+        K = builder.extract_value(context.make_array(sig.args[4])(context, builder, args[4]).shape, 0)
+        K8 = builder.and_(K, c64(-8))
+        fma8 = _fn(builder, "llvm.fma.v8f32", v8, [v8, v8, v8])
+        fma1 = _fn(builder, "llvm.fma.f32", f32, [f32, f32, f32])
+        acc = [[cgutils.alloca_once_value(builder, ir.Constant(v8, [0.0] * 8)) for _ in range(ntok)] for _ in range(4)]
+        tail = [[cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0)) for _ in range(ntok)] for _ in range(4)]
+        with cgutils.for_range_slice(builder, c64(0), K8, c64(8)) as (k, _):
+            xv = [load(builder, builder.add(xs[t], builder.mul(k, c64(4))), v8, align=4) for t in range(ntok)]
+            for r in range(4):
+                w = _widen_ir(builder, load(builder, builder.add(rows[r], builder.mul(k, c64(esz))),
+                                            ir.VectorType(ety, 8), align=esz), dt, 8)
+                for t in range(ntok):
+                    builder.store(builder.call(fma8, [w, xv[t], builder.load(acc[r][t])]), acc[r][t])
+        with cgutils.for_range_slice(builder, K8, K, c64(1)) as (k, _):
+            xv = [load(builder, builder.add(xs[t], builder.mul(k, c64(4))), f32, align=4) for t in range(ntok)]
+            for r in range(4):
+                w = _widen_ir(builder, load(builder, builder.add(rows[r], builder.mul(k, c64(esz))), ety, align=esz),
+                              dt, 0)
+                for t in range(ntok):
+                    builder.store(builder.call(fma1, [w, xv[t], builder.load(tail[r][t])]), tail[r][t])
+        sums = [builder.fadd(reduce_add(builder, builder.load(acc[r][t])), builder.load(tail[r][t]))
+                for t in range(ntok) for r in range(4)]
+        return context.make_tuple(builder, sig.return_type, sums)
+    return codegen
+
+
+def _fdot_types(rows, xs):
+    """The rows: four 1-D contiguous arrays of one stored type; the tokens: 1-D contiguous float32."""
+    if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in rows + xs):
+        return False
+    return rows[0].dtype in _STORED and all(a.dtype == rows[0].dtype for a in rows) and \
+        all(a.dtype == types.float32 for a in xs)
+
+
+@intrinsic
+def fdot4(typingctx, r0, r1, r2, r3, xa):
+    """(r_j . xa for j < 4): four weight rows [K] (stored types, see widen) against a float32 token [K]."""
+    if not _fdot_types([r0, r1, r2, r3], [xa]):
+        return None
+    return types.UniTuple(types.float32, 4)(r0, r1, r2, r3, xa), _fdot_codegen(1)
+
+
+@intrinsic
+def fdot4x2(typingctx, r0, r1, r2, r3, xa, xb):
+    """fdot4 for two tokens, each widened weight vector used twice: (r_j . xa for j < 4, r_j . xb for j < 4),
+    each token's sums bit for bit fdot4's."""
+    if not _fdot_types([r0, r1, r2, r3], [xa, xb]):
+        return None
+    return types.UniTuple(types.float32, 8)(r0, r1, r2, r3, xa, xb), _fdot_codegen(2)
 
 
 @njit(inline="always")
@@ -218,13 +273,13 @@ def matmul(out, x, w, scales, bias, work):
             for n in range(lo, lo + q):
                 r0, r1, r2, r3 = w[n], w[n + q], w[n + 2 * q], w[n + 3 * q]
                 for t in range(0, T - 1, 2):
-                    a0, a1, a2, a3, b0, b1, b2, b3 = dot4x2(r0, r1, r2, r3, x[t], x[t + 1])
+                    a0, a1, a2, a3, b0, b1, b2, b3 = fdot4x2(r0, r1, r2, r3, x[t], x[t + 1])
                     store4(out, t, n, q, a0, a1, a2, a3)
                     store4(out, t + 1, n, q, b0, b1, b2, b3)
                 if T % 2:
-                    a0, a1, a2, a3 = dot4(r0, r1, r2, r3, x[T - 1])
+                    a0, a1, a2, a3 = fdot4(r0, r1, r2, r3, x[T - 1])
                     store4(out, T - 1, n, q, a0, a1, a2, a3)
-            for n in range(lo + 4 * q, hi):
+            for n in range(lo + 4 * q, hi):           # the last (hi - lo) % 4 rows: dot1 whatever T
                 for t in range(T):
                     out[t, n] = dot1(w, n, x[t])
             if scales.shape[0] or bias.shape[0]:

@@ -5,7 +5,7 @@ import numpy as np
 from numba import njit, prange
 
 from .jitcache import drop_stale
-from .kernels import F0, F1, REDUCE, claim, dot1, dot4, dot4x2, reset_claims, scaled
+from .kernels import F0, F1, REDUCE, claim, dot1, fdot4, fdot4x2, reset_claims, scaled
 
 
 @njit(error_model="numpy", inline="always")
@@ -122,13 +122,13 @@ def swiglu_gate_up(act, x, order, start, top_k, gate, up, gate_scales, up_scales
                 g0, g1, u0, u1 = gate[i], gate[j], up[i], up[j]
                 for r in range(0, R - 1, 2):
                     xa, xb = x[order[start + r] // top_k], x[order[start + r + 1] // top_k]
-                    ga, gb, ua, ub, gc, gd, uc, ud = dot4x2(g0, g1, u0, u1, xa, xb)
+                    ga, gb, ua, ub, gc, gd, uc, ud = fdot4x2(g0, g1, u0, u1, xa, xb)
                     store_swiglu(act, r, i, ga, ua, gate_scales, up_scales)
                     store_swiglu(act, r, j, gb, ub, gate_scales, up_scales)
                     store_swiglu(act, r + 1, i, gc, uc, gate_scales, up_scales)
                     store_swiglu(act, r + 1, j, gd, ud, gate_scales, up_scales)
                 if R % 2:
-                    ga, gb, ua, ub = dot4(g0, g1, u0, u1, x[order[start + R - 1] // top_k])
+                    ga, gb, ua, ub = fdot4(g0, g1, u0, u1, x[order[start + R - 1] // top_k])
                     store_swiglu(act, R - 1, i, ga, ua, gate_scales, up_scales)
                     store_swiglu(act, R - 1, j, gb, ub, gate_scales, up_scales)
             for i in range(lo + 2 * h, hi):

@@ -228,59 +228,6 @@ def _row_loop(context, builder, sig, args, body):
     return fmt
 
 
-def _chunk_fma(builder, acc, chunks, xaddr):
-    """acc[t] += mult * (q . x_t[chunk]) + add * x_t[chunk], for each chunk and each token's x address."""
-    off = 0
-    for mult, add, q in chunks:
-        n = q.type.count
-        for t, xa in enumerate(xaddr):
-            xv = load(builder, builder.add(xa, c64(4 * off)), vec(F32, n), align=4)
-            a = builder.load(acc[t][n])
-            a = builder.fadd(a, builder.fmul(builder.fmul(q, xv, flags=("fast",)), splat(builder, mult, n),
-                                             flags=("fast",)), flags=("fast",))
-            if add is not None:
-                a = builder.fadd(a, builder.fmul(xv, splat(builder, add, n), flags=("fast",)), flags=("fast",))
-            builder.store(a, acc[t][n])
-        off += n
-
-
-def _rowdot_codegen(ntok):
-    def codegen(context, builder, sig, args):
-        xs = args[2:2 + ntok]
-        xbase = [data_ptr(context, builder, sig.args[2 + t], xs[t]) for t in range(ntok)]
-        xoff = [builder.mul(i64(context, builder, sig, args, 2 + ntok + t), c64(4)) for t in range(ntok)]  # -> bytes
-        acc = [{n: cgutils.alloca_once_value(builder, ir.Constant(vec(F32, n), [0.0] * n)) for n in (16, 32)}
-               for _ in range(ntok)]
-
-        def body(baddr, k):
-            chunks = decode(fmt_of(sig.args[0]), builder, baddr)
-            xaddr = [builder.add(builder.add(xbase[t], xoff[t]), builder.mul(k, c64(4))) for t in range(ntok)]
-            _chunk_fma(builder, acc, chunks, xaddr)
-        _row_loop(context, builder, sig, args, body)
-        sums = [builder.fadd(reduce_add(builder, builder.load(a[32])), reduce_add(builder, builder.load(a[16])))
-                for a in acc]
-        if ntok == 1:
-            return sums[0]
-        return context.make_tuple(builder, sig.return_type, sums)
-    return codegen
-
-
-@intrinsic
-def rowdot(typingctx, w, row, x, xoff):
-    """w[row] . x[xoff : xoff + K]: one row of a block-format matrix against float32 activations."""
-    if not fmt_of(w):
-        return None
-    return types.float32(w, row, x, xoff), _rowdot_codegen(1)
-
-
-@intrinsic
-def rowdot2(typingctx, w, row, xa, xb, xoffa, xoffb):
-    """(w[row] . xa[xoffa:], w[row] . xb[xoffb:]): each block decoded once for two tokens."""
-    if not fmt_of(w):
-        return None
-    return types.UniTuple(types.float32, 2)(w, row, xa, xb, xoffa, xoffb), _rowdot_codegen(2)
-
-
 @intrinsic
 def rowdeq(typingctx, w, row, out, ooff):
     """out[ooff : ooff + K] = the row w[row] dequantised to float32."""
@@ -459,14 +406,6 @@ def rowdot_q(typingctx, w, row, qx, dx, xs, xoff):
     return types.float32(w, row, qx, dx, xs, xoff), _rowdot_int_codegen(1)
 
 
-@intrinsic
-def rowdot2_q(typingctx, w, row, qx, dx, xs, xoffa, xoffb):
-    """rowdot_q for two activations, each weight block decoded once."""
-    if not fmt_of(w):
-        return None
-    return types.UniTuple(types.float32, 2)(w, row, qx, dx, xs, xoffa, xoffb), _rowdot_int_codegen(2)
-
-
 # -- four rows at a time, 256 weights a step -------------------------------------------------------
 # The GEMV of the int8 path: four rows side by side (as kernels.matmul's four streams), so each
 # activation chunk is loaded once for four rows, and a group of 256 weights (eight 32-blocks, or one
@@ -626,3 +565,13 @@ def rowdot4x2_q(typingctx, w, n0, n1, n2, n3, qx, dx, xs, xoffa, xoffb):
         return None
     return (types.UniTuple(types.float32, 8)(w, n0, n1, n2, n3, qx, dx, xs, xoffa, xoffb),
             _rowdot4_int_codegen(2))
+
+
+@intrinsic
+def rowdot4x4_q(typingctx, w, n0, n1, n2, n3, qx, dx, xs, xo0, xo1, xo2, xo3):
+    """rowdot4_q for four activations (prefill): each group of 256 weights decoded once for four
+    tokens, row-major (row 0 tok 0..3, row 1 ...); each token's sums bit for bit rowdot4_q's."""
+    if not fmt_of(w):
+        return None
+    return (types.UniTuple(types.float32, 16)(w, n0, n1, n2, n3, qx, dx, xs, xo0, xo1, xo2, xo3),
+            _rowdot4_int_codegen(4))
