@@ -107,6 +107,11 @@ def load(url, model, prompts, clients, new):
             with lock:
                 ttft.append(f)
     one(url, model, prompts[0], 4)                 # warm: first-request costs are not the load's
+    import httpx                                   # and each request really makes `new` tokens (ignore_eos)
+    r = httpx.post(url + "/v1/completions", timeout=600, json={"model": model, "prompt": prompts[1], "max_tokens": new,
+                                                               "temperature": 0, "ignore_eos": True}).json()
+    if r["usage"]["completion_tokens"] != new:
+        raise SystemExit(f"{url}: asked for {new} tokens, got {r['usage']}")
     threads = [threading.Thread(target=client) for _ in range(clients)]
     t0 = time.perf_counter()
     for t in threads:
