@@ -111,6 +111,12 @@ def create_app(models: dict, api_key: str | None = None, cors: str | None = None
         parts = [f"{'.'.join(str(x) for x in d.get('loc', ())[1:]) or 'body'}: {d.get('msg')}" for d in exc.errors()]
         return error(400, "; ".join(parts)[:2000])
 
+    @app.exception_handler(Exception)
+    async def _internal(request, exc):
+        """A failure no client caused: a 500 for this request alone, in the OpenAI error shape."""
+        return error(500, f"internal error ({type(exc).__name__}: {str(exc)[:500]}); this request failed, "
+                     "the server goes on serving: retry, or report it with the server's log", "internal_error")
+
     @app.middleware("http")
     async def _auth(request, call_next):
         if api_key and request.url.path != "/health" and request.method != "OPTIONS":

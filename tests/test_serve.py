@@ -127,6 +127,21 @@ def test_bad_requests_are_4xx_with_the_message(served, body, status, words):
     assert client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}).status_code == 200
 
 
+def test_an_internal_failure_is_a_500_for_that_request_alone(served, monkeypatch):
+    """A failure no client caused (here the engine's submission raising RuntimeError) answers that
+    request with a 500 in the OpenAI error shape; the next request is served as before."""
+    _, a, _ = served
+    app = create_app({"tiny": a})
+    with TestClient(app, raise_server_exceptions=False) as c:
+        host = app.state.hosts["tiny"]
+        monkeypatch.setattr(host.aio, "submit_n", lambda *args, **kw: (_ for _ in ()).throw(RuntimeError("boom")))
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2], "max_tokens": 2})
+        assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
+        monkeypatch.undo()
+        ok = c.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2], "max_tokens": 2})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
 def test_metrics_are_prometheus(served):
     client, _, _ = served
     client.post("/v1/completions", json={"model": "tiny", "prompt": "m", "max_tokens": 4, "ignore_eos": True})
