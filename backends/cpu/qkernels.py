@@ -14,7 +14,10 @@ taken for every row count, so that a row's result never depends on how many rows
   float32 (int8_activations=False): four rows at a time dequantised into the thread's scratch
           [4, K] (in L1/L2), then every token against them with kernels.py's float32 micro-kernel.
 The two differ by the activation rounding only, which quant.quantize_activations emulates exactly in
-NumPy for the tests.
+NumPy for the tests. The int8 path's prefill re-decodes each group of 256 weights for every four
+tokens: measured 0.61x (q8_0) and 0.82x (q4_k_m) the float path's prefill tok/s on the bench model
+(README, benchmarks/results/ab.md), the price of batch invariance until a kernel decodes a tile to
+int8 once.
 """
 import numpy as np
 from numba import njit, prange
