@@ -244,7 +244,7 @@ def _cmd_serve(a):
         print(f"[colibri] serving on {a.host} without --api-key: anyone who can reach it can use it", file=sys.stderr)
     serve(models, host=a.host, port=a.port, api_key=a.api_key, cors=a.cors, request_timeout=a.request_timeout,
           budgets=budgets, backend=a.backend, max_seq_len=a.max_seq_len, max_batch=a.max_batch,
-          max_queue=a.max_queue)
+          max_queue=a.max_queue, prefill_chunk=a.prefill_chunk, interleave=a.interleave)
     return 0
 
 
@@ -312,6 +312,10 @@ def build_parser():
     sv.add_argument("--max-seq-len", type=int, default=None)
     sv.add_argument("--max-batch", type=int, default=8)
     sv.add_argument("--max-queue", type=int, default=1024, help="waiting requests before 429")
+    sv.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens prefilled per step at most")
+    sv.add_argument("--interleave", type=float, default=2.0,
+                    help="a step that prefills beside decodes may take this many decode steps' time "
+                    "(0: no cap, more throughput, slower streams meanwhile)")
     sv.add_argument("--memory-budget", action="append", metavar="[NAME=]SIZE",
                     help="memory a model's engine may allocate (arena, KV pool, expert slots), e.g. 2G; "
                     "NAME=SIZE for one model, SIZE for the others; the server refuses to start, with the "

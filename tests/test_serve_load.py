@@ -286,6 +286,6 @@ def test_memory_budgets(models, tmp_path):
     assert ei.value.code == COLIBRI_ERR_OUT_OF_MEMORY and "4.0 MiB" in ei.value.message
     from colibri_edge.cli import main                 # refused before any engine opens or port binds
     assert main(["serve", "--model", f"a={p}", "--model", f"b={p}", "--memory-budget", "a=1G",
-                 "--memory-budget", "100T"]) == -COLIBRI_ERR_OUT_OF_MEMORY
+                 "--memory-budget", "100T", "--interleave", "0", "--prefill-chunk", "64"]) == -COLIBRI_ERR_OUT_OF_MEMORY
     assert main(["serve", "--model", f"a={p}", "--memory-budget", "lots"]) == 1
     assert main(["serve", "--model", f"a={p}", "--memory-budget", "c=1G"]) == 1
