@@ -7,10 +7,12 @@ this order (vLLM's engine core, reduced to what an edge device needs):
     1. every running request that has a sampled token waiting: one decode token each;
     2. prefill chunks of running requests not yet prefilled, oldest first, under the token budget:
        prefill_chunk tokens (and the arena's rows less the decode tokens), and, while requests
-       decode, no more than keeps the step within `interleave` times a decode step:
-           chunk = 0.9 * t_decode * (interleave - 1) / t_per_prefill_token   (0.9: a margin for noise)
-       (both times measured, exponentially averaged), so a long prompt is prefilled a chunk per
-       step while the live streams keep their pace (interleave=0: no such cap);
+       decode, no more than keeps the step within a multiple of a decode step:
+           cost(D + P) <= cost(D) * (1 + 0.9 * max(interleave - 1, prefilling / D))
+       (D decode tokens, P prefill tokens, cost: StepCost, the step time measured by token count;
+       prefilling: requests whose prompt is not yet prefilled), so a long prompt is prefilled a chunk
+       per step while the live streams keep their pace, and when more requests wait for their
+       prompts than stream, the prefill part gets their share of the step (interleave=0: no cap);
     3. waiting requests are admitted first (highest priority, then submission order; strictly in
        that order: a later small request never overtakes an earlier large one) while there is a
        batch slot and their whole context can be reserved; otherwise they wait.
@@ -45,14 +47,42 @@ import numpy as np
 from . import sampling
 from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_OUT_OF_MEMORY, COLIBRI_ERR_UNAVAILABLE
 
-# The prefill cost per token is measured on chunks of at least this many tokens. In an MoE step a
-# few extra tokens cost nearly a whole step (each wakes experts whose weights must be read), so a
-# per-token cost measured on 1-2 token chunks is many times the real one at chunk size; it then shrank
-# the chunks to a token or two and prompts queued (4 clients back to back, bench model: 1.6 tokens a
-# step, 35 tok/s, TTFT 4 s); measured on larger chunks: 2.9 tokens a step, 55 tok/s, TTFT 0.56 s, a
-# mixed step 1.94x a decode step; a 1024-token prompt beside 4 streams: their inter-token time 1.82x.
-# Until a chunk that large has run, no cap applies (the first mixed step prefills a whole chunk).
-MEASURE_TOKENS = 16
+class StepCost:
+    """A step's wall time as a function of the tokens it carries, learnt from the steps run.
+
+    Per bucket of the token count n (powers of two) an exponential average of (n, seconds); between
+    the buckets' points, linear interpolation; below the smallest, its time; beyond the largest point
+    n_L, its time up to 2 n_L (so the frontier doubles as steps measure it) and proportional to n past
+    that. Why a curve and not `seconds per token`: in an MoE step a few extra tokens cost nearly a whole
+    step (each wakes experts whose weights must be read) while at 16 tokens every expert is awake and
+    a token costs little, so a per-token cost measured on any one size is wrong at every other (the
+    linear model shrank chunks to 1-2 tokens, 4 clients: TTFT 4 s); and every step, mixed or not,
+    updates the curve, so it never goes stale as the batch grows (a decode-step time measured at 1
+    stream held 16 arrivals at 4 prefill tokens a step, TTFT 7 s)."""
+
+    def __init__(self, max_rows: int):
+        k = max(int(max_rows), 1).bit_length() + 1
+        self.n = np.zeros(k)
+        self.t = np.zeros(k)
+        self.seen = np.zeros(k, bool)
+
+    def add(self, n: int, seconds: float):
+        k = min(int(n).bit_length() - 1, len(self.n) - 1)
+        if not self.seen[k]:
+            self.n[k], self.t[k], self.seen[k] = n, seconds, True
+        else:
+            self.n[k] = 0.8 * self.n[k] + 0.2 * n
+            self.t[k] = 0.8 * self.t[k] + 0.2 * seconds
+
+    def __call__(self, n):
+        """Predicted seconds of steps of n tokens (n: an int or an array); None before any step."""
+        if not self.seen.any():
+            return None
+        xs, ts = self.n[self.seen], self.t[self.seen]
+        n = np.asarray(n, np.float64)
+        beyond = np.where(n <= 2 * xs[-1], ts[-1], ts[-1] * n / (2 * xs[-1]))
+        return np.where(n > xs[-1], beyond, np.interp(n, xs, ts))
+
 
 DONE = "done"
 TOKEN = "token"
@@ -152,8 +182,7 @@ class Core:
         self._closing = False
         self.thread = None
         self.preemptions = 0
-        self.t_decode = None             # s, decode-only steps (EWMA)
-        self.t_token = None              # s per prefill token beyond the decode part (EWMA)
+        self.cost = StepCost(engine.runner.max_rows)     # seconds per step by its token count
 
     # -- callers' side ------------------------------------------------------------------------
     def _start(self):
@@ -401,8 +430,15 @@ class Core:
         decode = [r for r in decode if r in self.running]
         # 2. prefill chunks under the token budget
         budget = min(runner.max_rows - len(decode), e.prefill_chunk)
-        if decode and e.interleave > 0 and self.t_decode is not None and self.t_token:
-            budget = min(budget, max(1, int(0.9 * self.t_decode * (e.interleave - 1) / self.t_token)))
+        t_dec = self.cost(len(decode)) if decode and e.interleave > 0 and budget > 1 else None
+        if t_dec is not None:
+            # the prefill part may take (interleave - 1) decode steps, or, when more requests wait for
+            # their prompts than stream, their share: prefill time : decode time = prefilling : decoding
+            # (16 clients arriving together, bench model: 3.6 -> 15 decode tokens a step, 74 -> 140 tok/s)
+            prefilling = sum(1 for r in self.running if r.pending is None and r.pos < len(r.ctx))
+            share = max(e.interleave - 1, prefilling / len(decode))
+            fits = self.cost(np.arange(len(decode) + 1, len(decode) + budget + 1)) <= t_dec * (1 + 0.9 * share)
+            budget = max(1, int(np.argmin(fits)) if not fits.all() else budget)   # 0.9: a margin for noise
         entries = [(r.seq, [r.pending]) for r in decode]
         owners = [(r, True) for r in decode]
         for r in self.running:
@@ -420,12 +456,7 @@ class Core:
         dt = time.perf_counter() - t0
         ndec = len(decode)
         npre = sum(len(t) for _, t in entries[ndec:])
-        if ndec and not npre:
-            self.t_decode = dt if self.t_decode is None else 0.8 * self.t_decode + 0.2 * dt
-        elif npre >= MEASURE_TOKENS:
-            base = self.t_decode if ndec and self.t_decode is not None else 0.0
-            c = max(dt - base, 0.0) / npre
-            self.t_token = c if self.t_token is None else 0.8 * self.t_token + 0.2 * c
+        self.cost.add(ndec + npre, dt)
         if ndec:
             e.stats.add_decode_step(dt, ndec)
         if npre:

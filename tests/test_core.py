@@ -380,3 +380,59 @@ def test_shared_blocks_are_freed_by_their_last_holder():
     assert pool.free_blocks == 10
     c = st.new(3)
     assert st.share_prefix(c, st.new(4), 4) == 0       # nothing cached to share
+
+
+def test_step_cost_curve():
+    """StepCost: per power-of-two bucket an exponential average of (tokens, seconds); linear between
+    the buckets' points, constant below the first, flat to twice the last point, proportional past it."""
+    from colibri_edge.core import StepCost
+    c = StepCost(256)
+    assert c(4) is None                                 # nothing measured: the core applies no cap
+    c.add(1, 0.010)
+    c.add(16, 0.020)
+    assert np.isclose(c(1), 0.010) and np.isclose(c(0.5), 0.010)
+    assert np.isclose(c(8), 0.010 + 0.010 * (8 - 1) / (16 - 1))
+    assert np.isclose(c(32), 0.020) and np.isclose(c(64), 0.020 * 64 / 32)
+    c.add(1, 0.020)                                     # the same bucket: 0.8 old + 0.2 new
+    assert np.isclose(c(1), 0.8 * 0.010 + 0.2 * 0.020)
+    c.add(24, 0.030)                                    # bucket [16, 32): its point moves to (17.6, 0.022)
+    assert np.isclose(c(17.6), 0.8 * 0.020 + 0.2 * 0.030)
+    assert np.allclose(c(np.array([1, 17.6])), [c(1), c(17.6)])
+
+
+class _Linear:
+    """A stand-in cost curve for the scheduling policy alone: seconds = a + b * tokens."""
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+    def add(self, n, seconds):
+        pass
+
+    def __call__(self, n):
+        return self.a + self.b * np.asarray(n, np.float64)
+
+
+@pytest.mark.parametrize("arrivals", [1, 6])
+def test_prefill_takes_the_waiting_prompts_share(model_cache, arrivals):
+    """One request streams; `arrivals` 40-token prompts arrive. The mixed step's size is the largest n
+    with cost(n) <= cost(1) * (1 + 0.9 * max(interleave - 1, prefilling / decoding)) (core.py): with
+    one arrival the stream keeps its pace (interleave 2), with six the prompts get their share of the
+    step. Every result equals its solo run."""
+    _, col = convert_case(model_cache, "qwen3_moe")
+    prompts = [[(3 * i + 5 * j + 1) % V for j in range(40)] for i in range(arrivals)]
+    with Engine.open(col, backend="reference", max_batch=8, max_seq_len=96, prefill_chunk=64,
+                     core_thread=False) as eng:
+        solo = [eng.generate(p, max_new_tokens=6, ignore_eos=True) for p in [PROMPTS[3]] + prompts]
+        cost = eng._core.cost = _Linear(0.010, 0.00125)
+        r0 = eng.submit(PROMPTS[3], max_new_tokens=6, ignore_eos=True)
+        it0 = r0.iter_events(timeout=30)
+        first = next(it0)                               # r0 decodes from the next step on
+        reqs = eng.submit_batch(prompts, max_new_tokens=6, ignore_eos=True)
+        eng._core.run_once()
+        limit = cost(1) * (1 + 0.9 * max(2.0 - 1, arrivals / 1))
+        want = max(n for n in range(1, 65) if cost(n) <= limit)
+        assert eng.runner.step_tokens[-1] == want       # 1 decode + (want - 1) prefill tokens
+        got = [[first.token] + [ev.token for ev in it0 if ev.kind == TOKEN]]
+        got += [[ev.token for ev in r.iter_events(timeout=30) if ev.kind == TOKEN] for r in reqs]
+    assert got == solo
+    assert (want - 1 > 40) == (arrivals == 6)          # six arrivals: more than a whole prompt in one step

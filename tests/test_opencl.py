@@ -55,6 +55,29 @@ def test_probe_and_describe(ocl):
         assert ok_auto
 
 
+def test_default_device_is_one_that_compiles(ocl, monkeypatch):
+    """With CPU devices only, the default is the first whose compiler builds a kernel (pip's PoCL 3.0
+    builds nothing on CPUs newer than its LLVM 14; Debian's PoCL beside it does); the device the
+    backend opens here builds."""
+    import pyopencl as cl
+    from colibri_edge.backends.opencl import runtime as rt
+    be = _be()
+    assert rt._compiles(cl, be.dev)
+
+    class Dev:
+        type = cl.device_type.CPU
+
+        def __init__(self, ok):
+            self.ok = ok
+    broken, working = Dev(False), Dev(True)
+    monkeypatch.setattr(rt, "_all_devices", lambda cl: [(None, broken), (None, working)])
+    monkeypatch.setattr(rt, "_compiles", lambda cl, d: d.ok)
+    assert rt._pick_device(cl) is working
+    assert rt._pick_device(cl, 0) is broken                     # asked for by index: taken as asked
+    monkeypatch.setattr(rt, "_all_devices", lambda cl: [(None, broken)])
+    assert rt._pick_device(cl) is broken                        # none builds: its build error says why
+
+
 def test_no_platform_hint_and_unavailable(ocl, monkeypatch):
     monkeypatch.setattr(ocl, "_platforms", lambda cl: [])
     ok, detail = ocl.probe()

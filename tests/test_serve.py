@@ -153,14 +153,22 @@ def test_metrics_are_prometheus(served):
     assert 'colibri_requests_total{endpoint="completions",model="tiny",status="200"}' in text
 
 
-def test_client_disconnect_cancels_its_request(served):
+def test_client_disconnect_cancels_its_request(served, monkeypatch):
     """A real uvicorn server on a loopback port: a client that reads one chunk and closes its
-    connection cancels the request (it does not run its 100 tokens; the pool is whole again)."""
+    connection cancels the request (it does not run its 100 tokens; the pool is whole again). Each
+    step is held 10 ms, so that the tiny model cannot finish its 100 tokens (a few ms on a quiet
+    machine) before the server has noticed the disconnect, however busy the machine is."""
     import socket
     import threading
     import httpx
     import uvicorn
     _, eng, _ = served
+    step = eng.runner.step
+
+    def slow_step(*a, **k):
+        time.sleep(0.01)
+        return step(*a, **k)
+    monkeypatch.setattr(eng.runner, "step", slow_step)
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))
         port = sk.getsockname()[1]

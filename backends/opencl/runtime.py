@@ -109,8 +109,13 @@ class _Device:
             try:
                 prg = cl.Program(self.ctx, kernel_source(name)).build(options=options.split())
             except cl.Error as e:
+                hint = ""
+                if "unknown target CPU" in str(e):
+                    hint = (" -- this OpenCL compiler's LLVM does not know this CPU (pip's PoCL 3.0 is LLVM 14: "
+                            "no AMD Zen 4/5); install a newer PoCL (Debian's `pocl-opencl-icd`) or pick another "
+                            "device with Engine.open(device=...) (`colibri backends` lists them)")
                 raise ColibriError(COLIBRI_ERR_BACKEND, f"building {name} ({options}) for {self.dev.name.strip()} "
-                                   f"failed: {e}") from None
+                                   f"failed: {e}{hint}") from None
             self.programs[key] = prg
         return prg
 
@@ -131,7 +136,26 @@ def _pick_device(cl, device=None):
                 return d
         raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"no OpenCL device matches {device!r}")
     gpus = [d for _, d in devs if _is_gpu_like(d, cl)]
-    return (gpus or [devs[0][1]])[0]
+    if gpus:
+        return gpus[0]
+    # CPU devices only (PoCL, for testing): the first whose compiler builds a kernel. pip's PoCL 3.0
+    # (LLVM 14) fails on CPUs newer than its LLVM (AMD Zen 4/5: "unknown target CPU 'generic'") while
+    # Debian's PoCL beside it works; the failing one is still picked when none builds (its error says why)
+    for _, d in devs:
+        if _compiles(cl, d):
+            return d
+    return devs[0][1]
+
+
+def _compiles(cl, dev) -> bool:
+    key = ("compiles", dev.int_ptr)
+    if key not in _SHARED:
+        try:
+            cl.Program(cl.Context([dev]), "__kernel void k(__global float *x) { x[0] = 1.0f; }").build()
+            _SHARED[key] = True
+        except cl.Error:
+            _SHARED[key] = False
+    return _SHARED[key]
 
 
 def _pow2_floor(n):
