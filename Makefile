@@ -5,12 +5,13 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 export PIP_DISABLE_PIP_VERSION_CHECK = 1
 
-.PHONY: demo test test-fast bench fuzz toolchains gpu-check clean help
+.PHONY: demo test test-fast bench fuzz toolchains gpu-check capi clean help
 
 help:
 	@echo "make demo   - create .venv, install, run the embedded default model"
 	@echo "make test   - install test dependencies, run toolchain checks and the test suite"
 	@echo "make bench  - benchmarks against llama.cpp and transformers (installs llama-cpp-python)"
+	@echo "make capi   - build/capi/libcolibri.so and colibri.h, the C interface (toolchains/capi/example.c)"
 	@echo "make fuzz   - the whole fuzz campaign: 10,000 model-directory mutations on reference, 1,000 on cpu and opencl;"
 	@echo "              5,000 GGUF-file mutations through colibri convert on reference, 1,000 on cpu"
 
@@ -40,6 +41,11 @@ test-fast: $(VENV)/.test
 
 toolchains: $(VENV)/.test
 	$(MAKE) -C toolchains all PY=$(abspath $(PY))
+
+# the C interface: build/capi/libcolibri.so and build/capi/colibri.h (cffi's embedding mode; the
+# library starts an interpreter and imports this venv's colibri_edge). Example: toolchains/capi/example.c
+capi: $(VENV)/.test
+	$(PY) toolchains/capi/build_capi.py --out build/capi
 
 .PHONY: demo-model
 demo-model: $(VENV)/.test

@@ -1,0 +1,156 @@
+"""The C interface (toolchains/capi: colibri.h, libcolibri.so built with cffi's embedding mode), from
+a C program compiled with gcc and from Python ctypes, against the Python Engine on the demo model:
+logits bit for bit on cpu, the same greedy and seeded tokens, the right code and message for each
+mistake a caller can make, handles checked after destroy, two engines on two threads."""
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from colibri_edge import Engine
+from colibri_edge.errors import COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_MODEL
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO = os.path.join(ROOT, "colibri_edge", "default_model")
+CAPI = os.path.join(ROOT, "toolchains", "capi")
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    sys.path.insert(0, CAPI)
+    try:
+        import build_capi
+    finally:
+        sys.path.remove(CAPI)
+    return build_capi.build(str(tmp_path_factory.mktemp("capi")))
+
+
+def _gcc(lib, src, exe):
+    out = os.path.dirname(lib)
+    subprocess.run([shutil.which("gcc") or "gcc", "-O1", "-Wall", "-Werror", "-o", exe, src, f"-I{out}", f"-L{out}",
+                    "-lcolibri", "-lpthread", f"-Wl,-rpath,{out}"], check=True)
+    return exe
+
+
+def _ids(V, batch=2, seq=5):
+    return np.array([[(7 * (b * seq + i) + 3) % V for i in range(seq)] for b in range(batch)], np.int32)
+
+
+def test_c_program_matches_the_engine(lib, tmp_path):
+    exe = _gcc(lib, os.path.join(ROOT, "tests", "capi_check.c"), str(tmp_path / "capi_check"))
+    with Engine.open(DEMO, backend="cpu") as eng:
+        V = eng.config["vocab_size"]
+        ids = _ids(V)
+        want = eng.infer(ids)
+        greedy = eng.generate(ids[0].tolist(), max_new_tokens=12)
+        sampled = eng.generate(ids[0].tolist(), max_new_tokens=12, temperature=0.9, top_p=0.95, top_k=40, seed=7,
+                               ignore_eos=True)
+    np.concatenate([[2, 5], ids.ravel()]).astype(np.int32).tofile(tmp_path / "in.bin")
+    run = subprocess.run([exe, DEMO, "cpu", str(tmp_path / "in.bin"), str(tmp_path)], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    lines = {ln.split(" ", 1)[0]: ln.split(" ", 1)[1] for ln in run.stdout.splitlines()}
+
+    def check(name, rc, code, *words):
+        r, c, msg = (lines[name].split(" ", 2) + [""])[:3]
+        assert (int(r), int(c)) == (rc, code), lines[name]
+        assert all(w in msg for w in words), lines[name]
+
+    assert int(lines["vocab"]) == V
+    got = np.fromfile(tmp_path / "logits.bin", np.float32).reshape(want.shape)
+    np.testing.assert_array_equal(got, want)                   # bit for bit: the same cpu kernels
+    for t in ("thread0.bin", "thread1.bin"):                   # two engines on two threads
+        np.testing.assert_array_equal(np.fromfile(tmp_path / t, np.float32).reshape(want.shape), want)
+    assert lines["threads"] == "0 0"
+    assert [int(x) for x in lines["generated"].split()] == [len(greedy)] + greedy
+    assert [int(x) for x in lines["sampled_ids"].split()] == [len(sampled)] + sampled
+    assert lines["infer"].startswith("0 ") and lines["generate"].startswith("0 ")
+    check("bad_path", 0, COLIBRI_ERR_INVALID_MODEL, "/nonexistent/model", "colibri convert")
+    check("null_config", 0, COLIBRI_ERR_INVALID_ARGUMENT, "config is NULL")
+    check("wrong_top_k", 0, COLIBRI_ERR_INVALID_ARGUMENT, "top_k=99", "top_k=2")
+    check("bad_token", COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_ARGUMENT, f"{V}", "out of range")
+    check("zero_batch", COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_ARGUMENT, "batch=0")
+    check("zero_seq", COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_ARGUMENT, "seq=0")
+    check("null_logits", COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_ARGUMENT, "logits is NULL")
+    check("small_capacity", COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_ARGUMENT, "out_capacity=4")
+    check("null_handle", COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_ARGUMENT, "0x0 is not open")
+    check("forged_handle", COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_ARGUMENT, "0x7 is not open")
+    assert lines["ok_after_errors"].startswith("0 ")           # the engine serves on after each mistake
+    assert lines["destroy"].startswith("0 ")
+    check("after_destroy", COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_ARGUMENT, "is not open")
+    check("destroy_twice", COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_ARGUMENT, "is not open")
+    print(f"colibri_infer, 1 token, from C: {float(lines['infer_us']):.0f} us a call")
+
+
+def test_example_program(lib, tmp_path):
+    """toolchains/capi/example.c, the README's C example, prints the Engine's argmax and tokens."""
+    exe = _gcc(lib, os.path.join(CAPI, "example.c"), str(tmp_path / "example"))
+    run = subprocess.run([exe, DEMO], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    with Engine.open(DEMO, backend="cpu", max_seq_len=256) as eng:
+        last = eng.infer(np.array([[1, 2, 3, 4]], np.int32))[0, 3]
+        gen = eng.generate([1, 2, 3, 4], max_new_tokens=16)
+    assert f"next token after 1 2 3 4: {int(last.argmax())} (logit {last.max():.4f})" in run.stdout
+    assert "generated: " + " ".join(map(str, gen)) in run.stdout
+
+
+CTYPES = textwrap.dedent('''
+    import ctypes, sys
+    import numpy as np
+    lib = ctypes.CDLL(sys.argv[1])
+
+    class Config(ctypes.Structure):
+        _fields_ = [("model_path", ctypes.c_char_p), ("backend", ctypes.c_char_p), ("max_seq_len", ctypes.c_int),
+                    ("max_batch", ctypes.c_int), ("num_experts", ctypes.c_int), ("top_k", ctypes.c_int)]
+    lib.colibri_init.restype = ctypes.c_void_p
+    lib.colibri_init.argtypes = [ctypes.POINTER(Config)]
+    lib.colibri_vocab_size.argtypes = [ctypes.c_void_p]
+    lib.colibri_infer.argtypes = [ctypes.c_void_p, np.ctypeslib.ndpointer(np.int32, flags="C_CONTIGUOUS"),
+                                  np.ctypeslib.ndpointer(np.float32, flags="C_CONTIGUOUS"), ctypes.c_int, ctypes.c_int]
+    lib.colibri_destroy.argtypes = [ctypes.c_void_p]
+    lib.colibri_last_error.restype = ctypes.c_char_p
+    engine = lib.colibri_init(ctypes.byref(Config(sys.argv[2].encode(), b"cpu", 0, 0, 8, 2)))
+    assert engine, lib.colibri_last_error()
+    V = lib.colibri_vocab_size(engine)
+    ids = np.array([[5, 9, 13, 2]], np.int32)
+    logits = np.zeros((1, 4, V), np.float32)
+    assert lib.colibri_infer(engine, ids, logits, 1, 4) == 0, lib.colibri_last_error()
+    from colibri_edge import Engine
+    with Engine.open(sys.argv[2], backend="cpu") as eng:
+        np.testing.assert_array_equal(logits, eng.infer(ids))
+    bad = np.array([[V]], np.int32)
+    assert lib.colibri_infer(engine, bad, logits, 1, 1) == -1 and b"out of range" in lib.colibri_last_error()
+    assert lib.colibri_destroy(engine) == 0 and lib.colibri_destroy(engine) == -1
+    print("ctypes ok", V)
+''')
+
+
+def test_python_ctypes(lib, tmp_path):
+    """The write-up's Python use: ctypes.CDLL, a config struct, ndpointer arguments (in a process of
+    its own: there the library finds the interpreter already running and uses it)."""
+    (tmp_path / "via_ctypes.py").write_text(CTYPES)
+    run = subprocess.run([sys.executable, str(tmp_path / "via_ctypes.py"), lib, DEMO], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "ctypes ok 4096" in run.stdout
+
+
+def test_python_half_checks_handles_and_pointers():
+    """colibri_edge.capi alone (what every exported function calls): handles are table entries, never
+    dereferenced; sizes are checked before any view is made."""
+    from colibri_edge import capi
+    assert capi.vocab_size(0) == COLIBRI_ERR_INVALID_ARGUMENT and "not open" in capi.last_error()[1]
+    h = capi.init(DEMO, "reference", 0, 0, 0, 0)
+    assert h > 0 and capi.vocab_size(h) == 4096
+    made = []
+    assert capi.infer(h, lambda n: made.append(n), None, 0, 3) == COLIBRI_ERR_INVALID_ARGUMENT
+    assert made == [] and "batch=0" in capi.last_error()[1]
+    assert capi.init(DEMO, "reference", -1, 0, 0, 0) == COLIBRI_ERR_INVALID_ARGUMENT
+    assert "max_seq_len=-1" in capi.last_error()[1]
+    assert capi.init(DEMO, "reference", 0, 0, 7, 0) == COLIBRI_ERR_INVALID_ARGUMENT
+    assert "num_experts=7" in capi.last_error()[1] and "num_experts=8" in capi.last_error()[1]
+    assert capi.destroy(h) == 0 and capi.destroy(h) == COLIBRI_ERR_INVALID_ARGUMENT
