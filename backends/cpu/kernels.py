@@ -98,6 +98,23 @@ def dot1(w, n, xr):
 # so a row's result depended on how many tokens shared the call (~1e-6 of a logit). One chain per
 # (row, token) is 4 (8) independent FMA chains, past the memory rate of a decode GEMV (float16:
 # 16 bytes a cycle a core) and at full FMA rate for pairs.
+def _host_vector_width() -> int:
+    """Floats per accumulator: 16 where the CPU Numba compiles for has AVX-512 (zmm registers: a 4-token
+    tile's 16 accumulators fit in 32 of them), else 8 (AVX2: 16 ymm registers hold a 2-token tile's
+    8). Per host, fixed for the process, so a token's sums never depend on the batch."""
+    try:
+        import llvmlite.binding as llvm
+        from numba.core import config
+        name = (config.CPU_NAME or "host").lower()
+        if name not in ("host", llvm.get_host_cpu_name().lower()):
+            return 8                                # a named target (a bundle's): the portable width
+        return 16 if llvm.get_host_cpu_features().get("avx512f") else 8
+    except Exception:                               # noqa: BLE001  no feature query: the portable width
+        return 8
+
+
+VW = _host_vector_width()
+TILE4 = VW == 16      # tokens in fours (fdot4x4) where the registers hold 16 accumulators
 _STORED = {types.float32: (ir.FloatType(), 4), types.uint16: (ir.IntType(16), 2), types.int16: (ir.IntType(16), 2),
            types.int8: (ir.IntType(8), 1)}
 
@@ -119,22 +136,23 @@ def _widen_ir(builder, v, dt, n):
 def _fdot_codegen(ntok):
     def codegen(context, builder, sig, args):
         from .qir import _fn, c64, data_ptr, load, reduce_add
-        f32, v8 = ir.FloatType(), ir.VectorType(ir.FloatType(), 8)
+        W = VW
+        f32, v8 = ir.FloatType(), ir.VectorType(ir.FloatType(), W)
         dt = sig.args[0].dtype
         ety, esz = _STORED[dt]
         rows = [data_ptr(context, builder, sig.args[r], args[r]) for r in range(4)]
         xs = [data_ptr(context, builder, sig.args[4 + t], args[4 + t]) for t in range(ntok)]
         K = builder.extract_value(context.make_array(sig.args[4])(context, builder, args[4]).shape, 0)
-        K8 = builder.and_(K, c64(-8))
-        fma8 = _fn(builder, "llvm.fma.v8f32", v8, [v8, v8, v8])
+        K8 = builder.and_(K, c64(-W))
+        fma8 = _fn(builder, f"llvm.fma.v{W}f32", v8, [v8, v8, v8])
         fma1 = _fn(builder, "llvm.fma.f32", f32, [f32, f32, f32])
-        acc = [[cgutils.alloca_once_value(builder, ir.Constant(v8, [0.0] * 8)) for _ in range(ntok)] for _ in range(4)]
+        acc = [[cgutils.alloca_once_value(builder, ir.Constant(v8, [0.0] * W)) for _ in range(ntok)] for _ in range(4)]
         tail = [[cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0)) for _ in range(ntok)] for _ in range(4)]
-        with cgutils.for_range_slice(builder, c64(0), K8, c64(8)) as (k, _):
+        with cgutils.for_range_slice(builder, c64(0), K8, c64(W)) as (k, _):
             xv = [load(builder, builder.add(xs[t], builder.mul(k, c64(4))), v8, align=4) for t in range(ntok)]
             for r in range(4):
                 w = _widen_ir(builder, load(builder, builder.add(rows[r], builder.mul(k, c64(esz))),
-                                            ir.VectorType(ety, 8), align=esz), dt, 8)
+                                            ir.VectorType(ety, W), align=esz), dt, W)
                 for t in range(ntok):
                     builder.store(builder.call(fma8, [w, xv[t], builder.load(acc[r][t])]), acc[r][t])
         with cgutils.for_range_slice(builder, K8, K, c64(1)) as (k, _):
@@ -173,6 +191,15 @@ def fdot4x2(typingctx, r0, r1, r2, r3, xa, xb):
     if not _fdot_types([r0, r1, r2, r3], [xa, xb]):
         return None
     return types.UniTuple(types.float32, 8)(r0, r1, r2, r3, xa, xb), _fdot_codegen(2)
+
+
+@intrinsic
+def fdot4x4(typingctx, r0, r1, r2, r3, xa, xb, xc, xd):
+    """fdot4 for four tokens (hosts with TILE4): (r_j . xa, then xb, xc, xd for j < 4), each token's sums
+    bit for bit fdot4's."""
+    if not _fdot_types([r0, r1, r2, r3], [xa, xb, xc, xd]):
+        return None
+    return types.UniTuple(types.float32, 16)(r0, r1, r2, r3, xa, xb, xc, xd), _fdot_codegen(4)
 
 
 @njit(inline="always")
@@ -243,7 +270,7 @@ def store4(out, t, n, q, a0, a1, a2, a3):
 
 
 # -- dense ---------------------------------------------------------------------------------------
-@njit(parallel=True, cache=True, fastmath=REDUCE, error_model="numpy")
+@njit(parallel=True, nogil=True, cache=True, fastmath=REDUCE, error_model="numpy")
 def matmul(out, x, w, scales, bias, work):
     """out[T,N] = (x[T,K] @ w[N,K]^T) * scales[N] + bias[N]
         w: weight [N,K];  scales: float32 [N] (int8) or empty;  bias: float32 [N] or empty;
@@ -272,11 +299,19 @@ def matmul(out, x, w, scales, bias, work):
             q = (hi - lo) // 4
             for n in range(lo, lo + q):
                 r0, r1, r2, r3 = w[n], w[n + q], w[n + 2 * q], w[n + 3 * q]
-                for t in range(0, T - 1, 2):
+                t4 = T - T % 4 if TILE4 else 0
+                for t in range(0, t4, 4):
+                    a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3 = \
+                        fdot4x4(r0, r1, r2, r3, x[t], x[t + 1], x[t + 2], x[t + 3])
+                    store4(out, t, n, q, a0, a1, a2, a3)
+                    store4(out, t + 1, n, q, b0, b1, b2, b3)
+                    store4(out, t + 2, n, q, c0, c1, c2, c3)
+                    store4(out, t + 3, n, q, d0, d1, d2, d3)
+                for t in range(t4, T - 1, 2):
                     a0, a1, a2, a3, b0, b1, b2, b3 = fdot4x2(r0, r1, r2, r3, x[t], x[t + 1])
                     store4(out, t, n, q, a0, a1, a2, a3)
                     store4(out, t + 1, n, q, b0, b1, b2, b3)
-                if T % 2:
+                if (T - t4) % 2:
                     a0, a1, a2, a3 = fdot4(r0, r1, r2, r3, x[T - 1])
                     store4(out, T - 1, n, q, a0, a1, a2, a3)
             for n in range(lo + 4 * q, hi):           # the last (hi - lo) % 4 rows: dot1 whatever T
@@ -363,7 +398,7 @@ def kv_write(k_cache, v_cache, k, v, slots):
                 v_cache[s, h, d] = v[t, h, d]
 
 
-@njit(parallel=True, cache=True, fastmath=REDUCE, error_model="numpy")
+@njit(parallel=True, nogil=True, cache=True, fastmath=REDUCE, error_model="numpy")
 def paged_attention(out, q, k_cache, v_cache, block_tables, seq_index, positions, block_size, scale):
     """out[t,h] = sum_j softmax_j(q[t,h] . K[slot(j), h//G] * scale) V[slot(j), h//G],  j = 0..p_t
         p_t = positions[t], slot(j) = block_tables[seq_index[t], j // B] * B + j % B, G = Hq / Hkv

@@ -5,7 +5,7 @@ import numpy as np
 from numba import njit, prange
 
 from .jitcache import drop_stale
-from .kernels import F0, F1, REDUCE, claim, dot1, fdot4, fdot4x2, reset_claims, scaled
+from .kernels import F0, F1, REDUCE, TILE4, claim, dot1, fdot4, fdot4x2, fdot4x4, reset_claims, scaled
 
 
 @njit(error_model="numpy", inline="always")
@@ -100,7 +100,7 @@ def align(offsets, order, inverse, counts, active, ids, tally):
     return n_active
 
 
-@njit(parallel=True, cache=True, fastmath=REDUCE, error_model="numpy")
+@njit(parallel=True, nogil=True, cache=True, fastmath=REDUCE, error_model="numpy")
 def swiglu_gate_up(act, x, order, start, top_k, gate, up, gate_scales, up_scales, work):
     """act[r,i] = silu(gate[i] . x[t_r] * gs[i]) * (up[i] . x[t_r] * us[i]),  t_r = order[start + r] // top_k
         gate, up: weight [I,H];  gs, us: their float32 row scales [I] (int8) or empty;
@@ -120,14 +120,28 @@ def swiglu_gate_up(act, x, order, start, top_k, gate, up, gate_scales, up_scales
             for i in range(lo, lo + h):
                 j = i + h
                 g0, g1, u0, u1 = gate[i], gate[j], up[i], up[j]
-                for r in range(0, R - 1, 2):
+                r4 = R - R % 4 if TILE4 else 0
+                for r in range(0, r4, 4):
+                    xa, xb = x[order[start + r] // top_k], x[order[start + r + 1] // top_k]
+                    xc, xd = x[order[start + r + 2] // top_k], x[order[start + r + 3] // top_k]
+                    ga, gb, ua, ub, gc, gd, uc, ud, ge, gf, ue, uf, gg, gh, ug, uh = \
+                        fdot4x4(g0, g1, u0, u1, xa, xb, xc, xd)
+                    store_swiglu(act, r, i, ga, ua, gate_scales, up_scales)
+                    store_swiglu(act, r, j, gb, ub, gate_scales, up_scales)
+                    store_swiglu(act, r + 1, i, gc, uc, gate_scales, up_scales)
+                    store_swiglu(act, r + 1, j, gd, ud, gate_scales, up_scales)
+                    store_swiglu(act, r + 2, i, ge, ue, gate_scales, up_scales)
+                    store_swiglu(act, r + 2, j, gf, uf, gate_scales, up_scales)
+                    store_swiglu(act, r + 3, i, gg, ug, gate_scales, up_scales)
+                    store_swiglu(act, r + 3, j, gh, uh, gate_scales, up_scales)
+                for r in range(r4, R - 1, 2):
                     xa, xb = x[order[start + r] // top_k], x[order[start + r + 1] // top_k]
                     ga, gb, ua, ub, gc, gd, uc, ud = fdot4x2(g0, g1, u0, u1, xa, xb)
                     store_swiglu(act, r, i, ga, ua, gate_scales, up_scales)
                     store_swiglu(act, r, j, gb, ub, gate_scales, up_scales)
                     store_swiglu(act, r + 1, i, gc, uc, gate_scales, up_scales)
                     store_swiglu(act, r + 1, j, gd, ud, gate_scales, up_scales)
-                if R % 2:
+                if (R - r4) % 2:
                     ga, gb, ua, ub = fdot4(g0, g1, u0, u1, x[order[start + R - 1] // top_k])
                     store_swiglu(act, R - 1, i, ga, ua, gate_scales, up_scales)
                     store_swiglu(act, R - 1, j, gb, ub, gate_scales, up_scales)

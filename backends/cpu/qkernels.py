@@ -56,7 +56,7 @@ def _store4(out, t, n0, m, a0, a1, a2, a3, bias):
         _store(out, t, n0 + 3, a3, bias)
 
 
-@njit(parallel=True, cache=True, fastmath=REDUCE, error_model="numpy")
+@njit(parallel=True, nogil=True, cache=True, fastmath=REDUCE, error_model="numpy")
 def qmatmul(out, x, w, bias, work, scratch):
     """out[T,N] = x[T,K] @ deq(w)[N,K]^T (+ bias[N])     w: [N, K/B] blocks; scratch: float32
     [threads, 4, >= K] (the dequantised rows)
@@ -99,7 +99,7 @@ def _swiglu(g, u):
     return g / (F1 + np.exp(-g)) * u
 
 
-@njit(parallel=True, cache=True, fastmath=REDUCE, error_model="numpy")
+@njit(parallel=True, nogil=True, cache=True, fastmath=REDUCE, error_model="numpy")
 def qswiglu_gate_up(act, x, order, start, top_k, gate, up, work, scratch):
     """act[r,i] = silu(deq(gate)[i] . x[t_r]) * (deq(up)[i] . x[t_r]),  t_r = order[start + r] // top_k
         gate, up: [I, H/B] blocks (their formats may differ); act [R,I]; x [T,H];
@@ -164,7 +164,7 @@ def quantize_act(qx, dx, xs, dst, x, src):
         xs[dst, b] = d * np.float32(s)
 
 
-@njit(parallel=True, cache=True, fastmath=REDUCE, error_model="numpy")
+@njit(parallel=True, nogil=True, cache=True, fastmath=REDUCE, error_model="numpy")
 def qmatmul_i8(out, x, w, bias, work, qx, dx, xs):
     """out[t,n] = deq(w)[n] . x[t] (+ bias[n]), with x quantised to int8 per 32 (quantize_act) and
     each block's dot product in integers (qir.rowdot4x2_q).
@@ -206,7 +206,7 @@ def qmatmul_i8(out, x, w, bias, work, qx, dx, xs):
                     _store(out, t, n, rowdot_q(w, n, qx, dx, xs, t * S), bias)
 
 
-@njit(parallel=True, cache=True, fastmath=REDUCE, error_model="numpy")
+@njit(parallel=True, nogil=True, cache=True, fastmath=REDUCE, error_model="numpy")
 def qswiglu_gate_up_i8(act, x, order, start, top_k, gate, up, work, qx, dx, xs):
     """qswiglu_gate_up with int8 activations (the R rows' tokens quantised once into qx rows 0..R-1),
     gate and up rows four at a time, the rows' tokens in pairs and an odd last one alone (as
