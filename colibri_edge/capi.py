@@ -68,9 +68,10 @@ def _positive(name: str, v: int, what: str):
 
 def init(model_path: str | None, backend: str | None, max_seq_len: int, max_batch: int, num_experts: int,
          top_k: int) -> int:
-    """-> a handle (> 0), or a negative code. 0 in max_seq_len / max_batch: the defaults (the model's
-    context, 8); num_experts / top_k other than 0 are checks against the model (this runtime does not
-    change a model's router), refused with both numbers when they differ."""
+    """-> a handle (> 0), or a negative code. 0 in max_seq_len / max_batch / top_k: the defaults (the
+    model's context, 8, the model's experts per token); top_k otherwise routes each token to that many
+    experts (Engine.open(top_k=...)); num_experts other than 0 is a check against the model, refused
+    with both numbers when they differ."""
     from .engine import Engine
 
     def run():
@@ -87,14 +88,14 @@ def init(model_path: str | None, backend: str | None, max_seq_len: int, max_batc
             kw["max_seq_len"] = int(max_seq_len)
         if max_batch:
             kw["max_batch"] = int(max_batch)
+        if top_k:
+            kw["top_k"] = int(top_k)
         eng = Engine.open(model_path, backend=backend or None, **kw)
         try:
-            cfg = eng.config
-            for name, key, v in (("num_experts", "experts_per_layer", num_experts), ("top_k", "top_k", top_k)):
-                have = cfg.get(key)
-                if v and v != have:
-                    raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"config->{name}={v}, but {model_path} has "
-                                       f"{name}={have}: set 0 to take the model's, or open the model you meant")
+            have = eng.config["experts_per_layer"]
+            if num_experts and num_experts != have:
+                raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"config->num_experts={num_experts}, but {model_path} "
+                                   f"has num_experts={have}: set 0 to take the model's, or open the model you meant")
         except BaseException:
             eng.close()
             raise

@@ -91,7 +91,7 @@ def _cmd_run(a):
         model, note = _default_model()
         print(f"[colibri] no --model given: using the embedded default model ({note})", file=sys.stderr)
     with Engine.open(model, backend=a.backend, max_seq_len=a.max_seq_len, expert_slots=a.expert_slots,
-                     slot_policy=a.slot_policy) as eng:
+                     slot_policy=a.slot_policy, top_k=a.experts_per_token) as eng:
         prompt = a.prompt
         if a.chat:
             prompt = [{"role": "user", "content": a.prompt}]
@@ -123,6 +123,16 @@ def _cmd_run(a):
                 print(f"  layer {l['layer_id']:2d}: " + " ".join(f"{int(c):3d}" for c in row), file=sys.stderr)
         if a.stats:
             print(f"[colibri] {eng.backend.describe()}", file=sys.stderr)
+            from .planning import human, summary
+            base = getattr(eng.model, "_model", eng.model)
+            k, k0 = eng.config["top_k"], base.config["top_k"]
+            now = summary(eng.model, 1)["bytes_per_decoded_token"]
+            line = f"[colibri] experts per token: {k}" + (f" (the model's: {k0})" if k != k0 else "") + \
+                f"; weight bytes read per decoded token: {human(now)}"
+            if k != k0:
+                was = summary(base, 1)["bytes_per_decoded_token"]
+                line += f" (at {k0}: {human(was)}, {100 * (1 - now / was):.0f}% less)"
+            print(line, file=sys.stderr)
             ms = st.step_ms()
             if ms["steps"]:
                 print(f"[colibri] decode step time: p50 {ms['p50']:.2f} ms, p99 {ms['p99']:.2f} ms, "
@@ -141,7 +151,7 @@ def _cmd_trace(a):
     lines = [l.strip() for l in open(a.prompts, encoding="utf-8") if l.strip()]
     if not lines:
         raise ColibriError(-1, f"{a.prompts}: no prompts (one a line)")
-    with Engine.open(a.model, backend=a.backend, max_batch=a.max_batch) as eng:
+    with Engine.open(a.model, backend=a.backend, max_batch=a.max_batch, top_k=a.experts_per_token) as eng:
         prompts = [[int(t) for t in l.split()] for l in lines] if a.ids else lines
         tr = eng.trace(prompts, max_new_tokens=a.max_new_tokens, ignore_eos=a.max_new_tokens > 0)
     tr.save(a.out)
@@ -298,6 +308,9 @@ def build_parser():
     r.add_argument("--max-seq-len", type=int, default=None)
     r.add_argument("--expert-slots", type=int, default=None, help="keep at most N experts resident (slot pool)")
     r.add_argument("--slot-policy", default=None, choices=["lru", "lfu", "prefetch"])
+    r.add_argument("--experts-per-token", type=int, default=None, metavar="K",
+                   help="route each token to K experts instead of the model's (Engine.open(top_k=K), "
+                        "COLIBRI_TOP_K); --top-k is the sampler's")
     r.add_argument("--stats", action="store_true",
                    help="print the backend's setup (cpu: threads used), decode step time p50/p99, the slot pool's counters")
     r.set_defaults(fn=_cmd_run)
@@ -329,6 +342,8 @@ def build_parser():
     t.add_argument("--max-new-tokens", type=int, default=0, help="also trace generation")
     t.add_argument("--max-batch", type=int, default=1, help="sequences decoded together (a step's tokens)")
     t.add_argument("--backend", default=None)
+    t.add_argument("--experts-per-token", type=int, default=None, metavar="K",
+                   help="trace the model routed to K experts per token (COLIBRI_TOP_K): simulate what it saves")
     t.set_defaults(fn=_cmd_trace)
     sm = sub.add_parser("simulate", help="replay a trace through the expert slot pool; estimate a device")
     sm.add_argument("--trace", required=True)

@@ -48,6 +48,35 @@ def _identity(path: str):
     return tuple(out)
 
 
+class ConfiguredModel:
+    """A shared ModelDir (its memmap and tensors) seen with this engine's own config: the top_k
+    override changes the config only, never the model every other engine on the directory shares."""
+
+    def __init__(self, model: ModelDir, config: dict):
+        self._model, self.config = model, config
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def with_top_k(model: ModelDir, top_k: int):
+    """The model routed to top_k experts per token instead of its own (fewer experts read per token,
+    as transformers with num_experts_per_tok = top_k): the router's mode, its normalisation and its
+    choice bias unchanged. 0: the model as it is."""
+    cfg = model.config
+    if not top_k or top_k == cfg["top_k"]:
+        return model
+    E = cfg["experts_per_layer"]
+    if not E or cfg["router_mode"] == "gated":
+        why = "no routed experts" if not E else "a gated mixture runs every expert"
+        raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"top_k={top_k} (Engine.open(top_k=...), COLIBRI_TOP_K): "
+                           f"{model.path} has no top-k router ({why}); leave it unset")
+    if not 1 <= top_k <= E:
+        raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"top_k={top_k} (Engine.open(top_k=...), COLIBRI_TOP_K): "
+                           f"the model has {E} experts per layer; give 1..{E} (its own is {cfg['top_k']})")
+    return ConfiguredModel(model, {**cfg, "top_k": int(top_k)})
+
+
 def open_model_dir(path: str) -> ModelDir:
     """One ModelDir (and so one memmap) per model directory per process."""
     key = _identity(path)
@@ -98,8 +127,10 @@ class Engine:
                  prefill_chunk=256, kv_block_size=None, num_streams=None, router_warmup=None,
                  disable_fp16=None, num_threads=None, expert_slots=None, slot_policy=None, cuda_graphs=None,
                  int8_activations=None,
-                 device=None, max_queue=1024, interleave=2.0, core_thread=None, memory_budget=None):
-        self.model = open_model_dir(path)
+                 device=None, max_queue=1024, interleave=2.0, core_thread=None, memory_budget=None, top_k=None):
+        # top_k (COLIBRI_TOP_K): experts per token at run time instead of the model's (with_top_k); not
+        # the sampling top_k that generate() takes
+        self.model = with_top_k(open_model_dir(path), knobs.resolve("COLIBRI_TOP_K", top_k))
         cfg = self.config = self.model.config
         self.path = self.model.path
         from .backends import backend_class, resolve

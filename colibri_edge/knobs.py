@@ -21,11 +21,12 @@ KNOBS = {
     "COLIBRI_CUDA_GRAPHS": (1, "0 or 1 (0 runs CUDA decode steps on streams)"),
     "COLIBRI_INT8_ACTIVATIONS": (1, "0 or 1 (0: the cpu backend's block formats decode with float32 activations)"),
     "COLIBRI_CORE_THREAD": (1, "0 or 1 (0: the threads waiting for results run the steps, no core thread)"),
+    "COLIBRI_TOP_K": (0, "an integer from 0 to the model's experts per layer (0: the model's experts per token)"),
 }
 FLAGS = ("COLIBRI_DISABLE_FP16", "COLIBRI_CUDA_GRAPHS", "COLIBRI_INT8_ACTIVATIONS", "COLIBRI_CORE_THREAD")      # 0 or 1 (or a bool)
 # upper bounds (far past any real use; a larger value is a mistake, refused before anything is sized by it)
 UPPER = {"COLIBRI_NUM_STREAMS": 64, "COLIBRI_KV_BLOCK_SIZE": 1 << 16, "COLIBRI_ROUTER_WARMUP": 1000,
-         "COLIBRI_NUM_THREADS": 4096, "COLIBRI_EXPERT_SLOTS": 1 << 24}
+         "COLIBRI_NUM_THREADS": 4096, "COLIBRI_EXPERT_SLOTS": 1 << 24, "COLIBRI_TOP_K": 1 << 16}
 # Engine.open option -> its knob, for the options a backend may or may not take (Backend.OPTIONS)
 BACKEND_KNOBS = {"num_streams": "COLIBRI_NUM_STREAMS", "disable_fp16": "COLIBRI_DISABLE_FP16",
                  "num_threads": "COLIBRI_NUM_THREADS", "cuda_graphs": "COLIBRI_CUDA_GRAPHS",

@@ -67,6 +67,19 @@ int main(int argc, char **argv) {
     report("null_config", colibri_init(NULL) == NULL ? 0 : 1);
     colibri_config_t wrong = {.model_path = model, .backend = backend, .top_k = 99};
     report("wrong_top_k", colibri_init(&wrong) == NULL ? 0 : 1);
+    colibri_config_t wrong_e = {.model_path = model, .backend = backend, .num_experts = 7};
+    report("wrong_num_experts", colibri_init(&wrong_e) == NULL ? 0 : 1);
+
+    /* top_k as an override: one expert per token, its logits to top1.bin */
+    colibri_config_t one = {.model_path = model, .backend = backend, .top_k = 1};
+    colibri_engine_t *e1 = colibri_init(&one);
+    if (!e1) { report("init_top1", -100); return 1; }
+    int v1 = colibri_vocab_size(e1);
+    float *lg1 = malloc(sizeof(float) * (size_t)batch * seq * v1);
+    report("infer_top1", colibri_infer(e1, ids, lg1, batch, seq));
+    write_file(argv[4], "top1.bin", lg1, sizeof(float) * (size_t)batch * seq * v1);
+    free(lg1);
+    colibri_destroy(e1);
 
     colibri_config_t config = {.model_path = model, .backend = backend};
     colibri_engine_t *engine = colibri_init(&config);

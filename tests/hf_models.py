@@ -107,11 +107,12 @@ def build_hf(path: str, case: str, dtype: str = "float32", seed: int = 0, **over
     return path
 
 
-def hf_logits(path: str, ids: np.ndarray) -> np.ndarray:
-    """transformers' float32 logits for int ids [batch, seq] (weights upcast from the saved dtype)."""
+def hf_logits(path: str, ids: np.ndarray, **config) -> np.ndarray:
+    """transformers' float32 logits for int ids [batch, seq] (weights upcast from the saved dtype);
+    config: attributes that override the checkpoint's config (num_experts_per_tok=1, ...)."""
     import torch
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager", **config)
     model.eval()
     with torch.no_grad():
         return model(torch.as_tensor(np.asarray(ids), dtype=torch.long)).logits.float().numpy()

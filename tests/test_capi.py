@@ -71,7 +71,12 @@ def test_c_program_matches_the_engine(lib, tmp_path):
     assert lines["infer"].startswith("0 ") and lines["generate"].startswith("0 ")
     check("bad_path", 0, COLIBRI_ERR_INVALID_MODEL, "/nonexistent/model", "colibri convert")
     check("null_config", 0, COLIBRI_ERR_INVALID_ARGUMENT, "config is NULL")
-    check("wrong_top_k", 0, COLIBRI_ERR_INVALID_ARGUMENT, "top_k=99", "top_k=2")
+    check("wrong_top_k", 0, COLIBRI_ERR_INVALID_ARGUMENT, "top_k=99", "1..8")
+    check("wrong_num_experts", 0, COLIBRI_ERR_INVALID_ARGUMENT, "num_experts=7", "num_experts=8")
+    with Engine.open(DEMO, backend="cpu", top_k=1) as one:                # top_k: an override
+        np.testing.assert_array_equal(np.fromfile(tmp_path / "top1.bin", np.float32).reshape(want.shape),
+                                      one.infer(ids))
+    assert lines["infer_top1"].startswith("0 ")
     check("bad_token", COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_ARGUMENT, f"{V}", "out of range")
     check("zero_batch", COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_ARGUMENT, "batch=0")
     check("zero_seq", COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_ARGUMENT, "seq=0")
@@ -153,4 +158,5 @@ def test_python_half_checks_handles_and_pointers():
     assert "max_seq_len=-1" in capi.last_error()[1]
     assert capi.init(DEMO, "reference", 0, 0, 7, 0) == COLIBRI_ERR_INVALID_ARGUMENT
     assert "num_experts=7" in capi.last_error()[1] and "num_experts=8" in capi.last_error()[1]
+    assert capi.init(DEMO, "reference", 0, 0, 0, 9) == COLIBRI_ERR_INVALID_ARGUMENT and "1..8" in capi.last_error()[1]
     assert capi.destroy(h) == 0 and capi.destroy(h) == COLIBRI_ERR_INVALID_ARGUMENT

@@ -79,13 +79,32 @@ def test_run_with_ids(model_cache):
 
 @pytest.mark.parametrize("name,value", [("COLIBRI_KV_BLOCK_SIZE", "0"), ("COLIBRI_KV_BLOCK_SIZE", "big"),
                                         ("COLIBRI_NUM_STREAMS", "-2"), ("COLIBRI_DISABLE_FP16", "2"),
-                                        ("COLIBRI_BACKEND", "tpu"), ("COLIBRI_ROUTER_WARMUP", "x")])
+                                        ("COLIBRI_BACKEND", "tpu"), ("COLIBRI_ROUTER_WARMUP", "x"),
+                                        ("COLIBRI_TOP_K", "-1"), ("COLIBRI_TOP_K", "5"), ("COLIBRI_TOP_K", "two")])
 def test_bad_knob_is_an_error_at_start(model_cache, monkeypatch, name, value):
     _, col = convert_case(model_cache, "mixtral")
     monkeypatch.setenv(name, value)
     with pytest.raises(ColibriError) as ei:
         Engine.open(col)
     assert ei.value.code == COLIBRI_ERR_INVALID_ARGUMENT and name in ei.value.message
+
+
+def test_experts_per_token_from_the_environment_and_the_cli(model_cache, monkeypatch):
+    """COLIBRI_TOP_K (or Engine.open(top_k=...)) routes each token to that many experts; `colibri run
+    --experts-per-token K --stats` says what it saves against the model's own k (demo: 2 of 8)."""
+    _, col = convert_case(model_cache, "mixtral")                  # 4 experts, top-2
+    monkeypatch.setenv("COLIBRI_TOP_K", "3")
+    with Engine.open(col, backend="reference") as e:
+        assert e.runner.top_k == 3 and e.config["top_k"] == 3
+    with Engine.open(col, backend="reference", top_k=1) as e:      # explicit beats the environment
+        assert e.runner.top_k == 1
+    monkeypatch.delenv("COLIBRI_TOP_K")
+    with Engine.open(col, backend="reference") as e:               # the shared model is untouched
+        assert e.runner.top_k == 2 and e.model.config["top_k"] == 2
+    r = cli("run", "--max-new-tokens", "4", "--backend", "reference", "--experts-per-token", "1", "--stats")
+    assert r.returncode == 0, r.stderr
+    line = [l for l in r.stderr.splitlines() if "experts per token" in l][0]
+    assert "experts per token: 1 (the model's: 2)" in line and "% less" in line, line
 
 
 def test_explicit_argument_beats_environment(model_cache, monkeypatch):

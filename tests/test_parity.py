@@ -12,6 +12,7 @@ import pytest
 from colibri_edge import Engine, ColibriError, COLIBRI_ERR_UNAVAILABLE
 from colibri_edge.backends import backend_class
 from colibri_edge.hooks import RoutingHook
+from conftest import fp32
 from hf_models import CASES, convert_case, hf_logits
 
 TOL = 1e-4   # max |colibri - transformers| / max |transformers logit|
@@ -143,7 +144,6 @@ def test_expert_ids_match_transformers_router(backend_name, case, model_cache):
     from the router module) at every position whose top-k+1 scores are not near-tied."""
     import torch
     from transformers import AutoModelForCausalLM
-    from conftest import fp32
     hf, col = convert_case(model_cache, case)
     V, k = CASES[case][1]["vocab_size"], CASES[case][1]["moe_k"]
     ids = np.random.default_rng(11).integers(0, V, (2, 17))
@@ -172,3 +172,29 @@ def test_expert_ids_match_transformers_router(backend_name, case, model_cache):
         np.testing.assert_array_equal(ours[layer][clear], want[clear], err_msg=f"layer {layer}")
         checked += int(clear.sum())
     assert checked >= len(seen) * ids.size * 0.8
+
+
+# (case, k): renormalised softmax (mixtral, k 2 -> 1), not renormalised with a gated shared expert
+# (qwen2_moe, 3 -> 5), top-k on logits then softmax (granitemoe, 3 -> 2), the choice-only correction
+# bias with ERNIE's floor (ernie4_5_moe, 4 -> 2), not renormalised (olmoe, 2 -> 1)
+TOP_K_CASES = [("mixtral", 1), ("qwen2_moe", 5), ("granitemoe", 2), ("ernie4_5_moe", 2), ("olmoe", 1)]
+
+
+@pytest.mark.parametrize("case,k", TOP_K_CASES)
+def test_top_k_override_matches_transformers(backend_name, case, k, model_cache):
+    """Engine.open(top_k=k) equals transformers with the config's experts per token set to k (its
+    router, normalisation and choice bias unchanged): float32 logits within TOL, k experts a token."""
+    from colibri_edge import COLIBRI_ERR_INVALID_ARGUMENT
+    hf, col = convert_case(model_cache, case)
+    rng = np.random.default_rng(11)
+    batch = rng.integers(0, CASES[case][1]["vocab_size"], size=(2, 9))
+    want = hf_logits(hf, batch, **{"moe_k" if case.startswith("ernie") else "num_experts_per_tok": k})
+    with Engine.open(col, backend=backend_name, max_seq_len=64, **fp32(backend_name), top_k=k) as eng:
+        ids = ExpertIds(eng)
+        got = eng.infer(batch)
+        assert eng.runner.top_k == k and all(v.shape[1] == k for v in ids.by_layer().values())
+    assert rel_err(got, want) < TOL
+    assert rel_err(got, hf_logits(hf, batch)) > 10 * TOL             # it really routes differently
+    with pytest.raises(ColibriError) as e:
+        Engine.open(col, backend="reference", top_k=CASES[case][1].get("num_local_experts", 99) + 100)
+    assert e.value.code == COLIBRI_ERR_INVALID_ARGUMENT and "experts per layer" in e.value.message

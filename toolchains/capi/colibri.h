@@ -38,7 +38,8 @@ typedef struct {
     int max_seq_len;          /* 0: the model's context */
     int max_batch;            /* sequences decoded together; 0: 8 */
     int num_experts;          /* 0, or a check: must equal the model's experts per layer */
-    int top_k;                /* 0, or a check: must equal the model's experts per token */
+    int top_k;                /* experts per token; 0: the model's (another value: fewer or more experts
+                                 read per token, as Engine.open(top_k=...), 1..num_experts) */
 } colibri_config_t;
 
 typedef struct {
