@@ -13,5 +13,9 @@ class RoutingHook:
     def on_route(self, layer: int, ids, weights, next_layer: int, predicted):
         """ids [T,k] int32, weights [T,k]; predicted: host int32 [T,k] for next_layer, or None."""
 
+    def on_prediction(self, next_layer: int, ids, weights):
+        """Optional (default: nothing). Called before on_route when a prediction was made: host
+        ids [T,k] int32 and their routing weights [T,k] float32 for next_layer."""
+
     def end_step(self):
         """The step's forward has run."""

@@ -23,6 +23,7 @@ from . import arena, program
 from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_OUT_OF_MEMORY
 from .modeldir import ModelDir
 from .hooks import RoutingHook  # noqa: F401  (re-exported: the hook interface)
+from .slots import likely_experts
 from .state import States, attention_pools
 
 
@@ -258,7 +259,9 @@ class Runner:
             be.matmul(s.pred_router, s.h, moe.next_router)
             be.route(s.pred_ids, s.pred_w, s.pred_router, moe.top_k, moe.mode, moe.normalize, moe.next_choice_bias,
                      moe.norm_min)
-            pred = be.download(s.pred_ids)
+            pred, pred_w = be.download(s.pred_ids), be.download(s.pred_w)
+            for hk in self.hooks:
+                hk.on_prediction(moe.next_layer, pred, pred_w)
         for hk in self.hooks:
             hk.on_route(moe.layer, s.ids, s.w, moe.next_layer, pred)
-        return None if pred is None else (moe.next_layer, np.unique(pred))
+        return None if pred is None else (moe.next_layer, likely_experts(pred, pred_w), np.unique(pred))

@@ -15,15 +15,17 @@ import os
 import numpy as np
 
 from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
-from .slots import POLICIES, SlotCache
+from .slots import POLICIES, PREFETCH_MIN_P, SlotCache, likely_experts
 from .trace import Trace
 
 PROFILE_DIR = os.path.join(os.path.dirname(__file__), "profiles")
 
 
-def _layer_accesses(tr: Trace):
-    """Yields (step tokens, j, layer, experts ascending, prefetch or None) in engine order."""
+def _layer_accesses(tr: Trace, min_p: float = PREFETCH_MIN_P):
+    """Yields (step tokens, j, layer, experts ascending, prefetch or None) in engine order; prefetch as
+    the engine chooses it (slots.likely_experts)."""
     L = len(tr.layer_ids)
+    pw = tr.predicted_weights
     for _, idx in tr.steps():
         for j in range(L):
             experts = np.unique(tr.expert_ids[idx, j].astype(np.int64))
@@ -31,18 +33,19 @@ def _layer_accesses(tr: Trace):
             if j + 1 < L:
                 pred = tr.predicted_ids[idx, j + 1].astype(np.int64)
                 if (pred >= 0).all():
-                    prefetch = (int(tr.layer_ids[j + 1]), np.unique(pred))
+                    prefetch = (int(tr.layer_ids[j + 1]),
+                                likely_experts(pred, None if pw is None else pw[idx, j + 1], min_p), np.unique(pred))
             yield j, int(tr.layer_ids[j]), experts, prefetch
 
 
-def replay(tr: Trace, slots: int, policy: str) -> dict:
+def replay(tr: Trace, slots: int, policy: str, min_p: float = PREFETCH_MIN_P) -> dict:
     if policy not in POLICIES:
         raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"--policy {policy!r}: use one of {', '.join(POLICIES)}")
     blob = int(tr.meta["bytes_per_expert"])
     cache = SlotCache(slots, policy, blob)
     if policy == "belady":
         cache.set_future([(layer, int(e)) for _, layer, experts, _ in _layer_accesses(tr) for e in experts])
-    for _, layer, experts, prefetch in _layer_accesses(tr):
+    for _, layer, experts, prefetch in _layer_accesses(tr, min_p):
         cache.access_layer(layer, experts, prefetch if policy == "prefetch" else None)
     c = cache.c.as_dict()
     return {"policy": policy, "slots": slots, "hits": c["hits"], "misses": c["misses"], "hit_rate": c["hit_rate"],

@@ -7,6 +7,8 @@ File (.npz):
   layer_ids   int32   [moe_layers]
   predicted_ids int16 [tokens, moe_layers, top_k]  layer j's experts as predicted by applying its router
               to the hidden state of MoE layer j-1 (-1 for the first): what the prefetch policy uses
+  predicted_weights float32 [tokens, moe_layers, top_k]  their routing weights (prefetch skips those
+              below slots.PREFETCH_MIN_P; a trace without them prefetches every predicted expert)
   meta        JSON string: model, backend, top_k, experts_per_layer, bytes_per_expert
 """
 from __future__ import annotations
@@ -30,11 +32,13 @@ class Trace:
     layer_ids: np.ndarray
     predicted_ids: np.ndarray
     meta: dict
+    predicted_weights: np.ndarray | None = None
 
     def save(self, path):
         np.savez_compressed(path, expert_ids=self.expert_ids, weights=self.weights, seq_ids=self.seq_ids,
                             positions=self.positions, step_ids=self.step_ids, layer_ids=self.layer_ids,
-                            predicted_ids=self.predicted_ids, meta=np.array(json.dumps(self.meta)))
+                            predicted_ids=self.predicted_ids, meta=np.array(json.dumps(self.meta)),
+                            **({} if self.predicted_weights is None else {"predicted_weights": self.predicted_weights}))
 
     @classmethod
     def load(cls, path) -> "Trace":
@@ -43,7 +47,7 @@ class Trace:
             meta = json.loads(str(z["meta"]))
             pred = z["predicted_ids"] if "predicted_ids" in z.files else np.full_like(z["expert_ids"], -1)
             return cls(z["expert_ids"], z["weights"], z["seq_ids"], z["positions"], z["step_ids"],
-                       z["layer_ids"], pred, meta)
+                       z["layer_ids"], pred, meta, z["predicted_weights"] if "predicted_weights" in z.files else None)
         except (OSError, KeyError, ValueError) as e:
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{path}: not a Colibri routing trace ({e}); "
                                "make one with `colibri trace`") from None
@@ -79,7 +83,8 @@ class TraceRecorder(RoutingHook):
         T, k = len(seq_ids), self.runner.top_k
         L = len(self.moe_layers)
         self._cur = {"ids": np.full((T, L, k), -1, np.int16), "w": np.zeros((T, L, k), np.float32),
-                     "pred": np.full((T, L, k), -1, np.int16), "seq": np.asarray(seq_ids, np.int32),
+                     "pred": np.full((T, L, k), -1, np.int16), "pred_w": np.zeros((T, L, k), np.float32),
+                     "seq": np.asarray(seq_ids, np.int32),
                      "pos": np.asarray(positions, np.int32).copy()}
 
     def on_route(self, layer, ids, weights, next_layer, predicted):
@@ -88,6 +93,9 @@ class TraceRecorder(RoutingHook):
         self._cur["w"][:, j] = be.download(weights)
         if predicted is not None:
             self._cur["pred"][:, self._col[next_layer]] = predicted
+
+    def on_prediction(self, next_layer, ids, weights):
+        self._cur["pred_w"][:, self._col[next_layer]] = weights
 
     def end_step(self):
         c = self._cur
@@ -101,7 +109,7 @@ class TraceRecorder(RoutingHook):
         cat = lambda key, shape, dt: np.concatenate([c[key] for c in self.chunks]) if self.chunks else np.zeros(shape, dt)
         return Trace(cat("ids", (0, L, k), np.int16), cat("w", (0, L, k), np.float32), cat("seq", (0,), np.int32),
                      cat("pos", (0,), np.int32), cat("step", (0,), np.int32), np.array(self.moe_layers, np.int32),
-                     cat("pred", (0, L, k), np.int16), dict(self.meta))
+                     cat("pred", (0, L, k), np.int16), dict(self.meta), cat("pred_w", (0, L, k), np.float32))
 
 
 # ------------------------------------------------------------------------------------------------
