@@ -79,6 +79,10 @@ def _cmd_backends(a):
     return 0
 
 
+def _slots_arg(v: str):
+    return "auto" if v.strip().lower() == "auto" else int(v)
+
+
 def _default_model():
     from .demo import ensure_default_model
     return ensure_default_model()
@@ -137,6 +141,8 @@ def _cmd_run(a):
             if ms["steps"]:
                 print(f"[colibri] decode step time: p50 {ms['p50']:.2f} ms, p99 {ms['p99']:.2f} ms, "
                       f"max {ms['max']:.2f} ms over {ms['steps']} steps", file=sys.stderr)
+            if eng.slot_choice is not None:
+                print(f"[colibri] expert slots auto: {eng.slot_choice['why']}", file=sys.stderr)
             ss = eng.slot_stats
             if ss is None:
                 print("[colibri] slot pool: off (every expert resident); use --expert-slots N", file=sys.stderr)
@@ -306,7 +312,8 @@ def build_parser():
     r.add_argument("--seed", type=int, default=None)
     r.add_argument("--backend", default=None, help="auto, cpu, opencl, cuda, reference (default: COLIBRI_BACKEND or auto)")
     r.add_argument("--max-seq-len", type=int, default=None)
-    r.add_argument("--expert-slots", type=int, default=None, help="keep at most N experts resident (slot pool)")
+    r.add_argument("--expert-slots", type=_slots_arg, default=None, metavar="N|auto",
+                   help="keep at most N experts resident (slot pool); auto: as many as the free memory holds")
     r.add_argument("--slot-policy", default=None, choices=["lru", "lfu", "prefetch"])
     r.add_argument("--experts-per-token", type=int, default=None, metavar="K",
                    help="route each token to K experts instead of the model's (Engine.open(top_k=K), "

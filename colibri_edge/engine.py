@@ -165,7 +165,7 @@ class Engine:
         rows = max(self.prefill_chunk, self.max_batch)
         slots = knobs.resolve("COLIBRI_EXPERT_SLOTS", expert_slots)
         policy = knobs.resolve("COLIBRI_SLOT_POLICY", slot_policy)
-        if slots > len(self.model.experts):
+        if slots != "auto" and slots > len(self.model.experts):
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"expert_slots={slots}: the model has only "
                                f"{len(self.model.experts)} experts; leave it unset to keep every expert resident")
         self.runner = Runner(self.model, self.backend, rows, self.max_batch, self.max_seq_len,
@@ -464,6 +464,12 @@ class Engine:
         """Tokens routed to each expert so far: [num_layers, experts_per_layer] (counted on the backend,
         graph replays included)."""
         return self.runner.expert_counts()
+
+    @property
+    def slot_choice(self) -> dict | None:
+        """What expert_slots="auto" chose and why ({"slots": N or None (all resident), "why": the
+        numbers}); None when the slot count was given."""
+        return self.runner.slot_choice
 
     @property
     def slot_stats(self) -> dict | None:

@@ -16,7 +16,8 @@ KNOBS = {
     "COLIBRI_ROUTER_WARMUP": (0, "an integer from 0 to 1000"),
     "COLIBRI_DISABLE_FP16": (0, "0 or 1"),
     "COLIBRI_NUM_THREADS": (0, "an integer from 0 to 4096 (0: all available cores)"),
-    "COLIBRI_EXPERT_SLOTS": (0, "a non-negative integer (0: every expert resident, no slot pool)"),
+    "COLIBRI_EXPERT_SLOTS": (0, "a non-negative integer (0: every expert resident, no slot pool) or auto "
+                                "(sized from the memory free for the engine)"),
     "COLIBRI_SLOT_POLICY": ("lru", "one of lru, lfu, prefetch"),
     "COLIBRI_CUDA_GRAPHS": (1, "0 or 1 (0 runs CUDA decode steps on streams)"),
     "COLIBRI_INT8_ACTIVATIONS": (1, "0 or 1 (0: the cpu backend's block formats decode with float32 activations)"),
@@ -47,6 +48,8 @@ def _parse(name, raw):
         return raw
     if isinstance(raw, bool) and name in FLAGS:
         return int(raw)
+    if name == "COLIBRI_EXPERT_SLOTS" and isinstance(raw, str) and raw.strip().lower() == "auto":
+        return "auto"
     try:
         v = int(str(raw).strip())
     except ValueError:

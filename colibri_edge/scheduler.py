@@ -57,6 +57,13 @@ class StepViews:
         self.dense_plan = None          # the 1-expert plan of shared experts and dense MLPs, per step
 
 
+# expert_slots="auto" keeps this share of the memory free for the engine unused (at least the minimum):
+# the allocator's and Python's own growth, the page cache the memmap'd weights and the slot loads pass
+# through, other processes' small allocations
+AUTO_HEADROOM = 0.10
+AUTO_HEADROOM_MIN = 256 << 20
+
+
 class Runner:
     """Owns the weights on the backend, the arena and the per-sequence state; runs steps."""
 
@@ -70,6 +77,9 @@ class Runner:
         self.limits, self.states = layout(cfg, max_rows, max_batch, max_seq_len, num_kv_blocks, block_size)
         self.top_k = arena.fan(cfg)
         self.spec = arena.buffers(cfg, self.limits)
+        self.slot_choice = None
+        if expert_slots == "auto":
+            expert_slots = self._auto_slots(memory_budget)
         self._check_memory(expert_slots, memory_budget)
         self.slot_pool = None
         try:
@@ -92,6 +102,36 @@ class Runner:
         self._views = {}
 
     # -- setup ------------------------------------------------------------------------------
+    def _auto_slots(self, budget=None):
+        """expert_slots="auto": as many slots as the memory free for the engine holds, after the
+        non-expert weights, the arena, the per-sequence state and a headroom of AUTO_HEADROOM of it (at
+        least AUTO_HEADROOM_MIN); None (every expert resident, no pool) when all fit. Free: the smaller
+        of what the backend reports (host: MemAvailable, the cgroup's limit, RLIMIT_AS) and the memory
+        budget. Recorded in self.slot_choice, with the numbers."""
+        from .planning import human
+        avail, what = self.be.memory_available()
+        if budget is not None and budget < avail:
+            avail, what = budget, "the engine's memory budget"
+        fixed = {"non-expert weights": sum(r["nbytes"] for r in self.model.tensors.values()),
+                 "arena": arena.nbytes(self.spec),
+                 "KV cache": sum(4 * math.prod(s) for s in self.states.storage().values())}
+        headroom = max(int(AUTO_HEADROOM * avail), AUTO_HEADROOM_MIN)
+        blob = max(e.weight_size for e in self.model.experts)
+        n_all = len(self.model.experts)
+        room = avail - sum(fixed.values()) - headroom
+        n = max(room, 0) // blob
+        text = (f"{human(avail)} free ({what}) - " + " - ".join(f"{k} {human(v)}" for k, v in fixed.items()) +
+                f" - headroom {human(headroom)} = {human(max(room, 0))}, experts of {human(blob)}")
+        if n >= n_all:
+            self.slot_choice = {"slots": None, "why": f"all {n_all} experts fit: {text}"}
+            return None
+        if n < self.top_k:
+            raise ColibriError(COLIBRI_ERR_OUT_OF_MEMORY, f"expert_slots=auto: {text}: room for {n} expert slots, "
+                               f"fewer than the {self.top_k} a token needs; free memory, lower max_batch / "
+                               "prefill_chunk / kv_cache_tokens, or route fewer experts per token (top_k)")
+        self.slot_choice = {"slots": int(n), "why": f"{n} of {n_all} experts: {text}"}
+        return int(n)
+
     def _check_memory(self, expert_slots, budget=None):
         """Everything the engine allocates at open, against what the backend has and the engine's
         memory budget (when given), before any of it."""

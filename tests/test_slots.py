@@ -225,3 +225,34 @@ def test_prefetch_moves_no_more_than_lru_and_stalls_less():
         lru, pre = replay(tr, slots, "lru"), replay(tr, slots, "prefetch")
         assert pre["bytes_moved"] <= lru["bytes_moved"] and pre["misses"] < lru["misses"], (slots, lru, pre)
     assert replay(tr, 12, "prefetch", min_p=0.0)["bytes_moved"] > replay(tr, 12, "lru")["bytes_moved"]
+
+
+def test_auto_slots_fill_the_free_memory(monkeypatch):
+    """expert_slots="auto" (COLIBRI_EXPERT_SLOTS=auto): as many slots as the free memory holds after the
+    non-expert weights, arena, KV cache and headroom (here the memory budget is the free memory, and
+    the headroom 10% without its 256 MiB floor, so that the demo model's 32 experts of 576 KiB do not
+    all fit); the logits equal the all-resident engine's; all resident when everything fits; a coded
+    error naming the numbers when not even a token's experts fit."""
+    from colibri_edge import scheduler, ColibriError, COLIBRI_ERR_OUT_OF_MEMORY
+    from colibri_edge.demo import ensure_default_model
+    monkeypatch.setattr(scheduler, "AUTO_HEADROOM_MIN", 0)
+    path = ensure_default_model()[0]
+    ids = np.array([[5, 17, 3, 42, 8, 11, 29, 2, 60, 61, 7, 7]])
+    with Engine.open(path, backend="reference", max_seq_len=64) as e:
+        want = e.infer(ids)
+        fixed = sum(r["nbytes"] for r in e.model.tensors.values()) + e.runner.arena_bytes + \
+            sum(4 * int(np.prod(s)) for s in e.runner.states.storage().values())
+        blob = max(x.weight_size for x in e.model.experts)
+    budget = int((fixed + 12.5 * blob) / 0.9)                   # room for 12 slots after a 10% headroom
+    monkeypatch.setenv("COLIBRI_EXPERT_SLOTS", "auto")
+    with Engine.open(path, backend="reference", max_seq_len=64, memory_budget=budget) as e:
+        n = e.slot_choice["slots"]
+        assert n == e.runner.slot_pool.cache.n and "12 of 32 experts" in e.slot_choice["why"]
+        assert fixed + n * blob + 0.1 * budget <= budget < fixed + (n + 1) * blob + 0.1 * budget
+        np.testing.assert_array_equal(e.infer(ids), want)
+    with Engine.open(path, backend="reference", max_seq_len=64) as e:   # the machine's memory: all fit
+        assert e.slot_choice["slots"] is None and e.runner.slot_pool is None
+        assert "all 32 experts fit" in e.slot_choice["why"]
+    with pytest.raises(ColibriError) as ei:
+        Engine.open(path, backend="reference", max_seq_len=64, memory_budget=int((fixed + blob) / 0.9))
+    assert ei.value.code == COLIBRI_ERR_OUT_OF_MEMORY and "fewer than the 2 a token needs" in ei.value.message
