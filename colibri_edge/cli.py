@@ -201,6 +201,16 @@ def _cmd_simulate(a):
     return 0
 
 
+def _cmd_probe_device(a):
+    from .probe import probe, save
+    prof = probe(a.dir, a.mem_mib, a.file_mib, a.blob)
+    path = save(prof, a.out)
+    for k, v in prof.items():
+        print(f"  {k}: {v}")
+    print(f"wrote {path} (colibri simulate --device {'this' if a.out is None else path})")
+    return 0
+
+
 def _cmd_stats(a):
     import json as _json
     from .trace import Trace, routing_stats
@@ -368,6 +378,13 @@ def build_parser():
     st.add_argument("--json", action="store_true")
     st.add_argument("--plot", default=None, help="write a load heatmap PNG")
     st.set_defaults(fn=_cmd_stats)
+    pd = sub.add_parser("probe-device", help="measure this machine into a device profile (simulate --device this)")
+    pd.add_argument("--dir", default=None, help="a directory on the storage the models live on (default: the temp dir)")
+    pd.add_argument("--out", default=None, help="where to write the profile (default: ~/.cache/colibri/device-this.json)")
+    pd.add_argument("--mem-mib", type=int, default=512, help="weights the bandwidth probe reads (MiB)")
+    pd.add_argument("--file-mib", type=int, default=256, help="size of the storage probe's file (MiB)")
+    pd.add_argument("--blob", type=int, default=6 << 20, help="bytes a read, an expert's size (default 6 MiB)")
+    pd.set_defaults(fn=_cmd_probe_device)
     return p
 
 

@@ -256,3 +256,34 @@ def test_auto_slots_fill_the_free_memory(monkeypatch):
     with pytest.raises(ColibriError) as ei:
         Engine.open(path, backend="reference", max_seq_len=64, memory_budget=int((fixed + blob) / 0.9))
     assert ei.value.code == COLIBRI_ERR_OUT_OF_MEMORY and "fewer than the 2 a token needs" in ei.value.message
+
+
+def test_probe_device_then_simulate_this(model_cache, tmp_path):
+    """`colibri probe-device` measures this machine (the cpu GEMV's read rate, storage reads of blob size
+    with the page cache dropped and again cached, the demo model's per-step overhead) into a profile
+    that `simulate --device this` uses: its estimate is the profile's formula on the trace's numbers."""
+    _, col = convert_case(model_cache, "olmoe")
+    env = dict(os.environ, COLIBRI_CACHE=str(tmp_path / "cache"))
+    run = lambda *a: subprocess.run([sys.executable, "-m", "colibri_edge", *a], capture_output=True, text=True,
+                                    cwd=ROOT, env=env, timeout=600)
+    (tmp_path / "p.txt").write_text("1 2 3 4 5\n9 8 7\n")
+    r = run("trace", "--model", col, "--prompts", str(tmp_path / "p.txt"), "--ids", "--out",
+            str(tmp_path / "t.npz"), "--max-new-tokens", "4", "--backend", "reference")
+    assert r.returncode == 0, r.stderr
+    r = run("simulate", "--trace", str(tmp_path / "t.npz"), "--slots", "4", "--device", "this")
+    assert r.returncode != 0 and "run `colibri probe-device` first" in r.stderr, r.stderr
+    r = run("probe-device", "--dir", str(tmp_path), "--mem-mib", "64", "--file-mib", "16", "--blob", str(1 << 20))
+    assert r.returncode == 0, r.stderr
+    prof = json.load(open(tmp_path / "cache" / "device-this.json"))
+    for f in ("memory_bandwidth_gbs", "miss_bandwidth_gbs", "page_cache_gbs", "memory_bytes"):
+        assert prof[f] > 0, (f, prof)
+    assert prof["step_overhead_ms"] >= 0 and prof["blob_bytes"] == 1 << 20
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("colibri-probe-")]     # its file is gone
+    r = run("simulate", "--trace", str(tmp_path / "t.npz"), "--slots", "4", "--policy", "lru", "--json",
+            "--device", "this")
+    assert r.returncode == 0, r.stderr
+    res, m = json.loads(r.stdout), Trace.load(str(tmp_path / "t.npz")).meta
+    want = 1e3 * (m["bytes_per_decoded_token"] / (prof["memory_bandwidth_gbs"] * 1e9) +
+                  res["misses"] * m["bytes_per_expert"] / res["tokens"] / (prof["miss_bandwidth_gbs"] * 1e9)) + \
+        prof["step_overhead_ms"]
+    assert res["device"] == prof["name"] and np.isclose(res["est_ms_per_token"], want, rtol=1e-6)

@@ -1,0 +1,129 @@
+"""`colibri probe-device`: measure this machine into a device profile for `colibri simulate --device this`.
+
+What the simulator's estimate needs (simulate.estimate), measured the way the engine spends it:
+  memory_bandwidth_gbs  the cpu backend's own decode GEMV (kernels.matmul, one token, float16 rows, the
+                        engine's threads) over a matrix larger than the caches: the rate at which a
+                        decode step reads resident weights (bandwidth_efficiency is then 1: it is
+                        already the kernel's rate, not the bus's)
+  miss_bandwidth_gbs    positioned reads of expert-blob size at random offsets of a file in --dir whose
+                        pages were dropped from the page cache first (posix_fadvise DONTNEED after
+                        fsync): what a slot miss costs when its expert is not in memory
+  page_cache_gbs        the same reads again, now from the page cache (a miss whose pages are cached)
+  step_overhead_ms      a decode step of the demo model less its weight reads at memory_bandwidth_gbs:
+                        the per-step cost that does not scale with the model (Python, launches)
+  memory_bytes          what this process may allocate (colibri_edge.memory.host_available)
+Nothing here is timed against a threshold; the numbers are what they are on this machine.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+import time
+
+import numpy as np
+
+from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
+
+
+def profile_path() -> str:
+    root = os.environ.get("COLIBRI_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "colibri")
+    return os.path.join(root, "device-this.json")
+
+
+def _best(fn, reps=5):
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def memory_bandwidth(mib: int) -> float:
+    """GB/s of the cpu backend's one-token float16 GEMV over `mib` MiB of weights (best of 5)."""
+    from colibri_edge.backends import create
+    be = create("cpu")
+    K = 4096
+    N = max(64, (mib << 20) // (2 * K))
+    host = np.random.default_rng(0).standard_normal((N, K)).astype(np.float16)
+    w = be.upload(host, "float16")
+    x, out = be.alloc((1, K)), be.alloc((1, N))
+    be.upload_into(x, np.ones((1, K), np.float32))
+    be.matmul(out, x, w)                                               # compiled and warm
+    try:
+        return host.nbytes / _best(lambda: be.matmul(out, x, w)) / 1e9
+    finally:
+        be.close()
+
+
+def storage_bandwidth(directory: str, file_mib: int, blob: int, reads: int = 64) -> tuple[float, float]:
+    """(cold, cached) GB/s of `reads` positioned reads of `blob` bytes at random blob-aligned offsets of
+    a `file_mib` MiB file in `directory`: first with its pages dropped from the page cache, then again."""
+    size = max(file_mib << 20, blob * 4)
+    fd, path = tempfile.mkstemp(prefix="colibri-probe-", dir=directory)
+    try:
+        chunk = np.random.default_rng(1).integers(0, 256, size=1 << 20, dtype=np.uint8).tobytes()
+        for _ in range(-(-size // len(chunk))):
+            os.write(fd, chunk)
+        os.fsync(fd)
+        n = size // blob
+        offsets = np.random.default_rng(2).choice(n, size=min(reads, n), replace=False) * blob
+
+        def read_all():
+            for o in offsets:
+                os.pread(fd, blob, int(o))
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        t = time.perf_counter()
+        read_all()
+        cold = len(offsets) * blob / (time.perf_counter() - t) / 1e9
+        cached = len(offsets) * blob / _best(read_all, 3) / 1e9
+        return cold, cached
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def step_overhead_ms(bandwidth_gbs: float) -> float:
+    """The demo model's decode step time less its weight reads at bandwidth_gbs (ms, median of 32)."""
+    from .demo import ensure_default_model
+    from .engine import Engine, Stats
+    from .planning import summary
+    with Engine.open(ensure_default_model()[0], backend="cpu") as eng:
+        eng.generate([1, 2, 3], max_new_tokens=8, ignore_eos=True)
+        eng.stats = Stats()                                            # the timed steps only
+        eng.generate([4, 5, 6], max_new_tokens=33, ignore_eos=True)
+        ms = eng.stats.step_ms()["p50"]
+        read_ms = summary(eng.model, 1)["bytes_per_decoded_token"] / (bandwidth_gbs * 1e9) * 1e3
+    return max(ms - read_ms, 0.0)
+
+
+def probe(directory: str | None = None, mem_mib: int = 512, file_mib: int = 256, blob: int = 6 << 20) -> dict:
+    from .memory import host_available
+    directory = directory or tempfile.gettempdir()
+    if not os.path.isdir(directory):
+        raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"--dir {directory}: not a directory; give the one the "
+                           "model files live on (storage speed is per device)")
+    for name, v, lo in (("--mem-mib", mem_mib, 8), ("--file-mib", file_mib, 1), ("--blob", blob, 4096)):
+        if v < lo:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{name}={v}: at least {lo}")
+    bw = memory_bandwidth(mem_mib)
+    cold, cached = storage_bandwidth(directory, file_mib, blob)
+    avail, what = host_available()
+    return {"name": f"this machine ({platform.machine()}, {os.cpu_count()} CPUs; {platform.node()})",
+            "memory_bytes": int(avail), "memory_limit": what, "memory_bandwidth_gbs": round(bw, 2),
+            "bandwidth_efficiency": 1.0, "unified_memory": True,
+            "miss_source": f"storage under {directory} (page cache dropped)", "miss_bandwidth_gbs": round(cold, 3),
+            "page_cache_gbs": round(cached, 2), "blob_bytes": int(blob),
+            "step_overhead_ms": round(step_overhead_ms(bw), 3),
+            "probed": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def save(prof: dict, path: str | None = None) -> str:
+    path = path or profile_path()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(prof, f, indent=1)
+    return path
