@@ -210,6 +210,12 @@ class Backend:
         """N expert slots of one blob each, allocated once: [N, blob_bytes] uint8."""
         return self.alloc((num_slots, blob_bytes), np.uint8)
 
+    def slot_host_view(self, slots, slot: int):
+        """Optional: a writable host uint8 view of one slot, so that a miss is read from storage straight
+        into it; None (the default) when the slots are device memory: the pool reads into a host
+        staging buffer and calls load_slot."""
+        return None
+
     def load_slot(self, slots, slot: int, blob: np.ndarray):
         """Copy one expert's blob (from the memmap) into a slot. May run on a prefetch thread: a GPU
         backend must order it with the kernels (e.g. a blocking write on the in-order main queue,

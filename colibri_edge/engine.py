@@ -477,7 +477,8 @@ class Engine:
         or None when every expert is resident."""
         pool = self.runner.slot_pool
         return None if pool is None else {**pool.counters.as_dict(), "slots": pool.cache.n,
-                                          "policy": pool.cache.policy, "resident_bytes": pool.resident_bytes()}
+                                          "policy": pool.cache.policy, "resident_bytes": pool.resident_bytes(),
+                                          "read_bytes": pool.read_bytes, "memory": pool.locked}
 
     def trace_meta(self) -> dict:
         from .planning import summary

@@ -224,6 +224,9 @@ class Backend(BackendBase):
     def alloc(self, shape, dtype=np.float32):
         return np.zeros(shape, dtype=dtype)
 
+    def slot_host_view(self, slots, slot):
+        return slots[slot]                 # host memory: a miss is read from storage straight into it
+
     def to_device(self, host, dtype):
         arr = np.asarray(host)
         if not arr.flags.c_contiguous:     # model tensors always are; this copies only odd inputs
