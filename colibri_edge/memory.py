@@ -4,7 +4,8 @@ numbers, never a MemoryError or the kernel's OOM killer).
 
 Host memory available = the smallest of
     MemAvailable of /proc/meminfo                     what the system can give without swapping
-    the cgroup's limit minus its usage                 v2 memory.max / memory.current, v1 limit_in_bytes
+    the cgroup's limit minus its usage              v2 memory.max / memory.current, v1 limit_in_bytes,
+      plus its file page cache (reclaimable)          memory.stat file (v2), *_file (v1)
     RLIMIT_AS minus the address space in use           a ulimit -v (the fuzz campaign sets one)
 """
 from __future__ import annotations
@@ -55,8 +56,25 @@ def _cgroup_room():
         else:
             continue
         if lim is not None and lim < (1 << 60) and cur is not None:
-            return max(0, lim - cur)
+            return max(0, lim - cur + _cgroup_file_cache(d, v2=parts[0] == "0"))
     return None
+
+
+def _cgroup_file_cache(d: str, v2: bool) -> int:
+    """The cgroup's file-backed page cache (reclaimable: the kernel drops it before it refuses memory,
+    as MemAvailable counts it): v2 memory.stat `file`, v1 `total_inactive_file + total_active_file`.
+    Without it, a process that has just read its model files would see the limit nearly used up."""
+    keys = ("file",) if v2 else ("total_inactive_file", "total_active_file")
+    out = 0
+    try:
+        with open(d + "/memory.stat") as f:
+            for line in f:
+                k, _, v = line.partition(" ")
+                if k in keys:
+                    out += int(v)
+    except (OSError, ValueError):
+        return 0
+    return out
 
 
 def _address_space_room():

@@ -61,7 +61,7 @@ class StepViews:
 # the allocator's and Python's own growth, the page cache the memmap'd weights and the slot loads pass
 # through, other processes' small allocations
 AUTO_HEADROOM = 0.10
-AUTO_HEADROOM_MIN = 256 << 20
+AUTO_HEADROOM_MIN = 128 << 20
 
 
 class Runner:

@@ -230,7 +230,7 @@ def test_prefetch_moves_no_more_than_lru_and_stalls_less():
 def test_auto_slots_fill_the_free_memory(monkeypatch):
     """expert_slots="auto" (COLIBRI_EXPERT_SLOTS=auto): as many slots as the free memory holds after the
     non-expert weights, arena, KV cache and headroom (here the memory budget is the free memory, and
-    the headroom 10% without its 256 MiB floor, so that the demo model's 32 experts of 576 KiB do not
+    the headroom 10% without its 128 MiB floor, so that the demo model's 32 experts of 576 KiB do not
     all fit); the logits equal the all-resident engine's; all resident when everything fits; a coded
     error naming the numbers when not even a token's experts fit."""
     from colibri_edge import scheduler, ColibriError, COLIBRI_ERR_OUT_OF_MEMORY

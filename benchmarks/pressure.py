@@ -1,0 +1,300 @@
+"""A model bigger than the memory it gets (part of `make bench`; issue 21): Colibri streaming experts
+through its slot pool against llama.cpp's mmap, in one memory cgroup of the benchmark's own.
+
+    python benchmarks/pressure.py [--limit-mib 600] [--new 48] [--slots 0,auto,18] [--policy lfu]   (root)
+
+The model: the Mixtral-shaped benchmark model (models.py; float16, 1.28 GB of weights), with a skewed
+router so that some experts are hot: every token embedding gets a shared direction u and every router
+row e gets b_e u, with b_e = -1.2 ln(rank_e) over a per-layer random ranking (Zipf-like popularity;
+the routing entropy is reported). The same checkpoint becomes the Colibri model directory and the
+f16 GGUF llama.cpp runs.
+
+The pressure: each engine process runs alone in the cgroup `colibri-pressure` (memory.max on v2,
+memory.limit_in_bytes on v1), which also caps its page cache; the model's file pages are dropped
+from the page cache (posix_fadvise DONTNEED) before each run. Stated: the limit, the file size.
+
+Measured per engine: decode tok/s (one stream, prompts of 32 ids, --new tokens each, three prompts,
+the first a warm-up), p50 / p99 time between tokens, bytes read from storage per decoded token and
+major faults (/proc/PID/io read_bytes and /proc/PID/stat majflt, before and after the timed prompts),
+and Colibri's slot hit rate. llama.cpp: llama-server (benchmarks/llama_server.py), streamed, the times
+between its chunks. Results: results/pressure.md, .json. Nothing here is a timed test.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+CG_NAME = "colibri-pressure"
+
+
+def log(msg):
+    print(f"[pressure] {msg}", file=sys.stderr, flush=True)
+
+
+# -- the model --------------------------------------------------------------------------------------
+def skewed_hf(src: str, dst: str, s: dict) -> str:
+    """src's checkpoint with a Zipf-like router skew (module docstring); stamped like models.build_hf."""
+    import models
+    from safetensors.numpy import load_file, save_file
+    src_stamp = json.load(open(os.path.join(src, ".bench-stamp.json")))["stamp"]
+    stamp = models._stamp({"src": src_stamp, "skew": 1.2, "v": 1})
+    if models._fresh(dst, stamp):
+        return dst
+    log(f"writing the skewed checkpoint {dst} ...")
+    shutil.rmtree(dst, ignore_errors=True)
+    os.makedirs(dst)
+    t = load_file(os.path.join(src, "model.safetensors"))
+    rng = np.random.default_rng(21)
+    H, E = s["hidden_size"], s["num_local_experts"]
+    u = rng.standard_normal(H).astype(np.float32)
+    u /= np.linalg.norm(u)
+    emb = t["model.embed_tokens.weight"]
+    t["model.embed_tokens.weight"] = (emb + 2.0 * float(np.linalg.norm(emb, axis=1).mean()) * u[None, :]).astype(np.float32)
+    for i in range(s["num_hidden_layers"]):
+        name = f"model.layers.{i}.block_sparse_moe.gate.weight"
+        rank = rng.permutation(E) + 1
+        b = -1.2 * np.log(rank).astype(np.float32) / (0.9 * np.sqrt(H))   # the u part of a normed h: ~0.9 sqrt(H)
+        t[name] = (t[name] + b[:, None] * u[None, :]).astype(np.float32)
+    save_file(t, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    for f in ("config.json", "generation_config.json"):
+        shutil.copy(os.path.join(src, f), dst)
+    models._mark(dst, stamp)
+    return dst
+
+
+# -- the cgroup ---------------------------------------------------------------------------------------
+class Cgroup:
+    """A memory cgroup of our own (v2 if mounted as the unified hierarchy with the memory controller,
+    else v1); `wrap(cmd)` runs cmd inside it."""
+
+    def __init__(self, limit: int):
+        v2 = "/sys/fs/cgroup/cgroup.controllers"
+        if os.path.exists(v2) and "memory" in open(v2).read().split():
+            self.dir, self.limit_file = f"/sys/fs/cgroup/{CG_NAME}", "memory.max"
+        elif os.path.isdir("/sys/fs/cgroup/memory"):
+            self.dir, self.limit_file = f"/sys/fs/cgroup/memory/{CG_NAME}", "memory.limit_in_bytes"
+        else:
+            raise SystemExit("no memory cgroup controller here (cgroup v2 memory or v1 memory); run as root")
+        os.makedirs(self.dir, exist_ok=True)
+        with open(os.path.join(self.dir, self.limit_file), "w") as f:
+            f.write(str(int(limit)))
+        self.limit = int(limit)
+
+    def wrap(self, cmd: list) -> list:
+        procs = os.path.join(self.dir, "cgroup.procs")
+        return ["sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh", *cmd]
+
+    def close(self):
+        try:
+            os.rmdir(self.dir)
+        except OSError:
+            pass
+
+
+def drop_cache(paths):
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def proc_counters(pid: int) -> tuple[int, int]:
+    """(read_bytes from storage, major faults) of a process."""
+    rb = 0
+    with open(f"/proc/{pid}/io") as f:
+        for line in f:
+            if line.startswith("read_bytes:"):
+                rb = int(line.split()[1])
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return rb, int(fields[9])                    # majflt: field 12 of stat, 10th after the comm
+
+
+# -- the engines ----------------------------------------------------------------------------------------
+def colibri_worker(a):
+    """Runs inside the cgroup: open, warm up, decode; prints one JSON line."""
+    from colibri_edge import Engine
+    from colibri_edge.engine import Stats
+    import models
+    s = models.spec(False)
+    slots = None if a.slots in ("0", "none") else ("auto" if a.slots == "auto" else int(a.slots))
+    prompts = models.prompts(s, 32, 3)
+    with Engine.open(a.model, backend="cpu", max_seq_len=32 + a.new + 8, max_batch=1, expert_slots=slots,
+                     slot_policy=a.policy) as eng:
+        eng.generate(prompts[0], max_new_tokens=a.new, ignore_eos=True)
+        rb0, mf0 = proc_counters(os.getpid())
+        eng.stats = Stats()
+        t0 = time.perf_counter()
+        times = []
+        for p in prompts[1:]:
+            last = None
+            for ev in eng.submit(p, max_new_tokens=a.new, ignore_eos=True).iter_events():
+                now = time.perf_counter()
+                if last is not None:
+                    times.append(now - last)
+                last = now
+        wall = time.perf_counter() - t0
+        rb1, mf1 = proc_counters(os.getpid())
+        st = eng.stats
+        n = st.decode_tokens
+        out = {"engine": f"colibri slots={a.slots}" + (f" {a.policy}" if slots else ""),
+               "decode_tok_s": n / st.decode_seconds, "tokens": n, "wall_s": wall,
+               "itl_p50_ms": 1e3 * float(np.percentile(times, 50)), "itl_p99_ms": 1e3 * float(np.percentile(times, 99)),
+               "read_bytes_per_token": (rb1 - rb0) / n, "major_faults_per_token": (mf1 - mf0) / n,
+               "slot_stats": eng.slot_stats, "slot_choice": eng.slot_choice,
+               "expert_counts": np.asarray(eng.expert_counts).tolist()}
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def run_colibri(cg, model, slots, policy, new, files):
+    drop_cache(files)
+    cmd = cg.wrap([sys.executable, os.path.abspath(__file__), "--worker", "--model", model, "--slots", slots,
+                   "--policy", policy, "--new", str(new)])
+    env = {**os.environ, "COLIBRI_NUM_THREADS": "2", "NUMBA_NUM_THREADS": "2"}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    lines = [l for l in r.stdout.splitlines() if l.startswith("RESULT ")]
+    if r.returncode != 0 or not lines:
+        return {"engine": f"colibri slots={slots}", "error": (r.stderr or r.stdout)[-800:]}
+    return json.loads(lines[0][7:])
+
+
+def run_llama(cg, exe, gguf, new, files, s):
+    import httpx
+    import models
+    from serve_bench import free_port, wait_ready
+    drop_cache(files)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = cg.wrap([exe, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", "2", "-tb", "2", "-c", "256",
+                   "--parallel", "1", "--no-warmup"])
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_ready(url, proc, timeout=900)
+        prompts = models.prompts(s, 32, 3)
+
+        def one(p):
+            body = {"prompt": p, "n_predict": new, "ignore_eos": True, "temperature": 0, "stream": True,
+                    "cache_prompt": False}
+            times, last, n = [], None, 0
+            with httpx.stream("POST", url + "/completion", json=body, timeout=3600) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and '"content"' in line:
+                        now = time.perf_counter()
+                        if last is not None:
+                            times.append(now - last)
+                        last, n = now, n + 1
+            return times, n
+        one(prompts[0])
+        rb0, mf0 = proc_counters(proc.pid)
+        t0 = time.perf_counter()
+        times, n = [], 0
+        for p in prompts[1:]:
+            tt, k = one(p)
+            times += tt
+            n += k
+        wall = time.perf_counter() - t0
+        rb1, mf1 = proc_counters(proc.pid)
+        return {"engine": "llama.cpp (llama-server, mmap)", "decode_tok_s": len(times) / sum(times), "tokens": n,
+                "wall_s": wall, "itl_p50_ms": 1e3 * float(np.percentile(times, 50)),
+                "itl_p99_ms": 1e3 * float(np.percentile(times, 99)), "read_bytes_per_token": (rb1 - rb0) / n,
+                "major_faults_per_token": (mf1 - mf0) / n}
+    except SystemExit as e:
+        return {"engine": "llama.cpp (llama-server, mmap)", "error": str(e)}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def entropy_bits(counts) -> float:
+    c = np.asarray(counts, np.float64)
+    out = []
+    for row in c:
+        p = row[row > 0] / row.sum()
+        out.append(float(-(p * np.log2(p)).sum()))
+    return float(np.mean(out))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--model")
+    ap.add_argument("--slots", default="0,auto,18", help="Colibri runs: slot counts, auto, or 0 (every expert resident)")
+    ap.add_argument("--policy", default="lfu")
+    ap.add_argument("--new", type=int, default=48)
+    ap.add_argument("--limit-mib", type=int, default=600, help="the cgroup's memory limit")
+    ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    a = ap.parse_args(argv)
+    if a.worker:
+        return colibri_worker(a)
+    import models
+    import llama_server
+    s = models.spec(False)
+    root = os.path.join(HERE, "cache", "pressure")
+    os.makedirs(root, exist_ok=True)
+    hf = skewed_hf(models.build_hf(os.path.join(models.cache_dir(False), "hf"), s, log), os.path.join(root, "hf"), s)
+    col = models.build_colibri(hf, os.path.join(root, "colibri-float16"), "float16", log)
+    gguf = os.path.join(root, "model-f16.gguf")
+    models.build_gguf(hf, gguf, "f16", s, log)
+    weights = os.path.join(col, "colibri_weights.bin")
+    sizes = {"colibri_weights_bytes": os.path.getsize(weights), "gguf_bytes": os.path.getsize(gguf)}
+    cg = Cgroup(a.limit_mib << 20)
+    res = {"limit_bytes": cg.limit, **sizes, "date": time.strftime("%Y-%m-%d"), "new_tokens": a.new, "runs": []}
+    log(f"cgroup {cg.dir}: limit {a.limit_mib} MiB; weights {sizes['colibri_weights_bytes'] / 2**20:.0f} MiB "
+        f"(Colibri), {sizes['gguf_bytes'] / 2**20:.0f} MiB (GGUF)")
+    try:
+        for sl in a.slots.split(","):
+            r = run_colibri(cg, col, sl, a.policy, a.new, [weights])
+            log(json.dumps({k: v for k, v in r.items() if k != "expert_counts"})[:600])
+            res["runs"].append(r)
+        if not a.no_llama:
+            r = run_llama(cg, llama_server.binary(log), gguf, a.new, [gguf], s)
+            log(json.dumps(r)[:600])
+            res["runs"].append(r)
+    finally:
+        cg.close()
+    counts = next((r["expert_counts"] for r in res["runs"] if "expert_counts" in r), None)
+    if counts is not None:
+        res["routing_entropy_bits"] = entropy_bits(counts)
+        res["max_entropy_bits"] = float(np.log2(s["num_local_experts"]))
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "pressure.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    lines = [f"# A model twice the memory it gets ({res['date']})", "",
+             f"Mixtral-shaped bench model, float16, router skewed (routing entropy "
+             f"{res.get('routing_entropy_bits', float('nan')):.2f} of {res.get('max_entropy_bits', 3):.0f} bits a layer); "
+             f"weights {sizes['colibri_weights_bytes'] / 2**20:.0f} MiB (Colibri) / {sizes['gguf_bytes'] / 2**20:.0f} MiB "
+             f"(GGUF); each engine alone in a memory cgroup of {a.limit_mib} MiB (page cache included), its file "
+             f"pages dropped before the run; 2 threads; one stream, {a.new} tokens x 2 prompts after a warm-up.", "",
+             "| engine | decode tok/s | ITL p50 / p99 ms | storage bytes / token | major faults / token | slot hit rate |",
+             "|---|---:|---|---:|---:|---:|"]
+    for r in res["runs"]:
+        if "error" in r:
+            lines.append(f"| {r['engine']} | failed: {r['error'][-200:]!r} | | | | |")
+            continue
+        ss = r.get("slot_stats") or {}
+        hr = f"{ss['hit_rate']:.3f} ({ss['slots']} slots)" if ss else "-"
+        lines.append(f"| {r['engine']} | {r['decode_tok_s']:.2f} | {r['itl_p50_ms']:.0f} / {r['itl_p99_ms']:.0f} | "
+                     f"{r['read_bytes_per_token'] / 2**20:.1f} MiB | {r['major_faults_per_token']:.0f} | {hr} |")
+    with open(os.path.join(a.out, "pressure.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
