@@ -158,9 +158,22 @@ def colibri_worker(a):
     print("RESULT " + json.dumps(out), flush=True)
 
 
-def run_colibri(cg, model, slots, policy, new, files):
-    drop_cache(files)
-    cmd = cg.wrap([sys.executable, os.path.abspath(__file__), "--worker", "--model", model, "--slots", slots,
+def warm_cache(paths):
+    for p in paths:
+        with open(p, "rb") as f:
+            while f.read(64 << 20):
+                pass
+
+
+def run_colibri(cg, model, slots, policy, new, files, resident=False):
+    """One worker process, inside the cgroup (cg None: without one); resident: the weights file read
+    into the page cache first (truly all resident), else its pages dropped first."""
+    if resident:
+        warm_cache(files)
+    else:
+        drop_cache(files)
+    wrap = cg.wrap if cg is not None else (lambda c: c)
+    cmd = wrap([sys.executable, os.path.abspath(__file__), "--worker", "--model", model, "--slots", slots,
                    "--policy", policy, "--new", str(new)])
     env = {**os.environ, "COLIBRI_NUM_THREADS": "2", "NUMBA_NUM_THREADS": "2"}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
@@ -220,6 +233,58 @@ def run_llama(cg, exe, gguf, new, files, s):
             proc.kill()
 
 
+def simulator_check(col, s, new, policy, slot_counts, files):
+    """The simulator against measured runs (issue 21): `colibri probe-device`'s measurements, a trace of
+    the benchmark's three prompts (routing does not depend on slots), and per slot count (and all
+    resident) the predicted ms per decoded token of the two timed prompts -- the weights read at the
+    probed rate, the step overhead, and the simulated misses of those steps at the probed storage
+    rate -- against a measured run without the cgroup (misses still read from storage: the pool
+    drops the pages it reads), and the simulated slot counters against the engine's."""
+    from colibri_edge import Engine
+    from colibri_edge.probe import probe
+    from colibri_edge.slots import SlotCache
+    import models
+    prompts = models.prompts(s, 32, 3)
+    with Engine.open(col, backend="cpu", max_seq_len=32 + new + 8, max_batch=1) as eng:
+        tr = eng.trace(prompts, max_new_tokens=new, ignore_eos=True)
+    blob = int(tr.meta["bytes_per_expert"])
+    prof = probe(os.path.dirname(col), blob=blob, weights_file=files[0])    # misses as the pool reads them
+    log(f"probe-device: {json.dumps(prof)}")
+    seqs = list(dict.fromkeys(tr.seq_ids.tolist()))
+    L = len(tr.layer_ids)
+    rows = []
+    for n in slot_counts:
+        cache = SlotCache(n, policy, blob) if n else None
+        timed_misses, timed_tokens = 0, 0
+        for _, idx in tr.steps():
+            decode = len(idx) == 1 and int(tr.seq_ids[idx[0]]) in seqs[1:]
+            before = cache.c.misses if cache else 0
+            for j in range(L):
+                if cache:
+                    cache.access_layer(int(tr.layer_ids[j]), np.unique(tr.expert_ids[idx, j].astype(np.int64)))
+            if decode and int(tr.positions[idx[0]]) >= 32:
+                timed_tokens += 1
+                timed_misses += (cache.c.misses if cache else 0) - before
+        read_ms = tr.meta["bytes_per_decoded_token"] / (prof["memory_bandwidth_gbs"] * 1e9) * 1e3
+        miss_ms = timed_misses * blob / max(timed_tokens, 1) / (prof["miss_bandwidth_gbs"] * 1e9) * 1e3
+        pred = read_ms + miss_ms + prof["layer_overhead_ms"] * s["num_hidden_layers"]
+        meas = run_colibri(None, col, str(n), policy, new, files, resident=not n)
+        if "error" in meas:
+            rows.append({"slots": n, "error": meas["error"]})
+            continue
+        got = 1e3 / meas["decode_tok_s"]
+        row = {"slots": n or "all resident", "predicted_ms": pred, "measured_ms": got,
+               "error_pct": 100 * (pred - got) / got, "read_ms": read_ms, "miss_ms": miss_ms}
+        if n:
+            ss = meas["slot_stats"]
+            row.update(sim_hits=cache.c.hits, sim_misses=cache.c.misses, engine_hits=ss["hits"],
+                       engine_misses=ss["misses"], sim_hit_rate=cache.c.as_dict()["hit_rate"],
+                       engine_hit_rate=ss["hit_rate"])
+        log(json.dumps(row))
+        rows.append(row)
+    return {"profile": prof, "policy": policy, "rows": rows}
+
+
 def entropy_bits(counts) -> float:
     c = np.asarray(counts, np.float64)
     out = []
@@ -238,6 +303,8 @@ def main(argv=None):
     ap.add_argument("--new", type=int, default=48)
     ap.add_argument("--limit-mib", type=int, default=600, help="the cgroup's memory limit")
     ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--sim-slots", default="0,8,16,32", help="the simulator check's slot counts (0: all resident), "
+                                                            "lru, without the cgroup; empty: skip it")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     a = ap.parse_args(argv)
     if a.worker:
@@ -268,6 +335,8 @@ def main(argv=None):
             res["runs"].append(r)
     finally:
         cg.close()
+    if a.sim_slots:
+        res["simulator"] = simulator_check(col, s, a.new, "lru", [int(x) for x in a.sim_slots.split(",")], [weights])
     counts = next((r["expert_counts"] for r in res["runs"] if "expert_counts" in r), None)
     if counts is not None:
         res["routing_entropy_bits"] = entropy_bits(counts)
@@ -291,6 +360,22 @@ def main(argv=None):
         hr = f"{ss['hit_rate']:.3f} ({ss['slots']} slots)" if ss else "-"
         lines.append(f"| {r['engine']} | {r['decode_tok_s']:.2f} | {r['itl_p50_ms']:.0f} / {r['itl_p99_ms']:.0f} | "
                      f"{r['read_bytes_per_token'] / 2**20:.1f} MiB | {r['major_faults_per_token']:.0f} | {hr} |")
+    if "simulator" in res:
+        p = res["simulator"]["profile"]
+        lines += ["", f"The simulator against measured runs (lru, without the cgroup, misses from storage): "
+                      f"`colibri probe-device` measured {p['memory_bandwidth_gbs']} GB/s (cpu GEMV), "
+                      f"{p['miss_bandwidth_gbs']} GB/s storage reads of one expert, {p['layer_overhead_ms']} ms "
+                      "overhead a layer.", "",
+                  "| slots | predicted ms/token | measured ms/token | error | simulated hits / misses | engine hits / misses |",
+                  "|---|---:|---:|---:|---|---|"]
+        for r in res["simulator"]["rows"]:
+            if "error" in r:
+                lines.append(f"| {r['slots']} | failed: {r['error'][-120:]!r} | | | | |")
+                continue
+            hm = (f"{r['sim_hits']} / {r['sim_misses']} | {r['engine_hits']} / {r['engine_misses']}"
+                  if "sim_hits" in r else "- | -")
+            lines.append(f"| {r['slots']} | {r['predicted_ms']:.1f} | {r['measured_ms']:.1f} | "
+                         f"{r['error_pct']:+.0f}% | {hm} |")
     with open(os.path.join(a.out, "pressure.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -9,8 +9,8 @@ What the simulator's estimate needs (simulate.estimate), measured the way the en
                         pages were dropped from the page cache first (posix_fadvise DONTNEED after
                         fsync): what a slot miss costs when its expert is not in memory
   page_cache_gbs        the same reads again, now from the page cache (a miss whose pages are cached)
-  step_overhead_ms      a decode step of the demo model less its weight reads at memory_bandwidth_gbs:
-                        the per-step cost that does not scale with the model (Python, launches)
+  layer_overhead_ms     a decode step of the demo model less its weight reads at memory_bandwidth_gbs, per
+                        layer: the cost that does not scale with a layer's size (Python, launches)
   memory_bytes          what this process may allocate (colibri_edge.memory.host_available)
 Nothing here is timed against a threshold; the numbers are what they are on this machine.
 """
@@ -58,16 +58,23 @@ def memory_bandwidth(mib: int) -> float:
         be.close()
 
 
-def storage_bandwidth(directory: str, file_mib: int, blob: int, reads: int = 64) -> tuple[float, float]:
+def storage_bandwidth(directory: str, file_mib: int, blob: int, reads: int = 64,
+                      existing: str | None = None) -> tuple[float, float]:
     """(cold, cached) GB/s of `reads` positioned reads of `blob` bytes at random blob-aligned offsets of
-    a `file_mib` MiB file in `directory`: first with its pages dropped from the page cache, then again."""
-    size = max(file_mib << 20, blob * 4)
-    fd, path = tempfile.mkstemp(prefix="colibri-probe-", dir=directory)
+    a `file_mib` MiB file in `directory` (or of the file `existing`, read only: a model's weights, as
+    the slot pool reads them): first with its pages dropped from the page cache, then again."""
+    if existing is not None:
+        fd, path = os.open(existing, os.O_RDONLY), None
+        size = os.path.getsize(existing)
+    else:
+        size = max(file_mib << 20, blob * 4)
+        fd, path = tempfile.mkstemp(prefix="colibri-probe-", dir=directory)
     try:
-        chunk = np.random.default_rng(1).integers(0, 256, size=1 << 20, dtype=np.uint8).tobytes()
-        for _ in range(-(-size // len(chunk))):
-            os.write(fd, chunk)
-        os.fsync(fd)
+        if path is not None:
+            chunk = np.random.default_rng(1).integers(0, 256, size=1 << 20, dtype=np.uint8).tobytes()
+            for _ in range(-(-size // len(chunk))):
+                os.write(fd, chunk)
+            os.fsync(fd)
         n = size // blob
         offsets = np.random.default_rng(2).choice(n, size=min(reads, n), replace=False) * blob
 
@@ -83,11 +90,13 @@ def storage_bandwidth(directory: str, file_mib: int, blob: int, reads: int = 64)
         return cold, cached
     finally:
         os.close(fd)
-        os.unlink(path)
+        if path is not None:
+            os.unlink(path)
 
 
-def step_overhead_ms(bandwidth_gbs: float) -> float:
-    """The demo model's decode step time less its weight reads at bandwidth_gbs (ms, median of 32)."""
+def layer_overhead_ms(bandwidth_gbs: float) -> float:
+    """The demo model's decode step time less its weight reads at bandwidth_gbs, per layer (ms, median
+    of 32 steps): the cost of a layer's kernel launches and Python that does not scale with its size."""
     from .demo import ensure_default_model
     from .engine import Engine, Stats
     from .planning import summary
@@ -97,10 +106,14 @@ def step_overhead_ms(bandwidth_gbs: float) -> float:
         eng.generate([4, 5, 6], max_new_tokens=33, ignore_eos=True)
         ms = eng.stats.step_ms()["p50"]
         read_ms = summary(eng.model, 1)["bytes_per_decoded_token"] / (bandwidth_gbs * 1e9) * 1e3
-    return max(ms - read_ms, 0.0)
+        layers = eng.config["num_hidden_layers"]
+    return max(ms - read_ms, 0.0) / layers
 
 
-def probe(directory: str | None = None, mem_mib: int = 512, file_mib: int = 256, blob: int = 6 << 20) -> dict:
+def probe(directory: str | None = None, mem_mib: int = 512, file_mib: int = 256, blob: int = 6 << 20,
+          weights_file: str | None = None) -> dict:
+    """The profile (module docstring). weights_file: measure storage on that file (read only) instead of
+    a file of our own in `directory`."""
     from .memory import host_available
     directory = directory or tempfile.gettempdir()
     if not os.path.isdir(directory):
@@ -110,14 +123,15 @@ def probe(directory: str | None = None, mem_mib: int = 512, file_mib: int = 256,
         if v < lo:
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{name}={v}: at least {lo}")
     bw = memory_bandwidth(mem_mib)
-    cold, cached = storage_bandwidth(directory, file_mib, blob)
+    cold, cached = storage_bandwidth(directory, file_mib, blob, existing=weights_file)
     avail, what = host_available()
     return {"name": f"this machine ({platform.machine()}, {os.cpu_count()} CPUs; {platform.node()})",
             "memory_bytes": int(avail), "memory_limit": what, "memory_bandwidth_gbs": round(bw, 2),
             "bandwidth_efficiency": 1.0, "unified_memory": True,
-            "miss_source": f"storage under {directory} (page cache dropped)", "miss_bandwidth_gbs": round(cold, 3),
+            "miss_source": f"{weights_file or 'storage under ' + directory} (page cache dropped)",
+            "miss_bandwidth_gbs": round(cold, 3),
             "page_cache_gbs": round(cached, 2), "blob_bytes": int(blob),
-            "step_overhead_ms": round(step_overhead_ms(bw), 3),
+            "layer_overhead_ms": round(layer_overhead_ms(bw), 4),
             "probed": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 

@@ -6,7 +6,7 @@ them; prefetch uses the trace's predicted_ids (layer L+1's router on layer L's h
 
 With a device profile it estimates the time per token and whether the model fits:
     ms/token = bytes read per token / (bandwidth x efficiency) + demand-miss bytes per token / miss bandwidth
-               + the per-step overhead (step_overhead_ms: a profile from `colibri probe-device` has it)
+               + layer_overhead_ms x layers (a profile from `colibri probe-device` has it)
 """
 from __future__ import annotations
 
@@ -86,7 +86,8 @@ def estimate(result: dict, tr: Trace, prof: dict, context: int) -> dict:
     miss_s = result["misses"] * m["bytes_per_expert"] / tokens / (prof["miss_bandwidth_gbs"] * 1e9)
     need = m["non_expert_bytes"] + result["slots"] * m["bytes_per_expert"] + context * m["kv_bytes_per_token"] \
         + m.get("scratch_bytes", 0)
-    step_s = float(prof.get("step_overhead_ms", 0.0)) / 1e3       # measured by probe-device; 0 when absent
+    # per-layer overhead, measured by probe-device (0 when the profile has none) x the model's layers
+    step_s = float(prof.get("layer_overhead_ms", 0.0)) * int(m.get("num_hidden_layers", 0)) / 1e3
     return {"device": prof.get("name", "custom"), "est_ms_per_token": 1e3 * (read_s + miss_s + step_s),
             "est_read_ms": 1e3 * read_s, "est_miss_ms": 1e3 * miss_s, "memory_needed_bytes": int(need),
             "device_memory_bytes": int(prof["memory_bytes"]), "fits": bool(need <= prof["memory_bytes"]),

@@ -260,7 +260,7 @@ def test_auto_slots_fill_the_free_memory(monkeypatch):
 
 def test_probe_device_then_simulate_this(model_cache, tmp_path):
     """`colibri probe-device` measures this machine (the cpu GEMV's read rate, storage reads of blob size
-    with the page cache dropped and again cached, the demo model's per-step overhead) into a profile
+    with the page cache dropped and again cached, the demo model's overhead a layer) into a profile
     that `simulate --device this` uses: its estimate is the profile's formula on the trace's numbers."""
     _, col = convert_case(model_cache, "olmoe")
     env = dict(os.environ, COLIBRI_CACHE=str(tmp_path / "cache"))
@@ -277,7 +277,7 @@ def test_probe_device_then_simulate_this(model_cache, tmp_path):
     prof = json.load(open(tmp_path / "cache" / "device-this.json"))
     for f in ("memory_bandwidth_gbs", "miss_bandwidth_gbs", "page_cache_gbs", "memory_bytes"):
         assert prof[f] > 0, (f, prof)
-    assert prof["step_overhead_ms"] >= 0 and prof["blob_bytes"] == 1 << 20
+    assert prof["layer_overhead_ms"] >= 0 and prof["blob_bytes"] == 1 << 20
     assert not [p for p in os.listdir(tmp_path) if p.startswith("colibri-probe-")]     # its file is gone
     r = run("simulate", "--trace", str(tmp_path / "t.npz"), "--slots", "4", "--policy", "lru", "--json",
             "--device", "this")
@@ -285,5 +285,5 @@ def test_probe_device_then_simulate_this(model_cache, tmp_path):
     res, m = json.loads(r.stdout), Trace.load(str(tmp_path / "t.npz")).meta
     want = 1e3 * (m["bytes_per_decoded_token"] / (prof["memory_bandwidth_gbs"] * 1e9) +
                   res["misses"] * m["bytes_per_expert"] / res["tokens"] / (prof["miss_bandwidth_gbs"] * 1e9)) + \
-        prof["step_overhead_ms"]
+        prof["layer_overhead_ms"] * m["num_hidden_layers"]
     assert res["device"] == prof["name"] and np.isclose(res["est_ms_per_token"], want, rtol=1e-6)
