@@ -173,6 +173,18 @@ def _cmd_simulate(a):
     tr = Trace.load(a.trace)
     prof = load_profile(a.device) if a.device else None
     policies = a.policy.split(",")
+    if a.target_ms is not None:
+        from .simulate import recommend
+        if prof is None:
+            raise ColibriError(-1, "--target-ms needs --device (a profile to estimate with)")
+        from .planning import human
+        for pol in policies:
+            r = recommend(tr, prof, pol, a.target_ms, a.context)
+            verdict = "meets" if r["met"] else "cannot meet"
+            print(f"{pol}: {r['slots']} slots {verdict} {a.target_ms} ms/token on {prof.get('name')}: estimated "
+                  f"{r['est_ms_per_token']:.2f} ms/token, hit rate {r['hit_rate']:.3f}, memory "
+                  f"{human(r['memory_needed_bytes'])} of {human(r['device_memory_bytes'])} (context {a.context})")
+        return 0
     slot_list = sweep_points(tr) if a.sweep else [a.slots]
     if not a.sweep and a.slots is None:
         raise ColibriError(-1, "give --slots N (or --sweep)")
@@ -372,6 +384,8 @@ def build_parser():
     sm.add_argument("--sweep", action="store_true", help="hit rate over slot counts")
     sm.add_argument("--plot", default=None, help="write the sweep as a PNG")
     sm.add_argument("--json", action="store_true")
+    sm.add_argument("--target-ms", type=float, default=None,
+                    help="recommend the fewest slots whose estimated ms/token on --device is at most this")
     sm.set_defaults(fn=_cmd_simulate)
     st = sub.add_parser("stats", help="routing statistics of a trace")
     st.add_argument("trace")

@@ -94,6 +94,35 @@ def estimate(result: dict, tr: Trace, prof: dict, context: int) -> dict:
             "context": context}
 
 
+def recommend(tr: Trace, prof: dict, policy: str, target_ms: float, context: int) -> dict:
+    """The smallest slot count whose estimated ms per token on `prof` is <= target_ms and whose memory
+    fits the device: the sweep's points, then bisection between the last point over the target and
+    the first under it (the estimate falls as slots grow, up to replay noise, which the bisection
+    accepts). -> {"slots", "est_ms_per_token", "memory_needed_bytes", "fits", "met"}; met False: no
+    count meets the target within the device's memory (the fastest one that fits is returned)."""
+    def at(n):
+        r = replay(tr, n, policy)
+        r.update(estimate(r, tr, prof, context))
+        return r
+    pts = [at(n) for n in sweep_points(tr)]
+    fits = [r for r in pts if r["fits"]]
+    if not fits:
+        return {**pts[0], "met": False}
+    ok = [r for r in fits if r["est_ms_per_token"] <= target_ms]
+    if not ok:
+        return {**min(fits, key=lambda r: r["est_ms_per_token"]), "met": False}
+    hi = ok[0]
+    below = [r for r in pts if r["slots"] < hi["slots"]]
+    lo = below[-1]["slots"] if below else hi["slots"]
+    while hi["slots"] - lo > 1:                      # est(lo) > target (or lo is the first point), est(hi) <= target
+        mid = at((lo + hi["slots"]) // 2)
+        if mid["fits"] and mid["est_ms_per_token"] <= target_ms:
+            hi = mid
+        else:
+            lo = mid["slots"]
+    return {**hi, "met": True}
+
+
 def sweep_points(tr: Trace):
     total = len(tr.layer_ids) * int(tr.meta["experts_per_layer"])
     k = int(tr.meta["top_k"])

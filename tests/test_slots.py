@@ -287,3 +287,26 @@ def test_probe_device_then_simulate_this(model_cache, tmp_path):
                   res["misses"] * m["bytes_per_expert"] / res["tokens"] / (prof["miss_bandwidth_gbs"] * 1e9)) + \
         prof["layer_overhead_ms"] * m["num_hidden_layers"]
     assert res["device"] == prof["name"] and np.isclose(res["est_ms_per_token"], want, rtol=1e-6)
+
+
+def test_simulate_recommends_the_fewest_slots_for_a_target(tmp_path):
+    """simulate --target-ms: the fewest slots whose estimate on the device is within the target (one
+    fewer is over it), fitting its memory; an unreachable target says so."""
+    from colibri_edge.simulate import estimate, recommend
+    tr = _random_trace(3, skew=1.0)
+    tr.meta.update(bytes_per_expert=8 << 20, bytes_per_decoded_token=100 << 20, non_expert_bytes=50 << 20,
+                   kv_bytes_per_token=1 << 10, num_hidden_layers=3)
+    prof = {"name": "t", "memory_bytes": 4 << 30, "memory_bandwidth_gbs": 20.0, "miss_bandwidth_gbs": 1.0}
+    est = lambda n: estimate(replay(tr, n, "lru"), tr, prof, 1024)["est_ms_per_token"]     # noqa: E731
+    target = (est(12) + est(13)) / 2                                 # the estimate falls from 7 slots on
+    r = recommend(tr, prof, "lru", target, 1024)
+    assert r["met"] and r["est_ms_per_token"] <= target and r["fits"]
+    assert est(r["slots"] - 1) > target
+    miss = recommend(tr, prof, "lru", est(24) / 2, 1024)              # below even all resident
+    assert not miss["met"] and miss["slots"] == 24
+    small = dict(prof, memory_bytes=60 << 20)                         # nothing but the weights fits
+    assert not recommend(tr, small, "lru", 1e9, 1024)["met"]
+    tr.save(str(tmp_path / "t.npz"))
+    r2 = subprocess.run([sys.executable, "-m", "colibri_edge", "simulate", "--trace", str(tmp_path / "t.npz"),
+                         "--device", "rk3588", "--target-ms", "1000"], capture_output=True, text=True, cwd=ROOT)
+    assert r2.returncode == 0 and "slots meets 1000.0 ms/token" in r2.stdout, r2.stderr
