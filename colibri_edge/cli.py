@@ -61,6 +61,21 @@ def _cmd_inspect(a):
     print(f"  allocated at open: arena {s['scratch_bytes']} bytes, KV cache {s['kv_cache_bytes']} bytes "
           f"(Engine.open(max_seq_len={a.context}, max_batch={a.max_batch}, prefill_chunk={a.prefill_chunk}, "
           f"kv_cache_tokens={a.context * a.max_batch}, kv_block_size={a.block_size}))")
+    if a.device:
+        from .simulate import load_profile
+        prof = load_profile(a.device)
+        dev = int(prof["memory_bytes"])
+        rest = s["non_expert_bytes"] + s["kv_cache_bytes"] + s["scratch_bytes"]
+        n = max(dev - rest, 0) // max(s["bytes_per_expert"], 1)
+        if n >= s["num_experts"]:
+            verdict = f"every expert resident fits ({human(s['total_bytes'])} of {human(dev)})"
+        elif n >= cfg["top_k"]:
+            verdict = (f"at most {n} of {s['num_experts']} experts resident: expert_slots={n} (or auto); "
+                       f"`colibri simulate --device {a.device} --target-ms X` on a trace picks the fewest for a speed")
+        else:
+            verdict = (f"does not fit: {human(rest)} before any expert, {human(dev)} on the device; lower the "
+                       "context / batch or pick a smaller weight type")
+        print(f"  on {prof.get('name', a.device)}: {verdict}")
     return 0
 
 
@@ -314,6 +329,7 @@ def build_parser():
     i.add_argument("--max-batch", type=int, default=1)
     i.add_argument("--prefill-chunk", type=int, default=256, help="tokens per prefill step (the arena's rows)")
     i.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    i.add_argument("--device", default=None, help="a device profile (rk3588, ..., this): how many experts fit")
     i.set_defaults(fn=_cmd_inspect)
     b = sub.add_parser("backends", help="which backends are present, with devices, and why others are missing")
     b.set_defaults(fn=_cmd_backends)

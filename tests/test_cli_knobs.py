@@ -1,4 +1,5 @@
 """The CLI (`colibri` == `python -m colibri_edge`) and the runtime knobs."""
+import json
 import os
 import subprocess
 import sys
@@ -31,6 +32,16 @@ def test_convert_and_inspect(model_cache, tmp_path):
         assert words in r.stdout, (words, r.stdout)
     # the figures come from the files: 6 experts of gate+up+down [32,64] float16
     assert "6 x 12.0 KiB" in r.stdout
+    # --device: how many experts fit beside the rest (a profile of 4 experts' room after the rest)
+    from colibri_edge.modeldir import ModelDir
+    from colibri_edge.planning import summary
+    s = summary(ModelDir(str(tmp_path / "m")), 128)
+    rest = s["non_expert_bytes"] + s["kv_cache_bytes"] + s["scratch_bytes"]
+    prof = {"name": "tiny board", "memory_bytes": rest + int(4.5 * s["bytes_per_expert"]),
+            "memory_bandwidth_gbs": 1, "miss_bandwidth_gbs": 0.1}
+    (tmp_path / "dev.json").write_text(json.dumps(prof))
+    r = cli("inspect", str(tmp_path / "m"), "--context", "128", "--device", str(tmp_path / "dev.json"))
+    assert r.returncode == 0 and "on tiny board: at most 4 of 6 experts resident" in r.stdout, r.stdout + r.stderr
 
 
 def test_inspect_bad_model_exit_code(tmp_path):
