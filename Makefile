@@ -5,13 +5,15 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 export PIP_DISABLE_PIP_VERSION_CHECK = 1
 
-.PHONY: demo test test-fast bench fuzz toolchains gpu-check capi clean help
+.PHONY: demo test test-fast bench fuzz toolchains gpu-check capi bundle-aarch64 clean help
 
 help:
 	@echo "make demo   - create .venv, install, run the embedded default model"
 	@echo "make test   - install test dependencies, run toolchain checks and the test suite"
 	@echo "make bench  - benchmarks against llama.cpp and transformers (installs llama-cpp-python)"
 	@echo "make capi   - build/capi/libcolibri.so and colibri.h, the C interface (toolchains/capi/example.c)"
+	@echo "make bundle-aarch64 [CPU=cortex-a76] [MODEL=DIR] - build/bundle-aarch64(.tar.gz): an offline install"
+	@echo "              for an aarch64 board, kernels precompiled under emulation (toolchains/aarch64; root)"
 	@echo "make fuzz   - the whole fuzz campaign: 10,000 model-directory mutations on reference, 1,000 on cpu and opencl;"
 	@echo "              5,000 GGUF-file mutations through colibri convert on reference, 1,000 on cpu"
 
@@ -46,6 +48,11 @@ toolchains: $(VENV)/.test
 # library starts an interpreter and imports this venv's colibri_edge). Example: toolchains/capi/example.c
 capi: $(VENV)/.test
 	$(PY) toolchains/capi/build_capi.py --out build/capi
+
+# an aarch64 board's deployment bundle (toolchains/aarch64/bundle.py: wheels, launcher, kernel cache for
+# CPU and generic, libcolibri.so, optionally MODEL); needs root for the emulated build root
+bundle-aarch64: $(VENV)/.test
+	$(MAKE) -C toolchains/aarch64 bundle PY=$(abspath $(PY)) CPU=$(or $(CPU),cortex-a76) MODEL=$(MODEL)
 
 .PHONY: demo-model
 demo-model: $(VENV)/.test

@@ -17,7 +17,10 @@ RANDOM_VERSION = 1
 
 
 def ensure_default_model():
-    """-> (path, note for the user)."""
+    """-> (path, note for the user). COLIBRI_DEFAULT_MODEL (an ARM64 bundle's model) comes first."""
+    chosen = os.environ.get("COLIBRI_DEFAULT_MODEL")
+    if chosen and os.path.exists(os.path.join(chosen, "config.json")):
+        return chosen, f"COLIBRI_DEFAULT_MODEL={chosen}"
     if os.path.exists(os.path.join(SHIPPED, "config.json")):
         return SHIPPED, "the trained demo model shipped with Colibri"
     cache = os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from colibri_edge import Engine
-from colibri_edge.errors import COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_MODEL
+from colibri_edge.errors import COLIBRI_ERR_INVALID_ARGUMENT
+
+from capi_expect import capi_ids, check_c_output, write_input
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "colibri_edge", "default_model")
@@ -36,58 +38,22 @@ def _gcc(lib, src, exe):
     return exe
 
 
-def _ids(V, batch=2, seq=5):
-    return np.array([[(7 * (b * seq + i) + 3) % V for i in range(seq)] for b in range(batch)], np.int32)
-
-
 def test_c_program_matches_the_engine(lib, tmp_path):
     exe = _gcc(lib, os.path.join(ROOT, "tests", "capi_check.c"), str(tmp_path / "capi_check"))
     with Engine.open(DEMO, backend="cpu") as eng:
         V = eng.config["vocab_size"]
-        ids = _ids(V)
+        ids = capi_ids(V)
         want = eng.infer(ids)
         greedy = eng.generate(ids[0].tolist(), max_new_tokens=12)
         sampled = eng.generate(ids[0].tolist(), max_new_tokens=12, temperature=0.9, top_p=0.95, top_k=40, seed=7,
                                ignore_eos=True)
-    np.concatenate([[2, 5], ids.ravel()]).astype(np.int32).tofile(tmp_path / "in.bin")
+    write_input(ids, tmp_path / "in.bin")
     run = subprocess.run([exe, DEMO, "cpu", str(tmp_path / "in.bin"), str(tmp_path)], capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stderr
-    lines = {ln.split(" ", 1)[0]: ln.split(" ", 1)[1] for ln in run.stdout.splitlines()}
-
-    def check(name, rc, code, *words):
-        r, c, msg = (lines[name].split(" ", 2) + [""])[:3]
-        assert (int(r), int(c)) == (rc, code), lines[name]
-        assert all(w in msg for w in words), lines[name]
-
-    assert int(lines["vocab"]) == V
-    got = np.fromfile(tmp_path / "logits.bin", np.float32).reshape(want.shape)
-    np.testing.assert_array_equal(got, want)                   # bit for bit: the same cpu kernels
-    for t in ("thread0.bin", "thread1.bin"):                   # two engines on two threads
-        np.testing.assert_array_equal(np.fromfile(tmp_path / t, np.float32).reshape(want.shape), want)
-    assert lines["threads"] == "0 0"
-    assert [int(x) for x in lines["generated"].split()] == [len(greedy)] + greedy
-    assert [int(x) for x in lines["sampled_ids"].split()] == [len(sampled)] + sampled
-    assert lines["infer"].startswith("0 ") and lines["generate"].startswith("0 ")
-    check("bad_path", 0, COLIBRI_ERR_INVALID_MODEL, "/nonexistent/model", "colibri convert")
-    check("null_config", 0, COLIBRI_ERR_INVALID_ARGUMENT, "config is NULL")
-    check("wrong_top_k", 0, COLIBRI_ERR_INVALID_ARGUMENT, "top_k=99", "1..8")
-    check("wrong_num_experts", 0, COLIBRI_ERR_INVALID_ARGUMENT, "num_experts=7", "num_experts=8")
     with Engine.open(DEMO, backend="cpu", top_k=1) as one:                # top_k: an override
-        np.testing.assert_array_equal(np.fromfile(tmp_path / "top1.bin", np.float32).reshape(want.shape),
-                                      one.infer(ids))
-    assert lines["infer_top1"].startswith("0 ")
-    check("bad_token", COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_ARGUMENT, f"{V}", "out of range")
-    check("zero_batch", COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_ARGUMENT, "batch=0")
-    check("zero_seq", COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_ARGUMENT, "seq=0")
-    check("null_logits", COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_ARGUMENT, "logits is NULL")
-    check("small_capacity", COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_ARGUMENT, "out_capacity=4")
-    check("null_handle", COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_ARGUMENT, "0x0 is not open")
-    check("forged_handle", COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_ARGUMENT, "0x7 is not open")
-    assert lines["ok_after_errors"].startswith("0 ")           # the engine serves on after each mistake
-    assert lines["destroy"].startswith("0 ")
-    check("after_destroy", COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_ARGUMENT, "is not open")
-    check("destroy_twice", COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_ARGUMENT, "is not open")
+        top1 = one.infer(ids)
+    lines = check_c_output(run.stdout, str(tmp_path), want, top1, greedy, sampled, V)
     print(f"colibri_infer, 1 token, from C: {float(lines['infer_us']):.0f} us a call")
 
 

@@ -218,7 +218,17 @@ class Backend(BackendBase):
         return (f"cpu: {probe()[1]}, {self.threads} threads ({how}; steps run: {steps or 'none'}; "
                 f"{self.numba.threading_layer()} threading layer, "
                 f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', 'unset')}, "
-                f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')})")
+                f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}); " + self.kernel_summary())
+
+    @staticmethod
+    def kernel_summary() -> str:
+        """'kernels: N compiled, M loaded from the cache (target CPU, cache folder)' in this process."""
+        from numba.core import config
+        from . import jitcache
+        c = jitcache.counts()
+        where = os.environ.get(jitcache.CACHE_ENV) or "Numba's default cache"
+        return (f"kernels: {c['compiled']} compiled, {c['cached']} loaded from the cache (target CPU "
+                f"{config.CPU_NAME or 'host'}, {where})")
 
     # -- memory ------------------------------------------------------------------------------
     def alloc(self, shape, dtype=np.float32):

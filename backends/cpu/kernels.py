@@ -26,6 +26,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from . import jitcache  # noqa: F401  -- before the first cache=True kernel: COLIBRI_KERNEL_CACHE's locator
+
 REDUCE = {"reassoc", "contract"}
 F0 = np.float32(0.0)
 F1 = np.float32(1.0)
