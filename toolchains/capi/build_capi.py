@@ -1,6 +1,6 @@
 """Build libcolibri.so, the C interface (colibri.h), with cffi's embedding mode.
 
-    python toolchains/capi/build_capi.py [--out build/capi] [--cc aarch64-linux-gnu-gcc ...]
+    python toolchains/capi/build_capi.py [--out build/capi] [--cc CC] [--sysroot ARM64_ROOT]
 
 The library exports colibri.h's functions. Its first call starts an interpreter (the libpython this
 Python links, Py_ENABLE_SHARED), adds the site directories this build ran with (its venv's
@@ -256,9 +256,12 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(HERE)), "build", "capi"))
     ap.add_argument("--cc", help="the C compiler (default: the one this Python was built with)")
+    ap.add_argument("--sysroot", help="cross-compile against this root's Python (e.g. an arm64 Debian root with "
+                                      "libpython3.11-dev; --cc aarch64-linux-gnu-gcc): what the ARM64 bundle does")
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
-    path = build(a.out, a.cc, a.verbose)
+    path = (build_cross(a.out, a.sysroot, cc=a.cc or "aarch64-linux-gnu-gcc") if a.sysroot
+            else build(a.out, a.cc, a.verbose))
     print(f"{path} ({os.path.getsize(path) / 1024:.0f} KiB), {os.path.join(a.out, 'colibri.h')}")
 
 
