@@ -31,12 +31,16 @@ class Backend(OpenCLRuntime):
     def _data(t):
         return t.data if isinstance(t, Weight) else t
 
+    def _scales(self, t):
+        """An int8 matrix's row scales; the dummy buffer (unread by the kernels) for every other type."""
+        return t.scales if isinstance(t, Weight) and t.scales is not None else self._dummy
+
     # -- dense -------------------------------------------------------------------------------------
     def embed(self, out, table, ids):
         T, H = out.shape
         k = self._kernel("dense.cl", "embed", self._wdtype(table))
         g, l = self._2d(k, H, T)
-        self._launch(k, g, l, out, self._data(table), ids, T, H)
+        self._launch(k, g, l, out, self._data(table), self._scales(table), ids, T, H)
 
     def _matmul(self, out, ldo, x, ldx, w, bias, T, K, N, queue=None):
         wd = self._wdtype(w)
@@ -46,7 +50,7 @@ class Backend(OpenCLRuntime):
         else:
             k = self._kernel("dense.cl", "matmul1", wd)
             g, l = self._2d(k, N, T)
-        self._launch(k, g, l, out, ldo, x, ldx, self._data(w), self._dummy if bias is None else bias.data,
+        self._launch(k, g, l, out, ldo, x, ldx, self._data(w), self._scales(w), self._dummy if bias is None else bias.data,
                      bias is not None, T, K, N, queue=queue)
 
     def matmul(self, out, x, w, bias=None):
@@ -145,8 +149,8 @@ class Backend(OpenCLRuntime):
                     raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"scratch has {lda} columns, expert needs {I}")
                 k = self._kernel("moe.cl", "ffn_gate_up", ffn.gate.dtype)
                 g, l = self._2d(k, I, -(-n // ROWS_PER_ITEM))
-                self._launch(k, g, l, scratch, lda, x, plan.order, row0, n, topk, ffn.gate.data, ffn.up.data, H, I,
-                             queue=queue)
+                self._launch(k, g, l, scratch, lda, x, plan.order, row0, n, topk, ffn.gate.data,
+                             self._scales(ffn.gate), ffn.up.data, self._scales(ffn.up), H, I, queue=queue)
                 # down: out[row0 + r] = down @ act[row0 + r]   (a matmul over the expert's rows)
                 self._matmul(out[row0:row0 + n], H, scratch[row0:row0 + n], lda, ffn.down, None, n, I, H,
                              queue=queue)

@@ -12,6 +12,9 @@
  *                        arithmetic: a `half*` pointer is legal in OpenCL C 1.2 without cl_khr_fp16)
  *   WBF16=1              matrices are stored as bfloat16 (ushort, the top half of a float32):
  *                        widened in-register, as_float(bits << 16)
+ *   WI8=1                matrices are stored as int8 with a float32 scale per row, w[n, k] = q[n, k] * s[n]:
+ *                        the dot product runs on q widened to float, the row's scale multiplies the
+ *                        sum once (WSCALE); the scale vector is a kernel argument of every matrix
  *   COLIBRI_HALF_MATH=1  only when the device reports cl_khr_fp16 and COLIBRI_DISABLE_FP16 is unset:
  *                        weight x activation products in half, accumulation in float
  * Shared with the host, defined once there (runtime.py DEFINES) and passed to every build:
@@ -27,8 +30,11 @@
 #ifndef WBF16
 #define WBF16 0
 #endif
-#if WF16 && WBF16
-#error "WF16 and WBF16 are exclusive"
+#ifndef WI8
+#define WI8 0
+#endif
+#if WF16 + WBF16 + WI8 > 1
+#error "WF16, WBF16 and WI8 are exclusive"
 #endif
 #ifndef COLIBRI_HALF_MATH
 #define COLIBRI_HALF_MATH 0
@@ -51,6 +57,9 @@
 #elif WBF16
 #define WTYPE ushort
 #define LDW(p, i) as_float((uint)(p)[i] << 16)
+#elif WI8
+#define WTYPE char
+#define LDW(p, i) ((float)(p)[i])
 #else
 #define WTYPE float
 #define LDW(p, i) ((p)[i])
@@ -60,8 +69,17 @@
 #define LDW4(p, i) vload_half4(0, (p) + (i))
 #elif WBF16
 #define LDW4(p, i) as_float4(convert_uint4(vload4(0, (p) + (i))) << 16)
+#elif WI8
+#define LDW4(p, i) convert_float4(vload4(0, (p) + (i)))
 #else
 #define LDW4(p, i) vload4(0, (p) + (i))
+#endif
+
+/* the row scale of an int8 matrix (s: its float32 scales [N]); 1 for the float types, s unread */
+#if WI8
+#define WSCALE(s, n) ((s)[n])
+#else
+#define WSCALE(s, n) 1.0f
 #endif
 
 #if COLIBRI_HALF_MATH

@@ -1,29 +1,32 @@
 /* Dense kernels: embed (row gather), matmul / GEMV, rmsnorm, rope, add.
- * Built per matrix type: float32, half (WF16=1) and bfloat16 (WBF16=1); see common.cl. */
+ * Built per matrix type: float32, half (WF16=1), bfloat16 (WBF16=1) and int8 (WI8=1); see common.cl.
+ * Every matrix argument w comes with wscale, its int8 row scales [N] (any buffer, unread, otherwise). */
 
-/* out[t, h] = table[ids[t], h]          out [T,H], table [V,H] (storage type), ids [T]
+/* out[t, h] = table[ids[t], h] (* tscale[ids[t]])      out [T,H], table [V,H] (storage type), ids [T]
  * global (H, T) */
-__kernel void embed(ARG(float, out), CARG(WTYPE, table), CARG(int, ids), const int T, const int H)
+__kernel void embed(ARG(float, out), CARG(WTYPE, table), CARG(float, tscale), CARG(int, ids), const int T,
+                    const int H)
 {
     const int h = get_global_id(0), t = get_global_id(1);
     if (h >= H || t >= T)
         return;
-    BIND(float, out); CBIND(WTYPE, table); CBIND(int, ids);
-    out[(size_t)t * H + h] = LDW(table, (size_t)ids[t] * H + h);
+    BIND(float, out); CBIND(WTYPE, table); CBIND(float, tscale); CBIND(int, ids);
+    out[(size_t)t * H + h] = LDW(table, (size_t)ids[t] * H + h) * WSCALE(tscale, ids[t]);
 }
 
-/* out[t, n] = sum_k x[t, k] * w[n, k]  (+ bias[n])
+/* out[t, n] = sum_k x[t, k] * w[n, k]  (* wscale[n], int8)  (+ bias[n])
  *     out [T,N] (row stride ldo), x [T,K] (row stride ldx), w [N,K] (storage type), bias [N] fp32
  * One work-item per output (GEMV: one weight row each, read along K with 4-wide vector loads,
  * the pattern Mali's load/store unit prefers; no local memory, no barriers). global (N, T) */
 __kernel void matmul1(ARG(float, out), const int ldo, CARG(float, x), const int ldx, CARG(WTYPE, w),
-                      CARG(float, bias), const int has_bias, const int T, const int K, const int N)
+                      CARG(float, wscale), CARG(float, bias), const int has_bias, const int T, const int K,
+                      const int N)
 {
     const int n = get_global_id(0), t = get_global_id(1);
     if (n >= N || t >= T)
         return;
-    BIND(float, out); CBIND(float, x); CBIND(WTYPE, w); CBIND(float, bias);
-    float acc = dotw(w + (size_t)n * K, x + (size_t)t * ldx, K);
+    BIND(float, out); CBIND(float, x); CBIND(WTYPE, w); CBIND(float, wscale); CBIND(float, bias);
+    float acc = dotw(w + (size_t)n * K, x + (size_t)t * ldx, K) * WSCALE(wscale, n);
     if (has_bias)
         acc += bias[n];
     out[(size_t)t * ldo + n] = acc;
@@ -33,15 +36,16 @@ __kernel void matmul1(ARG(float, out), const int ldo, CARG(float, x), const int 
  * read once per four tokens. Rows past T are clamped to T-1 (valid memory, result discarded).
  * global (N, ceil(T / ROWS_PER_ITEM)) */
 __kernel void matmul4(ARG(float, out), const int ldo, CARG(float, x), const int ldx, CARG(WTYPE, w),
-                      CARG(float, bias), const int has_bias, const int T, const int K, const int N)
+                      CARG(float, wscale), CARG(float, bias), const int has_bias, const int T, const int K,
+                      const int N)
 {
     const int n = get_global_id(0), t0 = ROWS_PER_ITEM * get_global_id(1);
     if (n >= N || t0 >= T)
         return;
-    BIND(float, out); CBIND(float, x); CBIND(WTYPE, w); CBIND(float, bias);
+    BIND(float, out); CBIND(float, x); CBIND(WTYPE, w); CBIND(float, wscale); CBIND(float, bias);
     const int t1 = min(t0 + 1, T - 1), t2 = min(t0 + 2, T - 1), t3 = min(t0 + 3, T - 1);
     float4 acc = dotw4(w + (size_t)n * K, x + (size_t)t0 * ldx, x + (size_t)t1 * ldx,
-                       x + (size_t)t2 * ldx, x + (size_t)t3 * ldx, K);
+                       x + (size_t)t2 * ldx, x + (size_t)t3 * ldx, K) * WSCALE(wscale, n);
     if (has_bias)
         acc += (float4)(bias[n]);
     out[(size_t)t0 * ldo + n] = acc.x;

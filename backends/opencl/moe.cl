@@ -103,27 +103,29 @@ __kernel void align(ARG(int, offsets), ARG(int, order), ARG(int, inverse), ARG(i
 
 /* One expert's SwiGLU first half over its rows r < n of the plan (sorted rows row0 + r):
  *   tok(r) = order[row0 + r] / topk
- *   act[row0 + r, i] = silu(g) * u,  g = gate[i] . x[tok(r)],  u = up[i] . x[tok(r)],
+ *   act[row0 + r, i] = silu(g) * u,  g = gate[i] . x[tok(r)],  u = up[i] . x[tok(r)]  (int8: times the
+ *                      rows' scales gscale[i], uscale[i]),
  *   silu(g) = g / (1 + exp(-g))
  * act: the scratch [T*k, lda] (first I columns used); x [T,H]; gate, up [I,H] (storage type).
  * ROWS_PER_ITEM (4: the float4 lanes of dotw4) rows per work-item, clamped; each gate/up row is
  * read once per four tokens. global (I, ceil(n / ROWS_PER_ITEM)) */
 __kernel void ffn_gate_up(ARG(float, act), const int lda, CARG(float, x), CARG(int, order), const int row0,
-                          const int n, const int topk, CARG(WTYPE, gate), CARG(WTYPE, up), const int H,
-                          const int I)
+                          const int n, const int topk, CARG(WTYPE, gate), CARG(float, gscale), CARG(WTYPE, up),
+                          CARG(float, uscale), const int H, const int I)
 {
     const int i = get_global_id(0), r0 = ROWS_PER_ITEM * get_global_id(1);
     if (i >= I || r0 >= n)
         return;
-    BIND(float, act); CBIND(float, x); CBIND(int, order); CBIND(WTYPE, gate); CBIND(WTYPE, up);
+    BIND(float, act); CBIND(float, x); CBIND(int, order); CBIND(WTYPE, gate); CBIND(float, gscale);
+    CBIND(WTYPE, up); CBIND(float, uscale);
     __global const int* ord = order + row0;
     const int r1 = min(r0 + 1, n - 1), r2 = min(r0 + 2, n - 1), r3 = min(r0 + 3, n - 1);
     __global const float* x0 = x + (size_t)(ord[r0] / topk) * H;
     __global const float* x1 = x + (size_t)(ord[r1] / topk) * H;
     __global const float* x2 = x + (size_t)(ord[r2] / topk) * H;
     __global const float* x3 = x + (size_t)(ord[r3] / topk) * H;
-    const float4 g = dotw4(gate + (size_t)i * H, x0, x1, x2, x3, H);
-    const float4 u = dotw4(up + (size_t)i * H, x0, x1, x2, x3, H);
+    const float4 g = dotw4(gate + (size_t)i * H, x0, x1, x2, x3, H) * WSCALE(gscale, i);
+    const float4 u = dotw4(up + (size_t)i * H, x0, x1, x2, x3, H) * WSCALE(uscale, i);
     const float4 a = g / (1.0f + exp(-g)) * u;
     __global float* out = act + (size_t)(row0 + r0) * lda + i;
     out[0] = a.x;

@@ -86,6 +86,7 @@ def offline_builds(clang):
         if name in ocl.WEIGHT_PROGRAMS:
             jobs += [(name, ["-DWF16=0"], no_ext, "no fp16/fp64 device"),
                      (name, ["-DWBF16=1"], no_ext, "no fp16/fp64 device"),
+                     (name, ["-DWI8=1"], no_ext, "no fp16/fp64 device"),
                      (name, ["-DWF16=1", "-DCOLIBRI_HALF_MATH=0"], no_fp64, "no fp64 device"),
                      (name, ["-DWF16=1", "-DCOLIBRI_HALF_MATH=1"], fp16, "cl_khr_fp16 device")]
         else:
