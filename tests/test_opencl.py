@@ -119,9 +119,9 @@ def test_options(ocl):
     assert _be().half_math == be.fp16_device     # half arithmetic only where the device has it
     with pytest.raises(ColibriError):
         _be(num_streams=0)
-    with pytest.raises(ColibriError) as e:           # block formats: not on OpenCL yet (the cpu backend runs them)
-        _be().upload(np.zeros((2, 18), np.uint8), "q4_0", shape=(2, 32))
-    assert e.value.code == COLIBRI_ERR_UNAVAILABLE and "q4_0" in e.value.message
+    with pytest.raises(ColibriError) as e:           # K-quants: not on OpenCL yet (the cpu backend runs them)
+        _be().upload(np.zeros((2, 144), np.uint8), "q4_k", shape=(2, 256))
+    assert e.value.code == COLIBRI_ERR_UNAVAILABLE and "q4_k" in e.value.message
 
 
 # -- errors ------------------------------------------------------------------------------------------

@@ -15,6 +15,10 @@
  *   WI8=1                matrices are stored as int8 with a float32 scale per row, w[n, k] = q[n, k] * s[n]:
  *                        the dot product runs on q widened to float, the row's scale multiplies the
  *                        sum once (WSCALE); the scale vector is a kernel argument of every matrix
+ *   WQ8_0=1, WQ4_0=1     matrices are ggml blocks of 32 (colibri_edge/quant.py), bytes [N, K / 32 * WBYTES]:
+ *                        q8_0 = d:f16 | q:i8[32], w = d q;  q4_0 = d:f16 | qs:u8[16], w = d (nib - 8),
+ *                        nib(i) = qs[i] & 15 for i < 16, qs[i - 16] >> 4 after. Decoded in registers as
+ *                        the row streams: one float multiply by d per block of 32 (K % 32 == 0)
  *   COLIBRI_HALF_MATH=1  only when the device reports cl_khr_fp16 and COLIBRI_DISABLE_FP16 is unset:
  *                        weight x activation products in half, accumulation in float
  * Shared with the host, defined once there (runtime.py DEFINES) and passed to every build:
@@ -33,9 +37,16 @@
 #ifndef WI8
 #define WI8 0
 #endif
-#if WF16 + WBF16 + WI8 > 1
-#error "WF16, WBF16 and WI8 are exclusive"
+#ifndef WQ8_0
+#define WQ8_0 0
 #endif
+#ifndef WQ4_0
+#define WQ4_0 0
+#endif
+#if WF16 + WBF16 + WI8 + WQ8_0 + WQ4_0 > 1
+#error "WF16, WBF16, WI8, WQ8_0 and WQ4_0 are exclusive"
+#endif
+#define WBLOCK (WQ8_0 || WQ4_0)
 #ifndef COLIBRI_HALF_MATH
 #define COLIBRI_HALF_MATH 0
 #endif
@@ -60,6 +71,8 @@
 #elif WI8
 #define WTYPE char
 #define LDW(p, i) ((float)(p)[i])
+#elif WBLOCK
+#define WTYPE uchar
 #else
 #define WTYPE float
 #define LDW(p, i) ((p)[i])
@@ -73,6 +86,28 @@
 #define LDW4(p, i) convert_float4(vload4(0, (p) + (i)))
 #else
 #define LDW4(p, i) vload4(0, (p) + (i))
+#endif
+
+/* WROW(w, n, K): row n of a matrix with K columns; LDWR(row, k): its element k as float */
+#if WBLOCK
+#define WBYTES (WQ8_0 ? 34 : 18)
+#define WROW(w, n, K) ((w) + (size_t)(n) * ((K) / 32) * WBYTES)
+inline float ldw_block(__global const uchar* row, const int k)
+{
+    __global const uchar* blk = row + (size_t)(k / 32) * WBYTES;
+    const float d = vload_half(0, (__global const half*)blk);
+    const int j = k % 32;
+#if WQ8_0
+    return d * (float)((__global const char*)(blk + 2))[j];
+#else
+    const uchar q = blk[2 + (j & 15)];
+    return d * (float)((j < 16 ? (q & 15) : (q >> 4)) - 8);
+#endif
+}
+#define LDWR(row, k) ldw_block((row), (k))
+#else
+#define WROW(w, n, K) ((w) + (size_t)(n) * (K))
+#define LDWR(row, k) LDW((row), (k))
 #endif
 
 /* the row scale of an int8 matrix (s: its float32 scales [N]); 1 for the float types, s unread */
@@ -98,6 +133,63 @@ inline float hdot4(const half4 w, const float4 x)
 #define WDOT4(wv, xv) dot((wv), (xv))
 #endif
 
+#if WBLOCK
+
+/* the 32 weights of one block, unscaled, as eight float4 (q8_0: q; q4_0: nib - 8) */
+inline void block_load(__global const uchar* blk, float4* wq)
+{
+#if WQ8_0
+    __global const char* q = (__global const char*)(blk + 2);
+    for (int j = 0; j < 8; ++j)
+        wq[j] = convert_float4(vload4(j, q));
+#else
+    for (int j = 0; j < 4; ++j) {
+        const uchar4 p = vload4(j, blk + 2);
+        wq[j] = convert_float4(p & (uchar4)(15)) - 8.0f;          /* weights 4j .. 4j+3 */
+        wq[j + 4] = convert_float4(p >> (uchar4)(4)) - 8.0f;      /* weights 16+4j .. */
+    }
+#endif
+}
+
+/* sum_k w[k] * x[k], k < K (w: a row of blocks) */
+inline float dotw(__global const uchar* w, __global const float* x, const int K)
+{
+    float acc = 0.0f;
+    float4 wq[8];
+    for (int b = 0; b < K / 32; ++b) {
+        __global const uchar* blk = w + (size_t)b * WBYTES;
+        block_load(blk, wq);
+        __global const float* xb = x + 32 * b;
+        float s = 0.0f;
+        for (int j = 0; j < 8; ++j)
+            s += dot(wq[j], vload4(j, xb));
+        acc += vload_half(0, (__global const half*)blk) * s;
+    }
+    return acc;
+}
+
+/* the same row of blocks against four activation rows: each block decoded once */
+inline float4 dotw4(__global const uchar* w, __global const float* x0, __global const float* x1,
+                    __global const float* x2, __global const float* x3, const int K)
+{
+    float4 acc = (float4)(0.0f);
+    float4 wq[8];
+    for (int b = 0; b < K / 32; ++b) {
+        __global const uchar* blk = w + (size_t)b * WBYTES;
+        block_load(blk, wq);
+        const int o = 32 * b;
+        float4 s = (float4)(0.0f);
+        for (int j = 0; j < 8; ++j) {
+            s.x += dot(wq[j], vload4(j, x0 + o));
+            s.y += dot(wq[j], vload4(j, x1 + o));
+            s.z += dot(wq[j], vload4(j, x2 + o));
+            s.w += dot(wq[j], vload4(j, x3 + o));
+        }
+        acc += vload_half(0, (__global const half*)blk) * s;
+    }
+    return acc;
+}
+#else
 /* sum_k w[k] * x[k], k < K */
 inline float dotw(__global const WTYPE* w, __global const float* x, const int K)
 {
@@ -132,3 +224,4 @@ inline float4 dotw4(__global const WTYPE* w, __global const float* x0, __global 
     }
     return acc;
 }
+#endif

@@ -1,5 +1,6 @@
 /* Dense kernels: embed (row gather), matmul / GEMV, rmsnorm, rope, add.
- * Built per matrix type: float32, half (WF16=1), bfloat16 (WBF16=1) and int8 (WI8=1); see common.cl.
+ * Built per matrix type: float32, half (WF16=1), bfloat16 (WBF16=1), int8 (WI8=1), q8_0 and q4_0
+ * (WQ8_0=1, WQ4_0=1: row n at WROW(w, n, K)); see common.cl.
  * Every matrix argument w comes with wscale, its int8 row scales [N] (any buffer, unread, otherwise). */
 
 /* out[t, h] = table[ids[t], h] (* tscale[ids[t]])      out [T,H], table [V,H] (storage type), ids [T]
@@ -11,7 +12,7 @@ __kernel void embed(ARG(float, out), CARG(WTYPE, table), CARG(float, tscale), CA
     if (h >= H || t >= T)
         return;
     BIND(float, out); CBIND(WTYPE, table); CBIND(float, tscale); CBIND(int, ids);
-    out[(size_t)t * H + h] = LDW(table, (size_t)ids[t] * H + h) * WSCALE(tscale, ids[t]);
+    out[(size_t)t * H + h] = LDWR(WROW(table, ids[t], H), h) * WSCALE(tscale, ids[t]);
 }
 
 /* out[t, n] = sum_k x[t, k] * w[n, k]  (* wscale[n], int8)  (+ bias[n])
@@ -26,7 +27,7 @@ __kernel void matmul1(ARG(float, out), const int ldo, CARG(float, x), const int 
     if (n >= N || t >= T)
         return;
     BIND(float, out); CBIND(float, x); CBIND(WTYPE, w); CBIND(float, wscale); CBIND(float, bias);
-    float acc = dotw(w + (size_t)n * K, x + (size_t)t * ldx, K) * WSCALE(wscale, n);
+    float acc = dotw(WROW(w, n, K), x + (size_t)t * ldx, K) * WSCALE(wscale, n);
     if (has_bias)
         acc += bias[n];
     out[(size_t)t * ldo + n] = acc;
@@ -44,7 +45,7 @@ __kernel void matmul4(ARG(float, out), const int ldo, CARG(float, x), const int 
         return;
     BIND(float, out); CBIND(float, x); CBIND(WTYPE, w); CBIND(float, wscale); CBIND(float, bias);
     const int t1 = min(t0 + 1, T - 1), t2 = min(t0 + 2, T - 1), t3 = min(t0 + 3, T - 1);
-    float4 acc = dotw4(w + (size_t)n * K, x + (size_t)t0 * ldx, x + (size_t)t1 * ldx,
+    float4 acc = dotw4(WROW(w, n, K), x + (size_t)t0 * ldx, x + (size_t)t1 * ldx,
                        x + (size_t)t2 * ldx, x + (size_t)t3 * ldx, K) * WSCALE(wscale, n);
     if (has_bias)
         acc += (float4)(bias[n]);

@@ -124,8 +124,8 @@ __kernel void ffn_gate_up(ARG(float, act), const int lda, CARG(float, x), CARG(i
     __global const float* x1 = x + (size_t)(ord[r1] / topk) * H;
     __global const float* x2 = x + (size_t)(ord[r2] / topk) * H;
     __global const float* x3 = x + (size_t)(ord[r3] / topk) * H;
-    const float4 g = dotw4(gate + (size_t)i * H, x0, x1, x2, x3, H) * WSCALE(gscale, i);
-    const float4 u = dotw4(up + (size_t)i * H, x0, x1, x2, x3, H) * WSCALE(uscale, i);
+    const float4 g = dotw4(WROW(gate, i, H), x0, x1, x2, x3, H) * WSCALE(gscale, i);
+    const float4 u = dotw4(WROW(up, i, H), x0, x1, x2, x3, H) * WSCALE(uscale, i);
     const float4 a = g / (1.0f + exp(-g)) * u;
     __global float* out = act + (size_t)(row0 + r0) * lda + i;
     out[0] = a.x;

@@ -7,7 +7,8 @@ Kernels live in the .cl files beside this module (OpenCL C 1.2, built with -cl-s
     attention.cl  kv_write, paged_attention
     moe.cl        route, align, ffn_gate_up, combine
 dense.cl and moe.cl are built per weight type (float32; WF16=1: half read with vload_half; WBF16=1:
-bfloat16 widened in-register; WI8=1: int8 widened, each row's float32 scale applied to its sum), and, for half weights on a device that reports cl_khr_fp16 (unless
+bfloat16 widened in-register; WI8=1: int8 widened, each row's float32 scale applied to its sum;
+WQ8_0=1 / WQ4_0=1: ggml's blocks of 32 decoded in registers, one scale multiply a block), and, for half weights on a device that reports cl_khr_fp16 (unless
 COLIBRI_DISABLE_FP16 / `disable_fp16`), with COLIBRI_HALF_MATH=1: half products, float accumulation.
 Constants the host and the kernels share are defined once, in DEFINES, and passed to every build.
 
@@ -31,8 +32,9 @@ WEIGHT_PROGRAMS = ("dense.cl", "moe.cl")        # built once per weight type
 CL_STD = "-cl-std=CL1.2"
 ROWS_PER_ITEM = 4                               # tokens per work-item of matmul4 / ffn_gate_up
 DEFINES = f"-DROWS_PER_ITEM={ROWS_PER_ITEM}"
-WEIGHT_DTYPES = ("float32", "float16", "bfloat16", "int8")
-_HOST = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "int8": np.int8, "uint8": np.uint8}
+WEIGHT_DTYPES = ("float32", "float16", "bfloat16", "int8", "q8_0", "q4_0")
+_HOST = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "int8": np.int8, "uint8": np.uint8,
+         "q8_0": np.uint8, "q4_0": np.uint8}               # block formats: their bytes [N, row_bytes]
 
 # -- errors ----------------------------------------------------------------------------------------
 def _error(cl, e, where):
@@ -80,6 +82,8 @@ def weight_options(dtype: str, half_math: bool = False) -> str:
         return f"{CL_STD} {DEFINES} -DWBF16=1"
     if dtype == "int8":
         return f"{CL_STD} {DEFINES} -DWI8=1"
+    if dtype in ("q8_0", "q4_0"):
+        return f"{CL_STD} {DEFINES} -DW{dtype.upper()}=1"
     return f"{CL_STD} {DEFINES} -DWF16=0"
 
 

@@ -37,7 +37,10 @@ MICRO = [
     ("mixtral", {}, "bfloat16",                              # bfloat16 weights (widened in-register),
      {"expert_slots": 3, "slot_policy": "prefetch"}),        # experts read from a 3-slot pool
     ("mixtral_top1_tied", {}, "int8", {"expert_slots": 2}),  # int8 rows + scales, tied int8 embedding,
-]                                                            # scales read from the slots' blobs
+                                                             # scales read from the slots' blobs
+    ("mixtral", {"intermediate_size": 64}, "q4_0", {}),      # ggml blocks of 32 (rows K % 32 == 0)
+    ("mixtral", {"intermediate_size": 64}, "q8_0", {"expert_slots": 2}),
+]
 PROMPT_TOKENS = 8      # <= 8 tokens: prefill in chunks of 5 (a chunk at position > 0), then decode
 DECODE_TOKENS = 3
 
