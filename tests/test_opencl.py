@@ -205,3 +205,18 @@ def test_oclgrind_log_scanner():
     cats = [c for c, _, _ in oc.scan_log(log)]
     assert cats == ["out-of-bounds", "data-race", "uninitialized", "other"]
     assert oc.scan_log("") == []
+
+
+def test_step_counts_launches_and_round_trips(ocl):
+    """`colibri run --stats` prints what a step costs the host (issue 22's baseline): kernel launches,
+    blocking reads and writes per step. Today a decode step reads the expert offsets back once per MoE
+    layer (align's host round trip, to size the per-expert launches) and the logits once."""
+    from colibri_edge import Engine
+    from colibri_edge.demo import SHIPPED
+    with Engine.open(SHIPPED, backend="opencl") as eng:
+        eng.generate([1, 2, 3], max_new_tokens=6, ignore_eos=True)
+        c = eng.backend.step_counts()
+        moe = sum(1 for l in eng.config["layers"] if l["type"] != "dense")
+        assert c["steps"] >= 5 and c["reads"] == 1 + moe
+        assert c["writes"] >= 1 and c["launches"] > 4 * moe
+        assert f"{c['launches']:.0f} kernel launches" in eng.backend.describe()

@@ -17,6 +17,7 @@ takes (buffer, element offset) pairs so any view can be passed.
 """
 from __future__ import annotations
 
+import collections
 import os
 
 import numpy as np
@@ -204,6 +205,11 @@ class OpenCLRuntime(BackendBase):
         self._kernels, self._wg = {}, {}
         for name, opts in build_variants(self.fp16_device, disable_fp16):
             self.shared.program(cl, name, opts)
+        # what a step costs the host: kernel launches, blocking device->host reads (downloads and
+        # queue drains) and host->device writes, counted per step between begin_step calls
+        self.counts = {"launches": 0, "reads": 0, "writes": 0}
+        self._step_counts = collections.deque(maxlen=1024)
+        self._mark = None
         self._dummy = self.alloc((1,), np.float32)       # bound to an absent optional argument
 
     copies_weights = True
@@ -224,9 +230,28 @@ class OpenCLRuntime(BackendBase):
     def list_devices(cls):
         return format_platforms().splitlines()
 
+    def begin_step(self):
+        now = tuple(self.counts.values())
+        if self._mark is not None:
+            self._step_counts.append(tuple(a - b for a, b in zip(now, self._mark)))
+        self._mark = now
+
+    def step_counts(self) -> dict | None:
+        """The median step's launches, reads and writes over the steps run so far (a `colibri run` is
+        mostly decode steps), and the steps counted; None before two steps."""
+        if not self._step_counts:
+            return None
+        a = np.array(self._step_counts)
+        med = np.median(a, axis=0)
+        return {**{k: float(v) for k, v in zip(self.counts, med)}, "steps": len(a),
+                "max_launches": int(a[:, 0].max())}
+
     def summary(self):
+        c = self.step_counts()
+        per = "" if c is None else (f"; a step (median of {c['steps']}): {c['launches']:.0f} kernel launches, "
+                                    f"{c['reads']:.0f} device->host reads, {c['writes']:.0f} host->device writes")
         return (f"opencl: {self.dev.name.strip()} ({self.dev.platform.name.strip()}, {self.dev.version.strip()}), "
-                f"{len(self.queues)} queue(s), fp16 math {'on' if self.half_math else 'off'}")
+                f"{len(self.queues)} queue(s), fp16 math {'on' if self.half_math else 'off'}" + per)
 
     def translate_error(self, e, where):
         return _error(self.cl, e, where) if isinstance(e, self.cl.Error) else None
@@ -277,6 +302,7 @@ class OpenCLRuntime(BackendBase):
         if any(g == 0 for g in gsize):
             return
         gsize = tuple(roundup(g, l) for g, l in zip(gsize, lsize))
+        self.counts["launches"] += 1
         try:
             k(queue or self.queue, gsize, lsize, *self._args(args))
         except self.cl.Error as e:
@@ -314,6 +340,7 @@ class OpenCLRuntime(BackendBase):
         return self.cla.Array(self.queue, shape, _HOST[dtype], data=buf.base_data, offset=buf.offset + byte_offset)
 
     def upload_into(self, dst, host):
+        self.counts["writes"] += 1
         host = np.ascontiguousarray(host, dtype=dst.dtype).reshape(dst.shape)
         try:
             dst.set(host, queue=self.queue)
@@ -321,12 +348,14 @@ class OpenCLRuntime(BackendBase):
             raise _error(self.cl, e, "upload_into") from None
 
     def download(self, buf):
+        self.counts["reads"] += 1
         try:
             return buf.get(queue=self.queue)
         except self.cl.Error as e:
             raise _error(self.cl, e, "download (an earlier kernel may have failed)") from None
 
     def synchronize(self):
+        self.counts["reads"] += 1
         try:
             for q in self.queues:
                 q.finish()
