@@ -22,6 +22,8 @@ Optional -- each has its default below, and the core never probes a backend with
     prepare(formats, max_cols, max_rows)  warm the model's formats' kernels, size scratch  nothing
     list_devices()                  device/platform lines for `colibri backends`    none
     alloc_slots/load_slot/slot_ffn  expert slot pool storage                        one [N, blob] buffer
+    upload_experts(blobs, ...)      a MoE layer's experts made resident             upload_expert each
+    matmuls(outs, x, ws, biases)    projections of one x (q, k, v)                  matmul each
     _fork(n)/_join(side)            side queues for independent experts             no side queues
     op_scope()/translate_error(e)   the context ops run in; library errors -> codes  none / re-raise
     summary(), describe(), close()
@@ -194,6 +196,12 @@ class Backend:
             self.check_dtype(f)
         return self.expert_views(self.to_device(np.asarray(blob, np.uint8), "uint8"), hidden, inter, fmts)
 
+    def upload_experts(self, blobs, hidden: int, inter: int, fmts) -> list:
+        """Optional: one MoE layer's expert blobs (an iterable, read one at a time) -> their FFNs.
+        Default: upload_expert each. A device may pack the layer into one buffer so that one launch
+        can reach every expert (OpenCL 1.2 has no pointer tables)."""
+        return [self.upload_expert(b, hidden, inter, fmts) for b in blobs]
+
     def expert_views(self, buf, hidden: int, inter: int, fmts) -> FFN:
         """gate [I,H], up [I,H], down [H,I] (and int8 row scales) as views into one expert's blob,
         laid out as colibri_edge.modeldir.expert_sections says."""
@@ -235,6 +243,12 @@ class Backend:
     def matmul(self, out, x, w: Weight, bias=None):
         """out[T,N] = x[T,K] @ w[N,K]^T (+ bias[N]); a GEMV when T == 1."""
         raise NotImplementedError
+
+    def matmuls(self, outs, x, ws, biases):
+        """Optional: out_j = x @ w_j^T (+ b_j) for several projections of one x (attention's q, k, v).
+        Default: one matmul each; a device may run them as one launch."""
+        for out, w, b in zip(outs, ws, biases):
+            self.matmul(out, x, w, b)
 
     def rmsnorm(self, out, x, weight: Weight, eps: float):
         """out[R,D] = x / sqrt(mean(x^2, -1) + eps) * weight[D]   (rows R may be T*heads; may alias)."""

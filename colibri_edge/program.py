@@ -44,9 +44,7 @@ class Attention:
 
     def forward(self, be, s):
         """x += wo @ attention(rope(norm(q)), rope(norm(k)), v), the new k, v written to the cache."""
-        be.matmul(s.q2, s.h, self.wq, self.bq)
-        be.matmul(s.k2, s.h, self.wk, self.bk)
-        be.matmul(s.v2, s.h, self.wv, self.bv)
+        be.matmuls((s.q2, s.k2, s.v2), s.h, (self.wq, self.wk, self.wv), (self.bq, self.bk, self.bv))
         if self.qk_norm == "per_head":
             be.rmsnorm(s.q_heads, s.q_heads, self.q_norm, self.eps)
             be.rmsnorm(s.k_heads, s.k_heads, self.k_norm, self.eps)
@@ -187,8 +185,9 @@ def build(model, be, pools, resident: bool) -> Program:
             parts = (DenseMLP(ffn(p + "mlp")),)
         else:
             fm = model.layer_formats[i]
-            experts = [be.upload_expert(model.expert_blob(i, j), H, I, fm) if resident else None
-                       for j in range(spec["moe_num_experts"])]
+            E = spec["moe_num_experts"]
+            experts = be.upload_experts((model.expert_blob(i, j) for j in range(E)), H, I, fm) if resident \
+                else [None] * E
             parts = (MoE(i, moe_index, w(p + "router"), experts, k, cfg["router_mode"], cfg["norm_topk_prob"],
                          H, I, fm, w(p + "router_choice_bias"), cfg.get("router_norm_min", 0.0)),)
             moe_index += 1

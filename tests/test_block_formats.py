@@ -61,6 +61,21 @@ def test_block_formats_match_transformers_on_the_decoded_weights(engine_variant,
     assert np.abs(plain - want).max() > 0
 
 
+def test_slot_pool_holds_block_formats(backend_name, model_cache):
+    """The slot pool with a q4_k_m model (q4_k gate/up, q6_k down in the layers llama.cpp gives more
+    bits) on every backend: a slot holds an expert's blob as stored, the kernels read the blocks from
+    the slot, and the logits match the decoded oracle as the resident engine's do, with real misses."""
+    hf, col, oracle = _model(model_cache, "mixtral", "q4_k_m", **KQ)
+    ids = np.random.default_rng(5).integers(0, KQ["vocab_size"], (1, 9))
+    want = hf_logits(oracle, ids)
+    for o, tol in activation_runs(backend_name, {}, TOL):
+        with Engine.open(col, backend=backend_name, max_seq_len=32, expert_slots=2, **o) as eng:
+            got = eng.infer(ids)
+            st = eng.slot_stats
+            assert st["misses"] > 0 and st["resident_bytes"] <= 2 * eng.trace_meta()["bytes_per_expert"]
+        assert close(got, want, tol), o
+
+
 def test_shared_expert_and_dense_layers_in_block_formats(model_cache):
     """qwen2_moe: shared expert with its gate, a dense layer (mlp_only_layers), on reference and cpu."""
     over = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=256,

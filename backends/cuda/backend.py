@@ -55,7 +55,8 @@ class Backend(CudaRuntime):
     def embed(self, out, table, ids):
         data = table.data if isinstance(table, Weight) else table
         T, H = out.shape
-        if data.ndim != 2 or data.shape[1] != H:
+        shape = tuple(table.shape) if isinstance(table, Weight) else data.shape
+        if data.ndim != 2 or len(shape) != 2 or shape[1] != H:
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"embed: table {data.shape} does not give rows of {H}")
         sc = table.scales if isinstance(table, Weight) and table.scales is not None else _NULL
         self._launch(sources.EMBED[_storage(table)], (cdiv(H, 256), T), (256,), (out, data, sc, ids, _i32(T), _i32(H)))
@@ -70,7 +71,7 @@ class Backend(CudaRuntime):
         if T <= SKINNY_MAX_T:
             self._launch(sources.MATMUL_SKINNY[w.dtype], (cdiv(N, SK_WARPS), cdiv(T, SK_ROWS)), (256,),
                          (out, x, W, sc, b, _i32(T), _i32(N), _i32(K)))
-        elif self._capturing or not self.use_cublas or w.dtype in ("bfloat16", "int8") or \
+        elif self._capturing or not self.use_cublas or w.dtype not in ("float32", "float16") or \
                 (self.fp32 and w.dtype == "float16"):
             self._launch(sources.MATMUL_TILED[w.dtype], (cdiv(N, TBN), cdiv(T, TBM)), (256,),
                          (out, x, W, sc, b, _i32(T), _i32(N), _i32(K)))
@@ -182,16 +183,18 @@ class Backend(CudaRuntime):
         I, H = f0.gate.shape
         for f in real:
             if f.gate.shape != (I, H) or f.up.shape != (I, H) or f.down.shape != (H, I) or \
-                    not f.gate.dtype == f.up.dtype == f.down.dtype == f0.gate.dtype:
+                    not f.gate.dtype == f.up.dtype == f0.gate.dtype or f.down.dtype != f0.down.dtype:
                 raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, "grouped_ffn: experts of one call must share "
-                                   f"shapes gate/up [{I},{H}], down [{H},{I}] and one dtype")
+                                   f"shapes gate/up [{I},{H}], down [{H},{I}], one gate/up dtype and one down "
+                                   "dtype (a q4_k_m layer: q4_k gate/up, q6_k down)")
 
         def ptr(a):
             return 0 if a is None else a.data.ptr
         mats = (lambda f: f.gate, lambda f: f.up, lambda f: f.down)
         ptrs = np.array([[0 if f is None else ptr(m(f).data) for f in experts] for m in mats] +
                         [[0 if f is None else ptr(m(f).scales) for f in experts] for m in mats], dtype=np.uint64)
-        ent = (tuple(experts), self.to_device(ptrs, "uint64"), f0.gate.dtype, H, I, len(real) < len(experts))
+        ent = (tuple(experts), self.to_device(ptrs, "uint64"), (f0.gate.dtype, f0.down.dtype), H, I,
+               len(real) < len(experts))
         if len(self._tables) >= 4096:
             self._tables.pop(next(iter(self._tables)))
         self._tables[key] = ent
@@ -234,7 +237,8 @@ class Backend(CudaRuntime):
             self._capture_refs.append(tab)
         act = scratch.reshape(-1)[:A * I]
         skinny = plan.block_rows <= SK_ROWS
-        gu, dn = (sources.MOE_SKINNY if skinny else sources.MOE_TILED)[wd]
+        kernels = sources.MOE_SKINNY if skinny else sources.MOE_TILED
+        gu, dn = kernels[wd[0]][0], kernels[wd[1]][1]
         cols = SK_WARPS if skinny else TBN
         parts = max(1, min(self.num_streams, plan.max_blocks))
         gx = cdiv(plan.max_blocks, parts)

@@ -6,7 +6,8 @@
 //     MODE 1 (SwiGLU) : out[row0 + r, c] = silu((A[arow(r)] . W0[c]) * S0[c]) * ((A[arow(r)] . W1[c]) * S1[c])
 //     arow(r) = gather ? gather[row0 + r] / gdiv : row0 + r        (token of a sorted MoE row)
 //     S0/S1: int8 row scales [N], or null (= 1)
-// shapes: A [*, K] fp32, W0/W1 [N, K] (fp32, fp16, bf16 or int8), bias [N] fp32 or null, out [*, N] fp32.
+// shapes: A [*, K] fp32, W0/W1 [N, K] (fp32, fp16, bf16, int8 or a block format), bias [N] fp32 or null,
+// out [*, N] fp32.
 // Accumulation is fp32 in both; weights are widened as they are read.
 //
 // skinny: 8 rows x 8 columns per 256-thread CTA, one warp per column streaming its weight row
@@ -47,18 +48,141 @@ CE_DEV void load2(const i8_t* p, float& a, float& b) {
     a = (float)(i8_t)(v & 0xffu); b = (float)(i8_t)(v >> 8);
 }
 
+// ---- ggml's block formats (colibri_edge/quant.py has the layouts and the NumPy definitions) -------
+// A block-format matrix [N, K] is N rows of K / B blocks of NB bytes. Each format is a tag type; the
+// kernels read weights in pairs (k even, both in one block and one group of 16: B is 32 or 256), as
+// they read fp16 pairs, decoded from the block's bytes in registers:
+//   q8_0  d | q:i8[32]               d q            q4_0  d | qs[16]            d (nib - 8)
+//   q4_1  d | m | qs[16]             d nib + m      q5_0  d | qh:u32 | qs[16]   d (nib | hb << 4) - 16 d
+//   q5_1  d | m | qh | qs[16]        d q5 + m       mxfp4 e | qs[16]            2^(e-128) E2M1x2[nib]
+//   q4_k  d | dmin | sc[12] | qs[128]          d sc_s nib - dmin m_s           (sub-block s of 32)
+//   q5_k  d | dmin | sc[12] | qh[32] | qs[128] d sc_s (nib | hb << 4) - dmin m_s
+//   q6_k  ql[128] | qh[64] | sc:i8[16] | d     d sc_(i/16) (q6 - 32)
+// Bytes are read one at a time (blocks of 17, 18, 22 bytes leave no alignment to rely on).
+struct q8_0_t {}; struct q4_0_t {}; struct q4_1_t {}; struct q5_0_t {}; struct q5_1_t {}; struct mxfp4_t {};
+struct q4_k_t {}; struct q5_k_t {}; struct q6_k_t {};
+typedef unsigned char u8;
+template <typename A, typename B> struct same_t { static constexpr bool value = false; };   // no <type_traits>
+template <typename A> struct same_t<A, A> { static constexpr bool value = true; };
+
+CE_DEV float ld_f16(const u8* p) { return h2f((half_t)(p[0] | (p[1] << 8))); }
+CE_DEV unsigned ld_u32(const u8* p) { return p[0] | (p[1] << 8) | (p[2] << 16) | ((unsigned)p[3] << 24); }
+// e8m0 scale, halved (ggml_e8m0_to_fp32_half): 2^(e - 128), exact down to e = 0
+CE_DEV float e8m0_half(unsigned e) { return __int_as_float((int)(e < 2 ? (0x00200000u << e) : ((e - 1u) << 23))); }
+// doubled E2M1 value of a nibble: 0 1 2 3 4 6 8 12, bit 3 the sign
+CE_DEV float e2m1x2(unsigned n) {
+    const unsigned m = n & 7u;
+    const float v = m < 4 ? (float)m : (float)((2u + (m & 1u)) << ((m >> 1) - 1u));
+    return (n & 8u) ? -v : v;
+}
+// get_scale_min_k4: the 6-bit scale and min of sub-block s of a q4_k / q5_k block's 12 scale bytes
+CE_DEV void scale_min_k4(const u8* sc, int s, float& d, float& m) {
+    if (s < 4) { d = (float)(sc[s] & 63); m = (float)(sc[s + 4] & 63); }
+    else {
+        d = (float)((sc[s + 4] & 15) | ((sc[s - 4] >> 6) << 4));
+        m = (float)((sc[s + 4] >> 4) | ((sc[s] >> 6) << 4));
+    }
+}
+
+template <typename F> struct BlockFmt;
+#define COLIBRI_BLOCK(TAG, B_, NB_) template <> struct BlockFmt<TAG> { static constexpr int B = B_, NB = NB_; };
+COLIBRI_BLOCK(q8_0_t, 32, 34) COLIBRI_BLOCK(q4_0_t, 32, 18) COLIBRI_BLOCK(q4_1_t, 32, 20)
+COLIBRI_BLOCK(q5_0_t, 32, 22) COLIBRI_BLOCK(q5_1_t, 32, 24) COLIBRI_BLOCK(mxfp4_t, 32, 17)
+COLIBRI_BLOCK(q4_k_t, 256, 144) COLIBRI_BLOCK(q5_k_t, 256, 176) COLIBRI_BLOCK(q6_k_t, 256, 210)
+
+// weights k and k + 1 (k even) of a row of blocks
+template <typename F>
+CE_DEV void block_pair(const u8* row, int k, float& a, float& b) {
+    constexpr int B = BlockFmt<F>::B, NB = BlockFmt<F>::NB;
+    const u8* blk = row + (size_t)(k / B) * NB;
+    const int i = k % B;
+    if constexpr (same_t<F, q8_0_t>::value) {
+        const float d = ld_f16(blk);
+        a = d * (float)(signed char)blk[2 + i]; b = d * (float)(signed char)blk[3 + i];
+    } else if constexpr (same_t<F, q4_0_t>::value || same_t<F, q4_1_t>::value ||
+                         same_t<F, mxfp4_t>::value) {
+        constexpr int o = same_t<F, q4_0_t>::value ? 2 : same_t<F, q4_1_t>::value ? 4 : 1;
+        const int sh = i < 16 ? 0 : 4, j = i & 15;
+        const unsigned na = (blk[o + j] >> sh) & 15u, nb = (blk[o + j + 1] >> sh) & 15u;
+        if constexpr (same_t<F, mxfp4_t>::value) {
+            const float s = e8m0_half(blk[0]);
+            a = s * e2m1x2(na); b = s * e2m1x2(nb);
+        } else if constexpr (same_t<F, q4_0_t>::value) {
+            const float d = ld_f16(blk);
+            a = d * ((float)na - 8.f); b = d * ((float)nb - 8.f);
+        } else {
+            const float d = ld_f16(blk), m = ld_f16(blk + 2);
+            a = d * (float)na + m; b = d * (float)nb + m;
+        }
+    } else if constexpr (same_t<F, q5_0_t>::value || same_t<F, q5_1_t>::value) {
+        constexpr int o = same_t<F, q5_0_t>::value ? 2 : 4;
+        const unsigned qh = ld_u32(blk + o);
+        const int sh = i < 16 ? 0 : 4, j = i & 15;
+        const float qa = (float)(((blk[o + 4 + j] >> sh) & 15u) | (((qh >> i) & 1u) << 4));
+        const float qb = (float)(((blk[o + 5 + j] >> sh) & 15u) | (((qh >> (i + 1)) & 1u) << 4));
+        const float d = ld_f16(blk);
+        if constexpr (same_t<F, q5_0_t>::value) { a = d * (qa - 16.f); b = d * (qb - 16.f); }
+        else { const float m = ld_f16(blk + 2); a = d * qa + m; b = d * qb + m; }
+    } else if constexpr (same_t<F, q4_k_t>::value || same_t<F, q5_k_t>::value) {
+        const int s = i / 32, j = i % 32, sh = 4 * (s & 1);
+        float sc, mn;
+        scale_min_k4(blk + 4, s, sc, mn);
+        const float d = ld_f16(blk) * sc, m = ld_f16(blk + 2) * mn;
+        constexpr int oq = same_t<F, q4_k_t>::value ? 16 : 48;
+        const u8* qs = blk + oq + 32 * (s / 2);
+        unsigned qa = (qs[j] >> sh) & 15u, qb = (qs[j + 1] >> sh) & 15u;
+        if constexpr (same_t<F, q5_k_t>::value) {
+            qa |= ((blk[16 + j] >> s) & 1u) << 4;
+            qb |= ((blk[17 + j] >> s) & 1u) << 4;
+        }
+        a = d * (float)qa - m; b = d * (float)qb - m;
+    } else {                                         // q6_k: half h, part p of 32, weight j
+        const int h = i / 128, r = i % 128, p = r / 32, j = r % 32;
+        const u8* ql = blk + 64 * h + 32 * (p & 1);
+        const u8* qh = blk + 128 + 32 * h;
+        const int shl = 4 * (p >> 1), shh = 2 * p;
+        const int qa = (int)(((ql[j] >> shl) & 15u) | (((qh[j] >> shh) & 3u) << 4)) - 32;
+        const int qb = (int)(((ql[j + 1] >> shl) & 15u) | (((qh[j + 1] >> shh) & 3u) << 4)) - 32;
+        const float d = ld_f16(blk + 208) * (float)(signed char)blk[192 + 8 * h + 2 * p + j / 16];
+        a = d * (float)qa; b = d * (float)qb;
+    }
+}
+
+// WFmt<WT>: how the kernels address a matrix of storage WT: row(W, n, K), pair(row, k, a, b) (k even),
+// one(row, k). Plain element types index elements; the block tags index bytes.
+template <typename WT, typename = void> struct WFmt {
+    typedef WT store;
+    static CE_DEV const WT* row(const WT* W, int n, int K) { return W + (size_t)n * K; }
+    static CE_DEV void pair(const WT* r, int k, float& a, float& b) { load2(r + k, a, b); }
+    static CE_DEV float one(const WT* r, int k) { return to_f32(r[k]); }
+};
+template <typename WT> struct WFmt<WT, decltype((void)BlockFmt<WT>::B)> {
+    typedef u8 store;
+    static CE_DEV const u8* row(const u8* W, int n, int K) {
+        return W + (size_t)n * (K / BlockFmt<WT>::B) * BlockFmt<WT>::NB;
+    }
+    static CE_DEV void pair(const u8* r, int k, float& a, float& b) { block_pair<WT>(r, k, a, b); }
+    static CE_DEV float one(const u8* r, int k) {
+        float a, b;
+        block_pair<WT>(r, k & ~1, a, b);
+        return (k & 1) ? b : a;
+    }
+};
+template <typename WT> using WStore = typename WFmt<WT>::store;
+
 template <typename WT, int MODE>
 static __device__ void skinny_tile(float* CE_RESTRICT out, const float* CE_RESTRICT A, const int* gather, int gdiv,
-                                   int row0, int nrows, const WT* W0, const WT* W1, const float* S0,
+                                   int row0, int nrows, const WStore<WT>* W0, const WStore<WT>* W1, const float* S0,
                                    const float* S1, const float* bias, int N, int K, int colbase) {
+    typedef WFmt<WT> F;
     __shared__ float xs[SK_ROWS][SK_KC];
     __shared__ int arow[SK_ROWS];
     const int tid = threadIdx.x, lane = tid & 31;
     const int col = colbase + (tid >> 5);
     const bool active = col < N;                     // uniform within a warp
     if (tid < SK_ROWS) arow[tid] = tid < nrows ? (gather ? gather[row0 + tid] / gdiv : row0 + tid) : 0;
-    const WT* w0 = W0 + (size_t)(active ? col : 0) * K;
-    const WT* w1 = MODE == 1 ? W1 + (size_t)(active ? col : 0) * K : w0;
+    const WStore<WT>* w0 = F::row(W0, active ? col : 0, K);
+    const WStore<WT>* w1 = MODE == 1 ? F::row(W1, active ? col : 0, K) : w0;
     float acc0[SK_ROWS], acc1[SK_ROWS];
 #pragma unroll
     for (int r = 0; r < SK_ROWS; ++r) { acc0[r] = 0.f; acc1[r] = 0.f; }
@@ -75,8 +199,8 @@ static __device__ void skinny_tile(float* CE_RESTRICT out, const float* CE_RESTR
         if ((K & 1) == 0) {                          // kc is even too: pairs of weights per lane
             for (int kk = 2 * lane; kk < kc; kk += 64) {
                 float g0, g1, u0 = 0.f, u1 = 0.f;
-                load2(w0 + k0 + kk, g0, g1);
-                if (MODE == 1) load2(w1 + k0 + kk, u0, u1);
+                F::pair(w0, k0 + kk, g0, g1);
+                if (MODE == 1) F::pair(w1, k0 + kk, u0, u1);
 #pragma unroll
                 for (int r = 0; r < SK_ROWS; ++r) {
                     if (r < nrows) {
@@ -88,8 +212,8 @@ static __device__ void skinny_tile(float* CE_RESTRICT out, const float* CE_RESTR
             }
         } else {
             for (int kk = lane; kk < kc; kk += 32) {
-                const float g = to_f32(w0[k0 + kk]);
-                const float u = MODE == 1 ? to_f32(w1[k0 + kk]) : 0.f;
+                const float g = F::one(w0, k0 + kk);
+                const float u = MODE == 1 ? F::one(w1, k0 + kk) : 0.f;
 #pragma unroll
                 for (int r = 0; r < SK_ROWS; ++r) {
                     if (r < nrows) {
@@ -120,8 +244,9 @@ static __device__ void skinny_tile(float* CE_RESTRICT out, const float* CE_RESTR
 
 template <typename WT, int MODE>
 static __device__ void tiled_tile(float* CE_RESTRICT out, const float* CE_RESTRICT A, const int* gather, int gdiv,
-                                  int row0, int nrows, const WT* W0, const WT* W1, const float* S0,
+                                  int row0, int nrows, const WStore<WT>* W0, const WStore<WT>* W1, const float* S0,
                                   const float* S1, const float* bias, int N, int K, int colbase) {
+    typedef WFmt<WT> F;
     __shared__ float As[TBK][TBM + 4];
     __shared__ float Bs0[TBK][TBN + 4];
     __shared__ float Bs1[TBK][TBN + 4];
@@ -143,8 +268,8 @@ static __device__ void tiled_tile(float* CE_RESTRICT out, const float* CE_RESTRI
             As[kk][r] = (ar >= 0 && k < K) ? A[(size_t)ar * K + k] : 0.f;
             const int c = colbase + r;               // here r indexes the 64 columns
             const bool ok = c < N && k < K;
-            Bs0[kk][r] = ok ? to_f32(W0[(size_t)c * K + k]) : 0.f;
-            if (MODE == 1) Bs1[kk][r] = ok ? to_f32(W1[(size_t)c * K + k]) : 0.f;
+            Bs0[kk][r] = ok ? F::one(F::row(W0, c, K), k) : 0.f;
+            if (MODE == 1) Bs1[kk][r] = ok ? F::one(F::row(W1, c, K), k) : 0.f;
         }
         __syncthreads();
 #pragma unroll

@@ -5,40 +5,40 @@
 // out[T,H] = table[ids[t], :] (* scales[ids[t]] for int8)   (table [V,H] fp32/fp16/bf16/int8, widened)
 // grid (ceil(H/256), T), block 256
 template <typename WT>
-CE_DEV void embed_rows(float* out, const WT* table, const float* scales, const int* ids, int T, int H) {
+CE_DEV void embed_rows(float* out, const WStore<WT>* table, const float* scales, const int* ids, int T, int H) {
     const int t = blockIdx.y, h = blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= T || h >= H) return;
-    const float v = to_f32(table[(size_t)ids[t] * H + h]);
+    const float v = WFmt<WT>::one(WFmt<WT>::row(table, ids[t], H), h);
     out[(size_t)t * H + h] = scales ? v * scales[ids[t]] : v;
 }
 extern "C" __global__ void embed_f32(float* out, const float* table, const float* scales, const int* ids,
                                     int T, int H) {
-    embed_rows(out, table, scales, ids, T, H);
+    embed_rows<float>(out, table, scales, ids, T, H);
 }
 extern "C" __global__ void embed_f16(float* out, const half_t* table, const float* scales, const int* ids,
                                     int T, int H) {
-    embed_rows(out, table, scales, ids, T, H);
+    embed_rows<half_t>(out, table, scales, ids, T, H);
 }
 extern "C" __global__ void embed_bf16(float* out, const bf16_t* table, const float* scales, const int* ids,
                                     int T, int H) {
-    embed_rows(out, table, scales, ids, T, H);
+    embed_rows<bf16_t>(out, table, scales, ids, T, H);
 }
 extern "C" __global__ void embed_i8(float* out, const i8_t* table, const float* scales, const int* ids,
                                     int T, int H) {
-    embed_rows(out, table, scales, ids, T, H);
+    embed_rows<i8_t>(out, table, scales, ids, T, H);
 }
 
 // out[T,N] = x[T,K] @ (W[N,K] * scales[N, None])^T (+ bias[N])     (scales: int8 only, else null)
 // skinny: grid (ceil(N/SK_WARPS), ceil(T/SK_ROWS)), block 256   tiled: grid (ceil(N/TBN), ceil(T/TBM)), block 256
 template <typename WT>
-CE_DEV void matmul_skinny(float* out, const float* x, const WT* W, const float* scales, const float* bias, int T,
+CE_DEV void matmul_skinny(float* out, const float* x, const WStore<WT>* W, const float* scales, const float* bias, int T,
                           int N, int K) {
     const int row0 = blockIdx.y * SK_ROWS;
     skinny_tile<WT, 0>(out, x, nullptr, 1, row0, min(SK_ROWS, T - row0), W, nullptr, scales, nullptr, bias, N, K,
                        blockIdx.x * SK_WARPS);
 }
 template <typename WT>
-CE_DEV void matmul_tiled(float* out, const float* x, const WT* W, const float* scales, const float* bias, int T,
+CE_DEV void matmul_tiled(float* out, const float* x, const WStore<WT>* W, const float* scales, const float* bias, int T,
                          int N, int K) {
     const int row0 = blockIdx.y * TBM;
     tiled_tile<WT, 0>(out, x, nullptr, 1, row0, min(TBM, T - row0), W, nullptr, scales, nullptr, bias, N, K,
@@ -46,36 +46,54 @@ CE_DEV void matmul_tiled(float* out, const float* x, const WT* W, const float* s
 }
 extern "C" __global__ void matmul_skinny_f32(float* out, const float* x, const float* W, const float* scales,
                                            const float* bias, int T, int N, int K) {
-    matmul_skinny(out, x, W, scales, bias, T, N, K);
+    matmul_skinny<float>(out, x, W, scales, bias, T, N, K);
 }
 extern "C" __global__ void matmul_skinny_f16(float* out, const float* x, const half_t* W, const float* scales,
                                            const float* bias, int T, int N, int K) {
-    matmul_skinny(out, x, W, scales, bias, T, N, K);
+    matmul_skinny<half_t>(out, x, W, scales, bias, T, N, K);
 }
 extern "C" __global__ void matmul_skinny_bf16(float* out, const float* x, const bf16_t* W, const float* scales,
                                            const float* bias, int T, int N, int K) {
-    matmul_skinny(out, x, W, scales, bias, T, N, K);
+    matmul_skinny<bf16_t>(out, x, W, scales, bias, T, N, K);
 }
 extern "C" __global__ void matmul_skinny_i8(float* out, const float* x, const i8_t* W, const float* scales,
                                            const float* bias, int T, int N, int K) {
-    matmul_skinny(out, x, W, scales, bias, T, N, K);
+    matmul_skinny<i8_t>(out, x, W, scales, bias, T, N, K);
 }
 extern "C" __global__ void matmul_tiled_f32(float* out, const float* x, const float* W, const float* scales,
                                            const float* bias, int T, int N, int K) {
-    matmul_tiled(out, x, W, scales, bias, T, N, K);
+    matmul_tiled<float>(out, x, W, scales, bias, T, N, K);
 }
 extern "C" __global__ void matmul_tiled_f16(float* out, const float* x, const half_t* W, const float* scales,
                                            const float* bias, int T, int N, int K) {
-    matmul_tiled(out, x, W, scales, bias, T, N, K);
+    matmul_tiled<half_t>(out, x, W, scales, bias, T, N, K);
 }
 extern "C" __global__ void matmul_tiled_bf16(float* out, const float* x, const bf16_t* W, const float* scales,
                                            const float* bias, int T, int N, int K) {
-    matmul_tiled(out, x, W, scales, bias, T, N, K);
+    matmul_tiled<bf16_t>(out, x, W, scales, bias, T, N, K);
 }
 extern "C" __global__ void matmul_tiled_i8(float* out, const float* x, const i8_t* W, const float* scales,
                                            const float* bias, int T, int N, int K) {
-    matmul_tiled(out, x, W, scales, bias, T, N, K);
+    matmul_tiled<i8_t>(out, x, W, scales, bias, T, N, K);
 }
+
+// the block formats: the same three kernels each, W their bytes [N, K / B * NB]
+#define COLIBRI_DENSE_BLOCK(SUF, TAG)                                                                            \
+    extern "C" __global__ void embed_##SUF(float* out, const u8* table, const float* scales, const int* ids,     \
+                                          int T, int H) {                                                      \
+        embed_rows<TAG>(out, table, scales, ids, T, H);                                                        \
+    }                                                                                                          \
+    extern "C" __global__ void matmul_skinny_##SUF(float* out, const float* x, const u8* W, const float* scales, \
+                                                  const float* bias, int T, int N, int K) {                   \
+        matmul_skinny<TAG>(out, x, W, scales, bias, T, N, K);                                                  \
+    }                                                                                                          \
+    extern "C" __global__ void matmul_tiled_##SUF(float* out, const float* x, const u8* W, const float* scales,  \
+                                                 const float* bias, int T, int N, int K) {                    \
+        matmul_tiled<TAG>(out, x, W, scales, bias, T, N, K);                                                   \
+    }
+COLIBRI_DENSE_BLOCK(q8_0, q8_0_t) COLIBRI_DENSE_BLOCK(q4_0, q4_0_t) COLIBRI_DENSE_BLOCK(q4_1, q4_1_t)
+COLIBRI_DENSE_BLOCK(q5_0, q5_0_t) COLIBRI_DENSE_BLOCK(q5_1, q5_1_t) COLIBRI_DENSE_BLOCK(mxfp4, mxfp4_t)
+COLIBRI_DENSE_BLOCK(q4_k, q4_k_t) COLIBRI_DENSE_BLOCK(q5_k, q5_k_t) COLIBRI_DENSE_BLOCK(q6_k, q6_k_t)
 
 // out[R,D] = x / sqrt(mean(x^2) + eps) * w[D]     (in place allowed: out == x)
 // grid R, block 32..1024 (a multiple of 32)

@@ -202,10 +202,10 @@ CE_DEV void moe_gate_up(float* act, const float* x, const int* order, const int*
     const int e = blocks[3 * b], r0 = blocks[3 * b + 1], r1 = blocks[3 * b + 2];
     if (active && !active[e]) return;
     if constexpr (SKINNY)
-        skinny_tile<WT, 1>(act, x, order, k, r0, r1 - r0, (const WT*)gate_tab[e], (const WT*)up_tab[e],
+        skinny_tile<WT, 1>(act, x, order, k, r0, r1 - r0, (const WStore<WT>*)gate_tab[e], (const WStore<WT>*)up_tab[e],
                            (const float*)gs_tab[e], (const float*)us_tab[e], nullptr, I, H, blockIdx.y * SK_WARPS);
     else
-        tiled_tile<WT, 1>(act, x, order, k, r0, r1 - r0, (const WT*)gate_tab[e], (const WT*)up_tab[e],
+        tiled_tile<WT, 1>(act, x, order, k, r0, r1 - r0, (const WStore<WT>*)gate_tab[e], (const WStore<WT>*)up_tab[e],
                           (const float*)gs_tab[e], (const float*)us_tab[e], nullptr, I, H, blockIdx.y * TBN);
 }
 template <typename WT, bool SKINNY>
@@ -216,10 +216,10 @@ CE_DEV void moe_down(float* y, const float* act, const int* blocks, const int* n
     const int e = blocks[3 * b], r0 = blocks[3 * b + 1], r1 = blocks[3 * b + 2];
     if (active && !active[e]) return;
     if constexpr (SKINNY)
-        skinny_tile<WT, 0>(y, act, nullptr, 1, r0, r1 - r0, (const WT*)down_tab[e], nullptr, (const float*)ds_tab[e],
+        skinny_tile<WT, 0>(y, act, nullptr, 1, r0, r1 - r0, (const WStore<WT>*)down_tab[e], nullptr, (const float*)ds_tab[e],
                            nullptr, nullptr, H, I, blockIdx.y * SK_WARPS);
     else
-        tiled_tile<WT, 0>(y, act, nullptr, 1, r0, r1 - r0, (const WT*)down_tab[e], nullptr, (const float*)ds_tab[e],
+        tiled_tile<WT, 0>(y, act, nullptr, 1, r0, r1 - r0, (const WStore<WT>*)down_tab[e], nullptr, (const float*)ds_tab[e],
                           nullptr, nullptr, H, I, blockIdx.y * TBN);
 }
 extern "C" __global__ void moe_gate_up_skinny_f32(float* act, const float* x, const int* order, const int* blocks,
@@ -302,6 +302,34 @@ extern "C" __global__ void moe_down_tiled_i8(float* y, const float* act, const i
         const u64* down_tab, const u64* ds_tab, const int* active, int H, int I, int part, int nparts) {
     moe_down<i8_t, false>(y, act, blocks, nblocks, down_tab, ds_tab, active, H, I, part, nparts);
 }
+
+// the block formats: the same four kernels each
+#define COLIBRI_MOE_BLOCK(SUF, TAG)                                                                              \
+    extern "C" __global__ void moe_gate_up_skinny_##SUF(float* act, const float* x, const int* order,            \
+            const int* blocks, const int* nblocks, const u64* gate_tab, const u64* up_tab, const u64* gs_tab,    \
+            const u64* us_tab, const int* active, int k, int H, int I, int part, int nparts) {                  \
+        moe_gate_up<TAG, true>(act, x, order, blocks, nblocks, gate_tab, up_tab, gs_tab, us_tab, active, k, H,  \
+                               I, part, nparts);                                                              \
+    }                                                                                                          \
+    extern "C" __global__ void moe_down_skinny_##SUF(float* y, const float* act, const int* blocks,              \
+            const int* nblocks, const u64* down_tab, const u64* ds_tab, const int* active, int H, int I,        \
+            int part, int nparts) {                                                                            \
+        moe_down<TAG, true>(y, act, blocks, nblocks, down_tab, ds_tab, active, H, I, part, nparts);            \
+    }                                                                                                          \
+    extern "C" __global__ void moe_gate_up_tiled_##SUF(float* act, const float* x, const int* order,             \
+            const int* blocks, const int* nblocks, const u64* gate_tab, const u64* up_tab, const u64* gs_tab,    \
+            const u64* us_tab, const int* active, int k, int H, int I, int part, int nparts) {                  \
+        moe_gate_up<TAG, false>(act, x, order, blocks, nblocks, gate_tab, up_tab, gs_tab, us_tab, active, k, H, \
+                                I, part, nparts);                                                             \
+    }                                                                                                          \
+    extern "C" __global__ void moe_down_tiled_##SUF(float* y, const float* act, const int* blocks,               \
+            const int* nblocks, const u64* down_tab, const u64* ds_tab, const int* active, int H, int I,        \
+            int part, int nparts) {                                                                            \
+        moe_down<TAG, false>(y, act, blocks, nblocks, down_tab, ds_tab, active, H, I, part, nparts);           \
+    }
+COLIBRI_MOE_BLOCK(q8_0, q8_0_t) COLIBRI_MOE_BLOCK(q4_0, q4_0_t) COLIBRI_MOE_BLOCK(q4_1, q4_1_t)
+COLIBRI_MOE_BLOCK(q5_0, q5_0_t) COLIBRI_MOE_BLOCK(q5_1, q5_1_t) COLIBRI_MOE_BLOCK(mxfp4, mxfp4_t)
+COLIBRI_MOE_BLOCK(q4_k, q4_k_t) COLIBRI_MOE_BLOCK(q5_k, q5_k_t) COLIBRI_MOE_BLOCK(q6_k, q6_k_t)
 
 // out[t,:] += sum_j w[t,j] * y[inverse[t*k + j], :]   (the residual add is fused)
 // grid (ceil(H/256), T), block 256

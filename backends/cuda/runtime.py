@@ -23,7 +23,8 @@ from . import sources
 
 _cp = None                          # cupy, imported by probe() / the backend
 _STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "int8": np.int8,
-            "uint8": np.uint8, "uint64": np.uint64}      # uint64: the ops' device pointer tables
+            "uint8": np.uint8, "uint64": np.uint64,      # uint64: the ops' device pointer tables
+            **{f: np.uint8 for f in sources.BLOCK_FORMATS}}   # block formats: their bytes [N, row_bytes]
 
 
 def _cupy():
@@ -71,7 +72,7 @@ def probe(for_auto=False):
 
 class CudaRuntime(BackendBase):
     name = "cuda"
-    weight_dtypes = ("float32", "float16", "bfloat16", "int8")
+    weight_dtypes = ("float32", "float16", "bfloat16", "int8") + sources.BLOCK_FORMATS
     OPTIONS = ("num_streams", "disable_fp16", "cuda_graphs", "device")
 
     def __init__(self, num_streams=1, disable_fp16=False, cuda_graphs=True, device=0, use_cublas=True):

@@ -32,18 +32,23 @@ MAX_ALIGN_EXPERTS = DEFINES["ALIGN_THREADS"] * DEFINES["ALIGN_EPT"]
 # options the backend passes to cupy.RawModule (CuPy adds the -arch of the device it runs on)
 NVRTC_OPTIONS = ("-std=c++17", *(f"-D{k}={v}" for k, v in DEFINES.items()))
 
+BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4", "q4_k", "q5_k", "q6_k")   # quant.BLOCK's
+
 # file -> the kernels the backend looks up in it (all must exist: the toolchain check verifies it)
 KERNELS = {
     "dense.cu": ("embed_f32", "embed_f16", "embed_bf16", "embed_i8",
                  "matmul_skinny_f32", "matmul_skinny_f16", "matmul_skinny_bf16", "matmul_skinny_i8",
                  "matmul_tiled_f32", "matmul_tiled_f16", "matmul_tiled_bf16", "matmul_tiled_i8",
-                 "rmsnorm", "rope", "add", "f32_to_f16", "f16_to_f32_bias", "bias_add"),
+                 "rmsnorm", "rope", "add", "f32_to_f16", "f16_to_f32_bias", "bias_add",
+                 *(f"{k}_{f}" for f in BLOCK_FORMATS for k in ("embed", "matmul_skinny", "matmul_tiled"))),
     "attention.cu": ("kv_write", "paged_attention"),
     "moe.cu": ("moe_route", "moe_align", "moe_combine",
                "moe_gate_up_skinny_f32", "moe_gate_up_skinny_f16", "moe_gate_up_skinny_bf16", "moe_gate_up_skinny_i8",
                "moe_down_skinny_f32", "moe_down_skinny_f16", "moe_down_skinny_bf16", "moe_down_skinny_i8",
                "moe_gate_up_tiled_f32", "moe_gate_up_tiled_f16", "moe_gate_up_tiled_bf16", "moe_gate_up_tiled_i8",
-               "moe_down_tiled_f32", "moe_down_tiled_f16", "moe_down_tiled_bf16", "moe_down_tiled_i8"),
+               "moe_down_tiled_f32", "moe_down_tiled_f16", "moe_down_tiled_bf16", "moe_down_tiled_i8",
+               *(f"moe_{k}_{f}" for f in BLOCK_FORMATS for k in ("gate_up_skinny", "down_skinny", "gate_up_tiled",
+                                                                  "down_tiled"))),
 }
 
 # weight storage -> the kernels of each weight-reading op (bfloat16 is stored as uint16)
@@ -52,6 +57,8 @@ MATMUL_SKINNY = {"float32": "matmul_skinny_f32", "float16": "matmul_skinny_f16",
                  "int8": "matmul_skinny_i8"}
 MATMUL_TILED = {"float32": "matmul_tiled_f32", "float16": "matmul_tiled_f16", "bfloat16": "matmul_tiled_bf16",
                 "int8": "matmul_tiled_i8"}
+for _f in BLOCK_FORMATS:
+    EMBED[_f], MATMUL_SKINNY[_f], MATMUL_TILED[_f] = f"embed_{_f}", f"matmul_skinny_{_f}", f"matmul_tiled_{_f}"
 MOE_SKINNY = {"float32": ("moe_gate_up_skinny_f32", "moe_down_skinny_f32"),
               "float16": ("moe_gate_up_skinny_f16", "moe_down_skinny_f16"),
               "bfloat16": ("moe_gate_up_skinny_bf16", "moe_down_skinny_bf16"),
@@ -60,6 +67,9 @@ MOE_TILED = {"float32": ("moe_gate_up_tiled_f32", "moe_down_tiled_f32"),
              "float16": ("moe_gate_up_tiled_f16", "moe_down_tiled_f16"),
              "bfloat16": ("moe_gate_up_tiled_bf16", "moe_down_tiled_bf16"),
              "int8": ("moe_gate_up_tiled_i8", "moe_down_tiled_i8")}
+for _f in BLOCK_FORMATS:
+    MOE_SKINNY[_f] = (f"moe_gate_up_skinny_{_f}", f"moe_down_skinny_{_f}")
+    MOE_TILED[_f] = (f"moe_gate_up_tiled_{_f}", f"moe_down_tiled_{_f}")
 
 _PRAGMA_ONCE = re.compile(r'^[ \t]*#[ \t]*pragma[ \t]+once[ \t]*$', re.M)
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"[ \t]*$', re.M)

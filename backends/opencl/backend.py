@@ -21,6 +21,7 @@ class Backend(OpenCLRuntime):
     def __init__(self, num_streams=1, disable_fp16=False, device=None):
         super().__init__(num_streams=num_streams, disable_fp16=disable_fp16, device=device)
         self._inv_freq = {}              # (theta, D) -> the rotary frequency table on the device
+        self._tables = {}                # id(expert list) -> (experts, (offset table, base buffers))
 
     @staticmethod
     def _wdtype(t):
@@ -60,6 +61,22 @@ class Backend(OpenCLRuntime):
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"matmul shapes out {out.shape}, x {x.shape}, "
                                f"w {w.shape} do not agree")
         self._matmul(out, N, x, K, w, bias, T, K, N)
+
+    def matmuls(self, outs, x, ws, biases):
+        """q, k and v (one storage type) in one launch (dense.cl matmul3); otherwise one matmul each."""
+        T, K = x.shape
+        if not 1 <= len(ws) <= 3 or len({self._wdtype(w) for w in ws}) != 1 or \
+                any(tuple(w.shape) != (o.shape[1], K) or o.shape[0] != T for o, w in zip(outs, ws)):
+            return super().matmuls(outs, x, ws, biases)
+        pad = 3 - len(ws)
+        outs, ws, biases = list(outs) + [self._dummy] * pad, list(ws) + [None] * pad, list(biases) + [None] * pad
+        Ns = [w.shape[0] if w is not None else 0 for w in ws]
+        k = self._kernel("dense.cl", "matmul3", self._wdtype(ws[0]))
+        g, l = self._2d(k, sum(Ns), -(-T // ROWS_PER_ITEM))
+        has_bias = sum(1 << j for j, b in enumerate(biases) if b is not None)
+        self._launch(k, g, l, *outs, x, K, *[self._dummy if w is None else self._data(w) for w in ws],
+                     *[self._dummy if w is None else self._scales(w) for w in ws],
+                     *[self._dummy if b is None else b.data for b in biases], has_bias, *Ns, T, K)
 
     def rmsnorm(self, out, x, weight, eps):
         D = x.shape[-1]
@@ -117,23 +134,115 @@ class Backend(OpenCLRuntime):
                      T, E, k, mode == "gated", bool(normalize), choice_bias is not None, float(norm_min))
 
     def align(self, bufs, ids, num_tokens, num_experts, top_k, tally=None):
+        """The plan on the device, cut into blocks of ROWS_PER_ITEM rows (moe.cl align): the grouped
+        kernels launch over the bound on the block count, so nothing is read back. The counts stay
+        on the device; Plan.fetch_counts copies them for the host paths that need them (the slot pool)."""
         N, E = num_tokens * top_k, num_experts
         offsets = bufs["offsets"][:E + 1]
         order, inverse = bufs["order"][:N], bufs["inverse"][:N]
         k = self._kernel("moe.cl", "align")
         L = self._local(k, min(256, roundup(E, 8)))
-        self._launch(k, (L,), (L,), offsets, order, inverse, self._dummy if tally is None else tally,
-                     tally is not None, ids, N, E, self.cl.LocalMemory(4 * E))
-        # Host round trip (E+1 ints): grouped_ffn launches one kernel pair per expert that has
-        # tokens, sized by its row count, so the host needs the counts to skip idle experts and
-        # size the launches.
-        host_offsets = self.download(offsets)
-        return Plan(offsets, order, inverse, np.diff(host_offsets), num_tokens, top_k, num_experts=E)
+        lm = self.cl.LocalMemory
+        self._launch(k, (L,), (L,), offsets, order, inverse, bufs["blocks"], bufs["nblocks"],
+                     self._dummy if tally is None else tally, tally is not None, ids, N, E, ROWS_PER_ITEM,
+                     lm(4 * E), lm(4 * E))
+
+        def fetch():
+            return np.diff(self.download(offsets))
+        return Plan(offsets, order, inverse, None, num_tokens, top_k, num_experts=E, blocks=bufs["blocks"],
+                    nblocks=bufs["nblocks"], block_rows=ROWS_PER_ITEM,
+                    max_blocks=max(1, min(N, -(-N // ROWS_PER_ITEM) + E - 1)), fetch_counts=fetch)
+
+    # a MoE layer's experts live in one buffer (upload_experts), found through a table of byte offsets
+    PACK_ALIGN = 256                    # bytes between packed expert blobs (Mali's cache line is 64)
+
+    def upload_experts(self, blobs, hidden, inter, fmts):
+        """A layer's experts packed into as few buffers as CL_DEVICE_MAX_MEM_ALLOC_SIZE allows (one,
+        for any model we know of), each blob at a multiple of PACK_ALIGN bytes; each buffer is filled
+        on the host and written once (Oclgrind re-creates a buffer's shadow on every host write)."""
+        from colibri_edge.modeldir import expert_formats, expert_sections
+        for f in set(expert_formats(fmts)):
+            self.check_dtype(f)
+        size = expert_sections(hidden, inter, fmts)[1]
+        stride = roundup(size, self.PACK_ALIGN)
+        limit = min(int(self.dev.max_mem_alloc_size), 2**31)
+        per = max(1, limit // stride)
+        blobs = iter(blobs)
+        out, group = [], []
+
+        def flush():
+            host = np.zeros(len(group) * stride, np.uint8)
+            for j, b in enumerate(group):
+                host[j * stride:j * stride + size] = np.asarray(b, np.uint8).reshape(-1)
+            buf = self.to_device(host, "uint8")
+            out.extend(self.expert_views(self.view(buf, j * stride, (size,), "uint8"), hidden, inter, fmts)
+                       for j in range(len(group)))
+            group.clear()
+        for b in blobs:
+            group.append(b)
+            if len(group) == per:
+                flush()
+        if group:
+            flush()
+        return out
+
+    def _expert_table(self, experts):
+        """-> (table [E, 6] uint32 on the device, base buffers (gate, up, down, their scales)) when every
+        expert's gate lies in one buffer, every up in one, every down in one (a packed layer, or a single
+        FFN), cached per expert list; None otherwise (slots: the per-expert path)."""
+        key = id(experts)
+        ent = self._tables.get(key)
+        if ent is not None and len(ent[0]) == len(experts) and all(a is b for a, b in zip(ent[0], experts)):
+            return ent[1]
+        if any(f is None for f in experts) or len({f.gate.dtype for f in experts} |
+                                                  {f.up.dtype for f in experts}) != 1 or \
+                len({f.down.dtype for f in experts}) != 1:
+            return None
+        bases, offs = [], []
+        for m in ("gate", "up", "down"):
+            ws = [getattr(f, m) for f in experts]
+            b = {w.data.base_data.int_ptr for w in ws}
+            sb = {w.scales.base_data.int_ptr for w in ws if w.scales is not None}
+            if len(b) != 1 or len(sb) > 1:
+                return None
+            bases.append(ws[0].data.base_data)
+            offs.append([w.data.offset for w in ws])
+        for m in ("gate", "up", "down"):
+            ws = [getattr(f, m) for f in experts]
+            bases.append(ws[0].scales.base_data if ws[0].scales is not None else self._dummy.base_data)
+            offs.append([w.scales.offset if w.scales is not None else 0 for w in ws])
+        tab = np.array(offs, np.int64).T
+        if tab.max() >= 2**32:
+            return None
+        res = (self.to_device(np.ascontiguousarray(tab, np.uint32), "uint32"), bases)
+        if len(self._tables) >= 4096:
+            self._tables.pop(next(iter(self._tables)))
+        self._tables[key] = (tuple(experts), res)
+        return res
 
     def grouped_ffn(self, out, x, experts, plan, scratch):
         T, H = x.shape
         topk = plan.top_k
         lda = scratch.shape[1]
+        packed = self._expert_table(experts) if plan.active is None and plan.blocks is not None else None
+        if packed is not None:
+            # every active expert in two launches, sized by the plan's bound on its blocks
+            tab, (gb, ub, db, gsb, usb, dsb) = packed
+            f0 = experts[0]
+            I = f0.gate.shape[0]
+            if I > lda:
+                raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"scratch has {lda} columns, expert needs {I}")
+            k = self._kernel("moe.cl", "ffn_gate_up_grouped", f0.gate.dtype)
+            g, l = self._2d(k, I, plan.max_blocks)
+            self._launch(k, g, l, scratch, lda, x, plan.order, plan.blocks, plan.nblocks, tab, gb, ub, gsb, usb,
+                         topk, H, I)
+            k = self._kernel("moe.cl", "ffn_down_grouped", f0.down.dtype)
+            g, l = self._2d(k, H, plan.max_blocks)
+            self._launch(k, g, l, out, scratch, lda, plan.blocks, plan.nblocks, tab, db, dsb, H, I)
+            return
+        # per expert (experts in separate buffers: the slot pool's slots): the host sizes each launch
+        if plan.counts is None:
+            plan.counts = plan.fetch_counts()
         starts = np.concatenate([[0], np.cumsum(plan.counts)]).astype(np.int64)
         work = [(int(e), int(starts[e]), int(plan.counts[e])) for e in plan.experts_to_run()]
         work = [wk for wk in work if wk[2] > 0]

@@ -15,10 +15,14 @@
  *   WI8=1                matrices are stored as int8 with a float32 scale per row, w[n, k] = q[n, k] * s[n]:
  *                        the dot product runs on q widened to float, the row's scale multiplies the
  *                        sum once (WSCALE); the scale vector is a kernel argument of every matrix
- *   WQ8_0=1, WQ4_0=1     matrices are ggml blocks of 32 (colibri_edge/quant.py), bytes [N, K / 32 * WBYTES]:
- *                        q8_0 = d:f16 | q:i8[32], w = d q;  q4_0 = d:f16 | qs:u8[16], w = d (nib - 8),
- *                        nib(i) = qs[i] & 15 for i < 16, qs[i - 16] >> 4 after. Decoded in registers as
- *                        the row streams: one float multiply by d per block of 32 (K % 32 == 0)
+ *   WQ8_0, WQ4_0, WQ4_1, WQ5_0, WQ5_1, WMXFP4 (blocks of 32), WQ4_K, WQ5_K, WQ6_K (blocks of 256) = 1
+ *                        matrices are ggml blocks (colibri_edge/quant.py has the layouts and the NumPy
+ *                        definitions), bytes [N, K / WQB * WBYTES]. A row streams as chunks of 32 weights
+ *                        decoded in registers (chunk_load): w = m q + add, q the chunk's small integers
+ *                        (mxfp4: the E2M1 values) as eight float4, m one multiplier per 16 weights (two
+ *                        differ only in q6_k), add one offset per chunk (q4_1, q5_1: the block's min;
+ *                        q4_k, q5_k: -dmin m_s). A chunk's dot is m0 (q . x)[0:16] + m1 (q . x)[16:32]
+ *                        + add sum(x): the integers meet the activations unscaled (K % WQB == 0)
  *   COLIBRI_HALF_MATH=1  only when the device reports cl_khr_fp16 and COLIBRI_DISABLE_FP16 is unset:
  *                        weight x activation products in half, accumulation in float
  * Shared with the host, defined once there (runtime.py DEFINES) and passed to every build:
@@ -43,10 +47,31 @@
 #ifndef WQ4_0
 #define WQ4_0 0
 #endif
-#if WF16 + WBF16 + WI8 + WQ8_0 + WQ4_0 > 1
-#error "WF16, WBF16, WI8, WQ8_0 and WQ4_0 are exclusive"
+#ifndef WQ4_1
+#define WQ4_1 0
 #endif
-#define WBLOCK (WQ8_0 || WQ4_0)
+#ifndef WQ5_0
+#define WQ5_0 0
+#endif
+#ifndef WQ5_1
+#define WQ5_1 0
+#endif
+#ifndef WMXFP4
+#define WMXFP4 0
+#endif
+#ifndef WQ4_K
+#define WQ4_K 0
+#endif
+#ifndef WQ5_K
+#define WQ5_K 0
+#endif
+#ifndef WQ6_K
+#define WQ6_K 0
+#endif
+#if WF16 + WBF16 + WI8 + WQ8_0 + WQ4_0 + WQ4_1 + WQ5_0 + WQ5_1 + WMXFP4 + WQ4_K + WQ5_K + WQ6_K > 1
+#error "the weight type switches (WF16, WBF16, WI8, WQ*, WMXFP4) are exclusive"
+#endif
+#define WBLOCK (WQ8_0 || WQ4_0 || WQ4_1 || WQ5_0 || WQ5_1 || WMXFP4 || WQ4_K || WQ5_K || WQ6_K)
 #ifndef COLIBRI_HALF_MATH
 #define COLIBRI_HALF_MATH 0
 #endif
@@ -90,19 +115,159 @@
 
 /* WROW(w, n, K): row n of a matrix with K columns; LDWR(row, k): its element k as float */
 #if WBLOCK
-#define WBYTES (WQ8_0 ? 34 : 18)
-#define WROW(w, n, K) ((w) + (size_t)(n) * ((K) / 32) * WBYTES)
+#if WQ8_0
+#define WQB 32
+#define WBYTES 34
+#elif WQ4_0
+#define WQB 32
+#define WBYTES 18
+#elif WQ4_1
+#define WQB 32
+#define WBYTES 20
+#elif WQ5_0
+#define WQB 32
+#define WBYTES 22
+#elif WQ5_1
+#define WQB 32
+#define WBYTES 24
+#elif WMXFP4
+#define WQB 32
+#define WBYTES 17
+#elif WQ4_K
+#define WQB 256
+#define WBYTES 144
+#elif WQ5_K
+#define WQB 256
+#define WBYTES 176
+#else
+#define WQB 256
+#define WBYTES 210
+#endif
+#define WHASADD (WQ4_1 || WQ5_1 || WQ4_K || WQ5_K)     /* chunks with an additive term */
+#define WROW(w, n, K) ((w) + (size_t)(n) * ((K) / WQB) * WBYTES)
+
+inline float ldh(__global const uchar* p)              /* a little-endian f16 at p (2-byte aligned) */
+{
+    return vload_half(0, (__global const half*)p);
+}
+
+#if WMXFP4
+/* E2M1 values, doubled (quant.py E2M1): the block's scale 2^(e - 128) halves them back */
+__constant float E2M1X2[16] = {0.f, 1.f, 2.f, 3.f, 4.f, 6.f, 8.f, 12.f, 0.f, -1.f, -2.f, -3.f, -4.f, -6.f, -8.f, -12.f};
+inline float4 e2m1x2(const uchar4 n)
+{
+    return (float4)(E2M1X2[n.x], E2M1X2[n.y], E2M1X2[n.z], E2M1X2[n.w]);
+}
+#endif
+
+/* Chunk c (32 weights, c < WQB / 32) of the block at blk: wq[j] = q of weights 4j .. 4j+3, and
+ * w = m.x q + add for weights 0..15, m.y q + add for 16..31 (the format table in quant.py) */
+inline void chunk_load(__global const uchar* blk, const int c, float4* wq, float2* m, float* add)
+{
+#if WQ8_0                                   /* d | q:i8[32]                      w = d q */
+    *m = (float2)(ldh(blk));
+    *add = 0.0f;
+    __global const char* q = (__global const char*)(blk + 2);
+    for (int j = 0; j < 8; ++j)
+        wq[j] = convert_float4(vload4(j, q));
+#elif WQ4_0 || WQ4_1                        /* d (| min) | qs[16]                w = d nib (- 8 d | + min) */
+    *m = (float2)(ldh(blk));
+#if WQ4_1
+    *add = ldh(blk + 2);
+    __global const uchar* qs = blk + 4;
+    const float sub = 0.0f;
+#else
+    *add = 0.0f;
+    __global const uchar* qs = blk + 2;
+    const float sub = 8.0f;
+#endif
+    for (int j = 0; j < 4; ++j) {
+        const uchar4 p = vload4(j, qs);
+        wq[j] = convert_float4(p & (uchar4)(15)) - sub;           /* weights 4j .. 4j+3 */
+        wq[j + 4] = convert_float4(p >> (uchar4)(4)) - sub;       /* weights 16+4j .. */
+    }
+#elif WQ5_0 || WQ5_1                        /* d (| min) | qh:u32 | qs[16]      w = d (nib | hb << 4) (- 16 d | + min) */
+    *m = (float2)(ldh(blk));
+#if WQ5_1
+    *add = ldh(blk + 2);
+    __global const uchar* qhp = blk + 4;
+    const float sub = 0.0f;
+#else
+    *add = 0.0f;
+    __global const uchar* qhp = blk + 2;
+    const float sub = 16.0f;
+#endif
+    const uint qh = (uint)qhp[0] | ((uint)qhp[1] << 8) | ((uint)qhp[2] << 16) | ((uint)qhp[3] << 24);
+    for (int j = 0; j < 4; ++j) {
+        const uint4 p = convert_uint4(vload4(j, qhp + 4));
+        const uint4 bit = (uint4)(4 * j, 4 * j + 1, 4 * j + 2, 4 * j + 3);
+        wq[j] = convert_float4((p & 15u) | (((uint4)(qh) >> bit) & 1u) << 4) - sub;
+        wq[j + 4] = convert_float4((p >> 4) | (((uint4)(qh) >> (bit + 16u)) & 1u) << 4) - sub;
+    }
+#elif WMXFP4                                /* e:u8 | qs[16]                    w = 2^(e-128) E2M1x2[nib] */
+    const uint e = blk[0];
+    *m = (float2)(as_float(e < 2 ? (0x00200000u << e) : ((e - 1u) << 23)));
+    *add = 0.0f;
+    for (int j = 0; j < 4; ++j) {
+        const uchar4 p = vload4(j, blk + 1);
+        wq[j] = e2m1x2(p & (uchar4)(15));
+        wq[j + 4] = e2m1x2(p >> (uchar4)(4));
+    }
+#elif WQ4_K || WQ5_K                        /* d | dmin | scales[12] | (qh[32] |) qs[128]   chunk = sub-block c */
+    const float d = ldh(blk), dmin = ldh(blk + 2);
+    __global const uchar* sc = blk + 4;
+    int s, mn;                              /* get_scale_min_k4 */
+    if (c < 4) {
+        s = sc[c] & 63;
+        mn = sc[c + 4] & 63;
+    } else {
+        s = (sc[c + 4] & 15) | ((sc[c - 4] >> 6) << 4);
+        mn = (sc[c + 4] >> 4) | ((sc[c] >> 6) << 4);
+    }
+    *m = (float2)(d * (float)s);
+    *add = -dmin * (float)mn;
+#if WQ5_K
+    __global const uchar* qh = blk + 16;
+    __global const uchar* qs = blk + 48 + 32 * (c >> 1);
+#else
+    __global const uchar* qs = blk + 16 + 32 * (c >> 1);
+#endif
+    const uint sh = (c & 1) ? 4u : 0u;      /* even sub-blocks: low nibbles of their 32 bytes */
+    for (int j = 0; j < 8; ++j) {
+        uint4 q = (convert_uint4(vload4(j, qs)) >> sh) & 15u;
+#if WQ5_K
+        q |= ((convert_uint4(vload4(j, qh)) >> (uint)c) & 1u) << 4;
+#endif
+        wq[j] = convert_float4(q);
+    }
+#else                                       /* q6_k: ql[128] | qh[64] | scales:i8[16] | d;  chunk = half h, part p */
+    const int h = c >> 2, p = c & 3;
+    const float d = ldh(blk + 208);
+    __global const char* scl = (__global const char*)(blk + 192);
+    *m = (float2)(d * (float)scl[8 * h + 2 * p], d * (float)scl[8 * h + 2 * p + 1]);
+    *add = 0.0f;
+    __global const uchar* ql = blk + 64 * h + 32 * (p & 1);
+    __global const uchar* qh = blk + 128 + 32 * h;
+    const uint shl = 4u * (uint)(p >> 1), shh = 2u * (uint)p;
+    for (int j = 0; j < 8; ++j) {
+        const uint4 lo = (convert_uint4(vload4(j, ql)) >> shl) & 15u;
+        const uint4 hi = (convert_uint4(vload4(j, qh)) >> shh) & 3u;
+        wq[j] = convert_float4(convert_int4(lo | (hi << 4)) - 32);
+    }
+#endif
+}
+
 inline float ldw_block(__global const uchar* row, const int k)
 {
-    __global const uchar* blk = row + (size_t)(k / 32) * WBYTES;
-    const float d = vload_half(0, (__global const half*)blk);
-    const int j = k % 32;
-#if WQ8_0
-    return d * (float)((__global const char*)(blk + 2))[j];
-#else
-    const uchar q = blk[2 + (j & 15)];
-    return d * (float)((j < 16 ? (q & 15) : (q >> 4)) - 8);
-#endif
+    float4 wq[8];
+    float2 m;
+    float add;
+    const int i = k % 32;
+    chunk_load(row + (size_t)(k / WQB) * WBYTES, (k % WQB) / 32, wq, &m, &add);
+    float q = 0.0f;                          /* wq's element i, by a one-hot dot: no dynamic index */
+    for (int j = 0; j < 8; ++j)
+        q += dot(wq[j], convert_float4((int4)(4 * j, 4 * j + 1, 4 * j + 2, 4 * j + 3) == (int4)(i)) * -1.0f);
+    return (i < 16 ? m.x : m.y) * q + add;
 }
 #define LDWR(row, k) ldw_block((row), (k))
 #else
@@ -135,57 +300,66 @@ inline float hdot4(const half4 w, const float4 x)
 
 #if WBLOCK
 
-/* the 32 weights of one block, unscaled, as eight float4 (q8_0: q; q4_0: nib - 8) */
-inline void block_load(__global const uchar* blk, float4* wq)
-{
-#if WQ8_0
-    __global const char* q = (__global const char*)(blk + 2);
-    for (int j = 0; j < 8; ++j)
-        wq[j] = convert_float4(vload4(j, q));
-#else
-    for (int j = 0; j < 4; ++j) {
-        const uchar4 p = vload4(j, blk + 2);
-        wq[j] = convert_float4(p & (uchar4)(15)) - 8.0f;          /* weights 4j .. 4j+3 */
-        wq[j + 4] = convert_float4(p >> (uchar4)(4)) - 8.0f;      /* weights 16+4j .. */
-    }
-#endif
-}
-
 /* sum_k w[k] * x[k], k < K (w: a row of blocks) */
 inline float dotw(__global const uchar* w, __global const float* x, const int K)
 {
     float acc = 0.0f;
     float4 wq[8];
-    for (int b = 0; b < K / 32; ++b) {
-        __global const uchar* blk = w + (size_t)b * WBYTES;
-        block_load(blk, wq);
-        __global const float* xb = x + 32 * b;
-        float s = 0.0f;
+    float2 m;
+    float add;
+    for (int c = 0; c < K / 32; ++c) {
+        chunk_load(w + (size_t)(c / (WQB / 32)) * WBYTES, c % (WQB / 32), wq, &m, &add);
+        __global const float* xc = x + 32 * c;
+        float s0 = 0.0f, s1 = 0.0f;
+        for (int j = 0; j < 4; ++j) {
+            s0 += dot(wq[j], vload4(j, xc));
+            s1 += dot(wq[j + 4], vload4(j + 4, xc));
+        }
+        acc += m.x * s0 + m.y * s1;
+#if WHASADD
+        float sx = 0.0f;
         for (int j = 0; j < 8; ++j)
-            s += dot(wq[j], vload4(j, xb));
-        acc += vload_half(0, (__global const half*)blk) * s;
+            sx += dot(vload4(j, xc), (float4)(1.0f));
+        acc += add * sx;
+#endif
     }
     return acc;
 }
 
-/* the same row of blocks against four activation rows: each block decoded once */
+/* the same row of blocks against four activation rows: each chunk decoded once */
 inline float4 dotw4(__global const uchar* w, __global const float* x0, __global const float* x1,
                     __global const float* x2, __global const float* x3, const int K)
 {
     float4 acc = (float4)(0.0f);
     float4 wq[8];
-    for (int b = 0; b < K / 32; ++b) {
-        __global const uchar* blk = w + (size_t)b * WBYTES;
-        block_load(blk, wq);
-        const int o = 32 * b;
-        float4 s = (float4)(0.0f);
-        for (int j = 0; j < 8; ++j) {
-            s.x += dot(wq[j], vload4(j, x0 + o));
-            s.y += dot(wq[j], vload4(j, x1 + o));
-            s.z += dot(wq[j], vload4(j, x2 + o));
-            s.w += dot(wq[j], vload4(j, x3 + o));
+    float2 m;
+    float add;
+    for (int c = 0; c < K / 32; ++c) {
+        chunk_load(w + (size_t)(c / (WQB / 32)) * WBYTES, c % (WQB / 32), wq, &m, &add);
+        const int o = 32 * c;
+        float4 s0 = (float4)(0.0f), s1 = (float4)(0.0f);
+        for (int j = 0; j < 4; ++j) {
+            s0.x += dot(wq[j], vload4(j, x0 + o));
+            s0.y += dot(wq[j], vload4(j, x1 + o));
+            s0.z += dot(wq[j], vload4(j, x2 + o));
+            s0.w += dot(wq[j], vload4(j, x3 + o));
+            s1.x += dot(wq[j + 4], vload4(j + 4, x0 + o));
+            s1.y += dot(wq[j + 4], vload4(j + 4, x1 + o));
+            s1.z += dot(wq[j + 4], vload4(j + 4, x2 + o));
+            s1.w += dot(wq[j + 4], vload4(j + 4, x3 + o));
         }
-        acc += vload_half(0, (__global const half*)blk) * s;
+        acc += m.x * s0 + m.y * s1;
+#if WHASADD
+        const float4 one = (float4)(1.0f);
+        float4 sx = (float4)(0.0f);
+        for (int j = 0; j < 8; ++j) {
+            sx.x += dot(vload4(j, x0 + o), one);
+            sx.y += dot(vload4(j, x1 + o), one);
+            sx.z += dot(vload4(j, x2 + o), one);
+            sx.w += dot(vload4(j, x3 + o), one);
+        }
+        acc += add * sx;
+#endif
     }
     return acc;
 }

@@ -55,6 +55,43 @@ __kernel void matmul4(ARG(float, out), const int ldo, CARG(float, x), const int 
     if (t0 + 3 < T) out[(size_t)(t0 + 3) * ldo + n] = acc.w;
 }
 
+/* Up to three projections of the same x in one launch (attention's q, k, v):
+ *   out_j[t, n] = sum_k x[t, k] * w_j[n, k]  (* s_j[n], int8)  (+ b_j[n] when bit j of has_bias)
+ *   out_j [T,N_j] contiguous, x [T,K] (row stride ldx), w_j [N_j,K] one storage type, b_j [N_j] fp32
+ * Work-item n of N0 + N1 + N2 computes column n - (N0 + ... ) of the projection it falls in, for
+ * ROWS_PER_ITEM tokens (one, by the single-row dot, when T == 1: decode). global (N0+N1+N2, ceil(T/4)) */
+__kernel void matmul3(ARG(float, out0), ARG(float, out1), ARG(float, out2), CARG(float, x), const int ldx,
+                      CARG(WTYPE, w0), CARG(WTYPE, w1), CARG(WTYPE, w2), CARG(float, s0), CARG(float, s1),
+                      CARG(float, s2), CARG(float, b0), CARG(float, b1), CARG(float, b2), const int has_bias,
+                      const int N0, const int N1, const int N2, const int T, const int K)
+{
+    const int col = get_global_id(0), t0 = ROWS_PER_ITEM * get_global_id(1);
+    if (col >= N0 + N1 + N2 || t0 >= T)
+        return;
+    BIND(float, out0); BIND(float, out1); BIND(float, out2); CBIND(float, x);
+    CBIND(WTYPE, w0); CBIND(WTYPE, w1); CBIND(WTYPE, w2); CBIND(float, s0); CBIND(float, s1); CBIND(float, s2);
+    CBIND(float, b0); CBIND(float, b1); CBIND(float, b2);
+    const int j = col < N0 ? 0 : (col < N0 + N1 ? 1 : 2);
+    const int n = col - (j > 0 ? N0 : 0) - (j > 1 ? N1 : 0);
+    const int N = j == 0 ? N0 : (j == 1 ? N1 : N2);
+    __global const WTYPE* w = j == 0 ? w0 : (j == 1 ? w1 : w2);
+    __global const float* sc = j == 0 ? s0 : (j == 1 ? s1 : s2);
+    __global const float* b = j == 0 ? b0 : (j == 1 ? b1 : b2);
+    __global float* out = j == 0 ? out0 : (j == 1 ? out1 : out2);
+    const float bias = (has_bias >> j) & 1 ? b[n] : 0.0f;
+    if (T == 1) {
+        out[n] = dotw(WROW(w, n, K), x, K) * WSCALE(sc, n) + bias;
+        return;
+    }
+    const int t1 = min(t0 + 1, T - 1), t2 = min(t0 + 2, T - 1), t3 = min(t0 + 3, T - 1);
+    const float4 acc = dotw4(WROW(w, n, K), x + (size_t)t0 * ldx, x + (size_t)t1 * ldx, x + (size_t)t2 * ldx,
+                             x + (size_t)t3 * ldx, K) * WSCALE(sc, n) + bias;
+    out[(size_t)t0 * N + n] = acc.x;
+    if (t0 + 1 < T) out[(size_t)(t0 + 1) * N + n] = acc.y;
+    if (t0 + 2 < T) out[(size_t)(t0 + 2) * N + n] = acc.z;
+    if (t0 + 3 < T) out[(size_t)(t0 + 3) * N + n] = acc.w;
+}
+
 /* out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * weight[:]      out, x [R,D], weight [D] fp32
  * One work-group per row; local size L a power of two; part: L floats of local memory.
  * In place (out == x) is safe: each element is read and written by the same work-item. */

@@ -58,18 +58,28 @@ __kernel void route(ARG(int, out_ids), ARG(float, out_w), CARG(float, logits), C
             out_w[(size_t)t * k + j] /= fmax(wsum, norm_min);
 }
 
-/* align: counting sort of the N = T*k assignments a = t*k + j by expert ids[a] (stable):
+/* align: counting sort of the N = T*k assignments a = t*k + j by expert ids[a] (stable), then the
+ * rows cut into blocks of at most BM rows, each block one expert (CUDA's moe_align, vLLM's
+ * moe_align_block_size without padding rows):
  *   counts[e] = #{a : ids[a] == e};   offsets[e] = sum_{e' < e} counts[e'],  offsets[E] = N
  *   order[offsets[e] + r] = the r-th assignment (ascending a) with ids[a] == e
  *   inverse[order[s]] = s
+ *   blocks[b] = (expert, first row, end row), nblocks[0] = number of blocks
  *   tally[e] += counts[e]  when has_tally (tokens routed to each expert, over the engine's life)
+ * Worked example: ids = [[2,0],[0,3],[2,0]] (T=3, k=2, E=4), BM = 2
+ *   counts = [3,0,2,1], offsets = [0,3,3,5,6], order = [1,2,5, 0,4, 3], inverse = [3,0,1,5,4,2]
+ *   blocks = (0,0,2) (0,2,3) (2,3,5) (3,5,6), nblocks = 4
+ * There are never more than min(N, ceil(N/BM) + E - 1) blocks: the grouped kernels are launched over
+ * that bound and work-items past nblocks[0] return, so no host copy of the plan is needed.
  * One work-group (size L); work-item i handles experts i, i + L, ... (no atomics: deterministic).
- * cnt: E local ints. global (L), local (L) */
-__kernel void align(ARG(int, offsets), ARG(int, order), ARG(int, inverse), ARG(int, tally), const int has_tally,
-                    CARG(int, ids), const int N, const int E, __local int* cnt)
+ * cnt, bst: E local ints each. global (L), local (L) */
+__kernel void align(ARG(int, offsets), ARG(int, order), ARG(int, inverse), ARG(int, blocks), ARG(int, nblocks),
+                    ARG(int, tally), const int has_tally, CARG(int, ids), const int N, const int E, const int BM,
+                    __local int* cnt, __local int* bst)
 {
     const int i = get_local_id(0), L = get_local_size(0);
-    BIND(int, offsets); BIND(int, order); BIND(int, inverse); BIND(int, tally); CBIND(int, ids);
+    BIND(int, offsets); BIND(int, order); BIND(int, inverse); BIND(int, blocks); BIND(int, nblocks);
+    BIND(int, tally); CBIND(int, ids);
     for (int e = i; e < E; e += L) {
         int c = 0;
         for (int a = 0; a < N; ++a)
@@ -80,24 +90,33 @@ __kernel void align(ARG(int, offsets), ARG(int, order), ARG(int, inverse), ARG(i
     }
     barrier(CLK_LOCAL_MEM_FENCE);
     if (i == 0) {
-        int s = 0;
+        int s = 0, nb = 0;
         for (int e = 0; e < E; ++e) {
             const int c = cnt[e];
             cnt[e] = s;
+            bst[e] = nb;
             offsets[e] = s;
             s += c;
+            nb += (c + BM - 1) / BM;
         }
         offsets[E] = s;
+        nblocks[0] = nb;
     }
     barrier(CLK_LOCAL_MEM_FENCE);
     for (int e = i; e < E; e += L) {
-        int pos = cnt[e];
+        const int first = cnt[e];
+        int pos = first;
         for (int a = 0; a < N; ++a)
             if (ids[a] == e) {
                 order[pos] = a;
                 inverse[a] = pos;
                 ++pos;
             }
+        for (int r = first, b = bst[e]; r < pos; r += BM, ++b) {
+            blocks[3 * b] = e;
+            blocks[3 * b + 1] = r;
+            blocks[3 * b + 2] = min(r + BM, pos);
+        }
     }
 }
 
@@ -132,6 +151,81 @@ __kernel void ffn_gate_up(ARG(float, act), const int lda, CARG(float, x), CARG(i
     if (r0 + 1 < n) out[(size_t)lda] = a.y;
     if (r0 + 2 < n) out[(size_t)2 * lda] = a.z;
     if (r0 + 3 < n) out[(size_t)3 * lda] = a.w;
+}
+
+/* The grouped kernels: one launch covers every block of the plan (every active expert), so a MoE
+ * layer is route, align, ffn_gate_up_grouped, ffn_down_grouped, combine whatever the routing, and the
+ * host never reads the plan. OpenCL 1.2 has no pointer tables: the experts' matrices are found as
+ * byte offsets into a few base buffers (the backend packs a layer's experts into one buffer):
+ *   tab [E, 6] uint: byte offsets of expert e's gate, up, down and of their int8 row scales, into
+ *   gbase, ubase, dbase, gsbase, usbase, dsbase (the float types: scale offsets unread).
+ * A work-item owns one block (<= ROWS_PER_ITEM rows of one expert) and one output column; a block
+ * of one row (decode) takes the single-row dot, so a token costs no more arithmetic than a GEMV. */
+#define EXPERT_MAT(base, e, m) ((__global const WTYPE*)((base) + tab[6 * (e) + (m)]))
+#define EXPERT_SCALES(base, e, m) ((__global const float*)((base) + tab[6 * (e) + 3 + (m)]))
+
+/* act[r, i] = silu(gate_e[i] . x[tok(r)]) * (up_e[i] . x[tok(r)])  for the rows r of block b (expert e),
+ * tok(r) = order[r] / topk.  global (I, max_blocks) */
+__kernel void ffn_gate_up_grouped(ARG(float, act), const int lda, CARG(float, x), CARG(int, order),
+                                  CARG(int, blocks), CARG(int, nblocks), CARG(uint, tab),
+                                  __global const uchar* gbase, __global const uchar* ubase,
+                                  __global const uchar* gsbase, __global const uchar* usbase,
+                                  const int topk, const int H, const int I)
+{
+    const int i = get_global_id(0), b = get_global_id(1);
+    BIND(float, act); CBIND(float, x); CBIND(int, order); CBIND(int, blocks); CBIND(int, nblocks); CBIND(uint, tab);
+    if (i >= I || b >= nblocks[0])
+        return;
+    const int e = blocks[3 * b], r0 = blocks[3 * b + 1], n = blocks[3 * b + 2] - r0;
+    __global const WTYPE* grow = WROW(EXPERT_MAT(gbase, e, 0), i, H);
+    __global const WTYPE* urow = WROW(EXPERT_MAT(ubase, e, 1), i, H);
+    const float gs = WSCALE(EXPERT_SCALES(gsbase, e, 0), i), us = WSCALE(EXPERT_SCALES(usbase, e, 1), i);
+    __global const int* ord = order + r0;
+    __global float* out = act + (size_t)r0 * lda + i;
+    if (n == 1) {
+        __global const float* x0 = x + (size_t)(ord[0] / topk) * H;
+        const float g = dotw(grow, x0, H) * gs, u = dotw(urow, x0, H) * us;
+        out[0] = g / (1.0f + exp(-g)) * u;
+        return;
+    }
+    const int r1 = min(1, n - 1), r2 = min(2, n - 1), r3 = min(3, n - 1);
+    __global const float* x0 = x + (size_t)(ord[0] / topk) * H;
+    __global const float* x1 = x + (size_t)(ord[r1] / topk) * H;
+    __global const float* x2 = x + (size_t)(ord[r2] / topk) * H;
+    __global const float* x3 = x + (size_t)(ord[r3] / topk) * H;
+    const float4 g = dotw4(grow, x0, x1, x2, x3, H) * gs;
+    const float4 u = dotw4(urow, x0, x1, x2, x3, H) * us;
+    const float4 a = g / (1.0f + exp(-g)) * u;
+    out[0] = a.x;
+    if (n > 1) out[(size_t)lda] = a.y;
+    if (n > 2) out[(size_t)2 * lda] = a.z;
+    if (n > 3) out[(size_t)3 * lda] = a.w;
+}
+
+/* y[r, h] = down_e[h] . act[r, :I]  for the rows r of block b (expert e).  global (H, max_blocks) */
+__kernel void ffn_down_grouped(ARG(float, y), CARG(float, act), const int lda, CARG(int, blocks),
+                               CARG(int, nblocks), CARG(uint, tab), __global const uchar* dbase,
+                               __global const uchar* dsbase, const int H, const int I)
+{
+    const int h = get_global_id(0), b = get_global_id(1);
+    BIND(float, y); CBIND(float, act); CBIND(int, blocks); CBIND(int, nblocks); CBIND(uint, tab);
+    if (h >= H || b >= nblocks[0])
+        return;
+    const int e = blocks[3 * b], r0 = blocks[3 * b + 1], n = blocks[3 * b + 2] - r0;
+    __global const WTYPE* drow = WROW(EXPERT_MAT(dbase, e, 2), h, I);
+    const float ds = WSCALE(EXPERT_SCALES(dsbase, e, 2), h);
+    __global const float* a0 = act + (size_t)r0 * lda;
+    __global float* out = y + (size_t)r0 * H + h;
+    if (n == 1) {
+        out[0] = dotw(drow, a0, I) * ds;
+        return;
+    }
+    const float4 v = dotw4(drow, a0, a0 + (size_t)min(1, n - 1) * lda, a0 + (size_t)min(2, n - 1) * lda,
+                           a0 + (size_t)min(3, n - 1) * lda, I) * ds;
+    out[0] = v.x;
+    if (n > 1) out[(size_t)H] = v.y;
+    if (n > 2) out[(size_t)2 * H] = v.z;
+    if (n > 3) out[(size_t)3 * H] = v.w;
 }
 
 /* out[t, h] += sum_j w[t, j] * y[inverse[t*k + j], h]     (the residual add is fused)

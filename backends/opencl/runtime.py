@@ -8,7 +8,7 @@ Kernels live in the .cl files beside this module (OpenCL C 1.2, built with -cl-s
     moe.cl        route, align, ffn_gate_up, combine
 dense.cl and moe.cl are built per weight type (float32; WF16=1: half read with vload_half; WBF16=1:
 bfloat16 widened in-register; WI8=1: int8 widened, each row's float32 scale applied to its sum;
-WQ8_0=1 / WQ4_0=1: ggml's blocks of 32 decoded in registers, one scale multiply a block), and, for half weights on a device that reports cl_khr_fp16 (unless
+WQ8_0=1 ... WQ6_K=1, WMXFP4=1: ggml's blocks decoded in registers chunk by chunk of 32 weights), and, for half weights on a device that reports cl_khr_fp16 (unless
 COLIBRI_DISABLE_FP16 / `disable_fp16`), with COLIBRI_HALF_MATH=1: half products, float accumulation.
 Constants the host and the kernels share are defined once, in DEFINES, and passed to every build.
 
@@ -33,9 +33,10 @@ WEIGHT_PROGRAMS = ("dense.cl", "moe.cl")        # built once per weight type
 CL_STD = "-cl-std=CL1.2"
 ROWS_PER_ITEM = 4                               # tokens per work-item of matmul4 / ffn_gate_up
 DEFINES = f"-DROWS_PER_ITEM={ROWS_PER_ITEM}"
-WEIGHT_DTYPES = ("float32", "float16", "bfloat16", "int8", "q8_0", "q4_0")
+BLOCK_DTYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4", "q4_k", "q5_k", "q6_k")   # quant.BLOCK's
+WEIGHT_DTYPES = ("float32", "float16", "bfloat16", "int8") + BLOCK_DTYPES
 _HOST = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "int8": np.int8, "uint8": np.uint8,
-         "q8_0": np.uint8, "q4_0": np.uint8}               # block formats: their bytes [N, row_bytes]
+         "uint32": np.uint32, **{f: np.uint8 for f in BLOCK_DTYPES}}   # block formats: bytes [N, row_bytes]
 
 # -- errors ----------------------------------------------------------------------------------------
 def _error(cl, e, where):
@@ -83,7 +84,7 @@ def weight_options(dtype: str, half_math: bool = False) -> str:
         return f"{CL_STD} {DEFINES} -DWBF16=1"
     if dtype == "int8":
         return f"{CL_STD} {DEFINES} -DWI8=1"
-    if dtype in ("q8_0", "q4_0"):
+    if dtype in BLOCK_DTYPES:
         return f"{CL_STD} {DEFINES} -DW{dtype.upper()}=1"
     return f"{CL_STD} {DEFINES} -DWF16=0"
 
@@ -204,7 +205,8 @@ class OpenCLRuntime(BackendBase):
         self.max_wg = int(dev.max_work_group_size)
         self._kernels, self._wg = {}, {}
         for name, opts in build_variants(self.fp16_device, disable_fp16):
-            self.shared.program(cl, name, opts)
+            if name not in WEIGHT_PROGRAMS:     # the weight programs: per format, in prepare() or when first used
+                self.shared.program(cl, name, opts)
         # what a step costs the host: kernel launches, blocking device->host reads (downloads and
         # queue drains) and host->device writes, counted per step between begin_step calls
         self.counts = {"launches": 0, "reads": 0, "writes": 0}
@@ -213,6 +215,14 @@ class OpenCLRuntime(BackendBase):
         self._dummy = self.alloc((1,), np.float32)       # bound to an absent optional argument
 
     copies_weights = True
+
+    def prepare(self, formats, max_cols, max_rows=2):
+        """Build the weight programs of the model's formats (and float32's: activations as matrices),
+        nothing else: 13 weight types x 2 programs would cost seconds of PoCL builds at every open."""
+        for f in {"float32", *formats}:
+            opts = weight_options(f, self.half_math)
+            for name in WEIGHT_PROGRAMS:
+                self.shared.program(self.cl, name, opts)
 
     def memory_available(self):
         """The device's global memory (OpenCL has no query for what is free); on a CPU device (PoCL)

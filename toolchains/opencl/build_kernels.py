@@ -9,7 +9,7 @@
                                       ones PoCL on a CPU and Oclgrind never compile; and the
                                       half-arithmetic variant must be refused without cl_khr_fp16
 
-The fp32, half-storage and block (q8_0, q4_0) variants are proven to need no cl_khr_fp16 by the device build (PoCL's
+The fp32, half-storage and block-format (q8_0 ... q6_k, mxfp4) variants are proven to need no cl_khr_fp16 by the device build (PoCL's
 CPU device and Oclgrind report none). Offline, clang 14's builtin declarations hide vload_half
 when cl_khr_fp16 is disabled (a clang bug: vload_half is core OpenCL C 1.2), so the offline
 builds of those variants keep the spir target's default extensions, fp64 removed.
@@ -87,8 +87,8 @@ def offline_builds(clang):
             jobs += [(name, ["-DWF16=0"], no_ext, "no fp16/fp64 device"),
                      (name, ["-DWBF16=1"], no_ext, "no fp16/fp64 device"),
                      (name, ["-DWI8=1"], no_ext, "no fp16/fp64 device"),
-                     (name, ["-DWQ8_0=1"], no_fp64, "no fp64 device"),   # block scales: vload_half, as WF16
-                     (name, ["-DWQ4_0=1"], no_fp64, "no fp64 device"),
+                     # block formats (scales read with vload_half, as WF16)
+                     *[(name, [f"-DW{f.upper()}=1"], no_fp64, "no fp64 device") for f in ocl.BLOCK_DTYPES],
                      (name, ["-DWF16=1", "-DCOLIBRI_HALF_MATH=0"], no_fp64, "no fp64 device"),
                      (name, ["-DWF16=1", "-DCOLIBRI_HALF_MATH=1"], fp16, "cl_khr_fp16 device")]
         else:

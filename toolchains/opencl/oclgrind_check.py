@@ -28,7 +28,7 @@ OCLGRIND_FLAGS = ("--data-races", "--uninitialized")
 SENTINEL = "COLIBRI_OCLGRIND_PLATFORM="
 
 # micro models: (case in tests/hf_models.py, overrides, stored weight dtype, engine options).
-# hidden <= 64, 2 layers.
+# hidden <= 64 (256 for the K-quants' blocks of 256), 2 layers.
 MICRO = [
     ("mixtral", {}, None, {}),                               # GQA, head_dim 24, top-2 of 4
     ("qwen2_moe_norm", {}, None, {}),                        # shared expert with sigmoid gate
@@ -40,6 +40,12 @@ MICRO = [
                                                              # scales read from the slots' blobs
     ("mixtral", {"intermediate_size": 64}, "q4_0", {}),      # ggml blocks of 32 (rows K % 32 == 0)
     ("mixtral", {"intermediate_size": 64}, "q8_0", {"expert_slots": 2}),
+    ("mixtral", {"intermediate_size": 64}, "q4_1", {}),      # a block min (the additive term)
+    ("mixtral", {"intermediate_size": 64}, "q5_0", {}),      # fifth bits from a u32 at an odd half-word
+    ("mixtral", {"intermediate_size": 64}, "q5_1", {}),
+    ("mixtral", {"intermediate_size": 64}, "mxfp4", {}),     # blocks of 17 bytes: odd row strides
+    ("mixtral", {"hidden_size": 256, "intermediate_size": 256}, "q4_k_m", {}),   # q4_k, q6_k, q5_k, q8_0 mix
+    ("mixtral", {"hidden_size": 256, "intermediate_size": 256, "head_dim": 64}, "q5_k", {"expert_slots": 2}),
 ]
 PROMPT_TOKENS = 8      # <= 8 tokens: prefill in chunks of 5 (a chunk at position > 0), then decode
 DECODE_TOKENS = 3
