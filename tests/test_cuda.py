@@ -204,3 +204,19 @@ def test_graph_and_stream_modes_agree(gpu, streams, model_cache, monkeypatch):
             assert cpu.generate_batch(prompts, max_new_tokens=7) == stream_out
             cpu.generate_batch(prompts, max_new_tokens=7)
             np.testing.assert_array_equal(counts, cpu.expert_counts)
+
+
+def test_gemv_formats_benchmark_checks_every_format(gpu, tmp_path):
+    """gpu-check's per-format GEMV (toolchains/cuda/gemv_formats.py), small: every weight type the
+    backend runs passes its check against the reference before it is timed, and gets a figure."""
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "gemv.json"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "toolchains/cuda/gemv_formats.py"), "--k", "256",
+                        "--mib", "0.05", "--reps", "1", "--out", str(out)], capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert p.returncode == 0, p.stdout + p.stderr
+    r = json.loads(out.read_text())
+    assert set(r["formats"]) == set(create("cuda").weight_dtypes)
+    assert all(v["rel_err"] < 1e-4 and v["us"] > 0 for v in r["formats"].values())

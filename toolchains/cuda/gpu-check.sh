@@ -11,11 +11,14 @@
 #      but never skip for want of the backend
 #   4. benchmark: decode tok/s (stream and graph mode, batch 1 and 8), the device time and GB/s of
 #      one decode step, prefill tok/s (toolchains/cuda/bench.py)
+#   5. decode GEMV GB/s per weight format (float32 ... q6_k, mxfp4) against float16's, each format
+#      checked against the reference backend before it is timed (toolchains/cuda/gemv_formats.py)
 # Everything lands in $OUT (or ./gpu-check-out): summary.md, env.txt, install.log, nvrtc.log,
-# tests.log, junit.xml, bench.json, bench.log. Exit status: 0 only if the probe, NVRTC and every
+# tests.log, junit.xml, bench.json, bench.log, gemv.json, gemv.log. Exit status: 0 only if the probe, NVRTC and every
 # test passed.
 #   PYTHON=python3.12 ...  picks the interpreter;  GPU_CHECK_QUICK=1 skips the whole-model tests;
-#   GPU_CHECK_TEST_TIMEOUT / GPU_CHECK_BENCH_TIMEOUT (300 / 90 s), GPU_CHECK_BENCH_ARGS (bench.py options).
+#   GPU_CHECK_TEST_TIMEOUT / GPU_CHECK_BENCH_TIMEOUT / GPU_CHECK_GEMV_TIMEOUT (270 / 75 / 60 s; with
+#   NVRTC's 60 s, under 8 minutes in all), GPU_CHECK_BENCH_ARGS (bench.py options).
 set -u
 cd "$(dirname "$0")/../.."
 REPO="$(pwd)"
@@ -45,7 +48,7 @@ run_limited() {   # seconds, command...
     if [ "$have_timeout" = 1 ]; then timeout --kill-after=10 "$s" "$@"; else "$@"; fi
 }
 
-status_probe=FAIL; status_nvrtc=SKIP; status_tests=SKIP; status_bench=SKIP
+status_probe=FAIL; status_nvrtc=SKIP; status_tests=SKIP; status_bench=SKIP; status_gemv=SKIP
 
 # -- 1. environment ------------------------------------------------------------------------------
 {
@@ -89,19 +92,27 @@ if [ "$status_probe" = PASS ]; then
     echo "== [$(T)s] tests"
     KSEL="cuda"
     [ "${GPU_CHECK_QUICK:-0}" = 1 ] && KSEL="cuda and not parity and not greedy and not teacher and not graph_and"
-    if run_limited "${GPU_CHECK_TEST_TIMEOUT:-300}" "${PYP[@]}" -m pytest -q -ra -p no:cacheprovider \
+    if run_limited "${GPU_CHECK_TEST_TIMEOUT:-270}" "${PYP[@]}" -m pytest -q -ra -p no:cacheprovider \
             --junitxml "$OUTDIR/junit.xml" -k "$KSEL" tests/test_cuda.py tests/test_kernels.py tests/test_parity.py \
-            tests/test_generation.py tests/test_weight_types.py tests/test_slots.py > "$OUTDIR/tests.log" 2>&1; then
+            tests/test_generation.py tests/test_weight_types.py tests/test_slots.py tests/test_block_formats.py \
+            > "$OUTDIR/tests.log" 2>&1; then
         status_tests=PASS; else status_tests=FAIL; fi
     tail -n 25 "$OUTDIR/tests.log"
 
     # -- 4. benchmark ----------------------------------------------------------------------------------
     echo "== [$(T)s] benchmark"
     # shellcheck disable=SC2086  (GPU_CHECK_BENCH_ARGS: extra bench.py options, word-split on purpose)
-    if run_limited "${GPU_CHECK_BENCH_TIMEOUT:-90}" "${PYP[@]}" toolchains/cuda/bench.py --out "$OUTDIR/bench.json" \
+    if run_limited "${GPU_CHECK_BENCH_TIMEOUT:-75}" "${PYP[@]}" toolchains/cuda/bench.py --out "$OUTDIR/bench.json" \
             ${GPU_CHECK_BENCH_ARGS:-} > "$OUTDIR/bench.log" 2>&1; then
         status_bench=PASS; else status_bench=FAIL; fi
     tail -n 40 "$OUTDIR/bench.log"
+
+    # -- 5. decode GEMV per weight format (each checked against the reference first) -----------------
+    echo "== [$(T)s] GEMV per format"
+    if run_limited "${GPU_CHECK_GEMV_TIMEOUT:-60}" "${PYP[@]}" toolchains/cuda/gemv_formats.py --out "$OUTDIR/gemv.json" \
+            > "$OUTDIR/gemv.log" 2>&1; then
+        status_gemv=PASS; else status_gemv=FAIL; fi
+    tail -n 16 "$OUTDIR/gemv.log"
 fi
 
 # -- summary -------------------------------------------------------------------------------------------
@@ -114,6 +125,7 @@ fi
     echo "| NVRTC compile | $status_nvrtc |"
     echo "| tests | $status_tests: $(grep -E '(passed|failed|skipped|error)' "$OUTDIR/tests.log" 2>/dev/null | tail -n 1) |"
     echo "| benchmark | $status_bench |"
+    echo "| GEMV per format | $status_gemv |"
     echo
     echo '## environment'
     echo '```'
@@ -142,6 +154,12 @@ EOF
         echo '## failing tests'
         echo '```'
         grep -E "^(FAILED|ERROR|FAIL )" "$OUTDIR/tests.log" | head -n 40
+        echo '```'
+    fi
+    if [ -s "$OUTDIR/gemv.log" ]; then
+        echo '## decode GEMV per format (one token; stored bytes / kernel time)'
+        echo '```'
+        cat "$OUTDIR/gemv.log"
         echo '```'
     fi
 } > "$OUTDIR/summary.md"
