@@ -20,7 +20,7 @@ KNOBS = {
                                 "(sized from the memory free for the engine)"),
     "COLIBRI_SLOT_POLICY": ("lru", "one of lru, lfu, prefetch"),
     "COLIBRI_CUDA_GRAPHS": (1, "0 or 1 (0 runs CUDA decode steps on streams)"),
-    "COLIBRI_INT8_ACTIVATIONS": (1, "0 or 1 (0: the cpu backend's block formats decode with float32 activations)"),
+    "COLIBRI_INT8_ACTIVATIONS": (1, "0 or 1 (0: block formats decode with float32 activations on the cpu and opencl backends)"),
     "COLIBRI_CORE_THREAD": (1, "0 or 1 (0: the threads waiting for results run the steps, no core thread)"),
     "COLIBRI_TOP_K": (0, "an integer from 0 to the model's experts per layer (0: the model's experts per token)"),
 }

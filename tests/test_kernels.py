@@ -321,14 +321,17 @@ def ffn_as_seen(be, wd, x, mats, plan, k, act):
 
 def test_int8_activation_dots_are_exact(rng):
     """Where every value is dyadic (power-of-two scales, integer activations over 2^3), the int8
-    path's float arithmetic is exact too, so the cpu backend must equal the emulation bit for bit:
+    path's float arithmetic is exact too, so the cpu backend (and opencl's int8 activations, integer
+    dots by the portable IDOT4 on PoCL) must equal the emulation bit for bit:
     integer dots, the scales applied per block, the additive terms (q4_0/q5_0 offsets, q4_1/q5_1
     and K-quant mins), for 1 to 5 tokens (pairs, and an odd last token beside the zero row), whole
     groups of 256 and tail blocks."""
     from colibri_edge import quant
-    be = create("cpu")
+    from conftest import backend_available
+    bes = [create("cpu")] + ([create("opencl", int8_activations=True)] if backend_available("opencl") else [])
     ref = create("reference")
-    for fmt, (B, nb) in quant.BLOCK.items():
+    for be, fmt in [(be, fmt) for be in bes for fmt in quant.BLOCK]:
+        B, nb = quant.BLOCK[fmt]
         for K in ((256, 512) if B == 256 else (256, 96, 544)):
             N = 13
             raw = rng.integers(0, 256, (N, K // B, nb), dtype=np.uint8)
@@ -348,8 +351,8 @@ def test_int8_activation_dots_are_exact(rng):
                 exact = fake_quantized_activations(x).astype(np.float64) @ widen(raw, fmt).astype(np.float64).T
                 assert np.array_equal(want, exact.astype(np.float32)), fmt
                 out = be.alloc((T, N))
-                be.matmul(out, x, be.upload(raw, fmt, shape=(N, K)))
-                np.testing.assert_array_equal(be.download(out), want, err_msg=f"{fmt} K={K} T={T}")
+                be.matmul(out, be.to_device(x, "float32"), be.upload(raw, fmt, shape=(N, K)))
+                np.testing.assert_array_equal(be.download(out), want, err_msg=f"{be.name} {fmt} K={K} T={T}")
 
 
 def test_results_do_not_depend_on_queues(rng):

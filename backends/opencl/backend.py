@@ -13,13 +13,15 @@ import numpy as np
 from colibri_edge.errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
 from ..base import Plan, Weight
 from .platforms import probe  # noqa: F401  (the registry's entry)
-from .runtime import OpenCLRuntime, ROWS_PER_ITEM, roundup
+from .runtime import ACT8, BLOCK_DTYPES, OpenCLRuntime, ROWS_PER_ITEM, roundup
 
 
 class Backend(OpenCLRuntime):
 
-    def __init__(self, num_streams=1, disable_fp16=False, device=None):
-        super().__init__(num_streams=num_streams, disable_fp16=disable_fp16, device=device)
+    def __init__(self, num_streams=1, disable_fp16=False, device=None, int8_activations=True):
+        super().__init__(num_streams=num_streams, disable_fp16=disable_fp16, device=device,
+                         int8_activations=int8_activations)
+        self._qbufs = {}                 # "x" / "act" -> packed int8 activations (grown, never per step)
         self._inv_freq = {}              # (theta, D) -> the rotary frequency table on the device
         self._tables = {}                # id(expert list) -> (experts, (offset table, base buffers))
 
@@ -43,8 +45,31 @@ class Backend(OpenCLRuntime):
         g, l = self._2d(k, H, T)
         self._launch(k, g, l, out, self._data(table), self._scales(table), ids, T, H)
 
-    def _matmul(self, out, ldo, x, ldx, w, bias, T, K, N, queue=None):
+    # -- int8 activations (block formats): x quantised once per consumer, then integer dots -------------
+    def _act8(self, wdtype):
+        return self.int8_activations and wdtype in BLOCK_DTYPES
+
+    def _quantized(self, x, ldx, T, K, slot, row0=0, queue=None):
+        """x [T, K] (row stride ldx) -> its packed int8 blocks (dense.cl quantize_act) at rows row0.. of the
+        backend's buffer `slot`, and their row stride (floats). The buffer grows to the largest step
+        seen (prefill), so decode steps allocate nothing."""
+        ld = K // 32 * 10
+        need = (row0 + T) * ld
+        buf = self._qbufs.get(slot)
+        if buf is None or buf.size < need:
+            buf = self._qbufs[slot] = self.alloc((max(need, 2 * (0 if buf is None else buf.size)),), np.float32)
+        k = self._kernel("dense.cl", "quantize_act", "q8_0" + ACT8)
+        g, l = self._2d(k, K // 32, T, want=32)
+        view = buf[row0 * ld:]
+        self._launch(k, g, l, view, ld, x, ldx, T, K, queue=queue)
+        return view, ld
+
+    def _matmul(self, out, ldo, x, ldx, w, bias, T, K, N, queue=None, xq=None):
+        """xq: x already quantised (packed, stride) for a block format with int8 activations."""
         wd = self._wdtype(w)
+        if self._act8(wd):
+            x, ldx = xq or self._quantized(x, ldx, T, K, "x", queue=queue)
+            wd += ACT8
         if T >= ROWS_PER_ITEM:
             k = self._kernel("dense.cl", "matmul4", wd)
             g, l = self._2d(k, N, -(-T // ROWS_PER_ITEM))
@@ -69,12 +94,16 @@ class Backend(OpenCLRuntime):
                 any(tuple(w.shape) != (o.shape[1], K) or o.shape[0] != T for o, w in zip(outs, ws)):
             return super().matmuls(outs, x, ws, biases)
         pad = 3 - len(ws)
+        wd, ldx = self._wdtype(ws[0]), K
+        if self._act8(wd):
+            x, ldx = self._quantized(x, K, T, K, "x")
+            wd += ACT8
         outs, ws, biases = list(outs) + [self._dummy] * pad, list(ws) + [None] * pad, list(biases) + [None] * pad
         Ns = [w.shape[0] if w is not None else 0 for w in ws]
-        k = self._kernel("dense.cl", "matmul3", self._wdtype(ws[0]))
+        k = self._kernel("dense.cl", "matmul3", wd)
         g, l = self._2d(k, sum(Ns), -(-T // ROWS_PER_ITEM))
         has_bias = sum(1 << j for j, b in enumerate(biases) if b is not None)
-        self._launch(k, g, l, *outs, x, K, *[self._dummy if w is None else self._data(w) for w in ws],
+        self._launch(k, g, l, *outs, x, ldx, *[self._dummy if w is None else self._data(w) for w in ws],
                      *[self._dummy if w is None else self._scales(w) for w in ws],
                      *[self._dummy if b is None else b.data for b in biases], has_bias, *Ns, T, K)
 
@@ -232,13 +261,20 @@ class Backend(OpenCLRuntime):
             I = f0.gate.shape[0]
             if I > lda:
                 raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"scratch has {lda} columns, expert needs {I}")
-            k = self._kernel("moe.cl", "ffn_gate_up_grouped", f0.gate.dtype)
+            gd, dd, xin, act, ld = f0.gate.dtype, f0.down.dtype, x, scratch, lda
+            if self._act8(gd):
+                xin = self._quantized(x, H, T, H, "x")[0]
+                gd += ACT8
+            k = self._kernel("moe.cl", "ffn_gate_up_grouped", gd)
             g, l = self._2d(k, I, plan.max_blocks)
-            self._launch(k, g, l, scratch, lda, x, plan.order, plan.blocks, plan.nblocks, tab, gb, ub, gsb, usb,
+            self._launch(k, g, l, scratch, lda, xin, plan.order, plan.blocks, plan.nblocks, tab, gb, ub, gsb, usb,
                          topk, H, I)
-            k = self._kernel("moe.cl", "ffn_down_grouped", f0.down.dtype)
+            if self._act8(dd):
+                act, ld = self._quantized(scratch, lda, T * topk, I, "act")
+                dd += ACT8
+            k = self._kernel("moe.cl", "ffn_down_grouped", dd)
             g, l = self._2d(k, H, plan.max_blocks)
-            self._launch(k, g, l, out, scratch, lda, plan.blocks, plan.nblocks, tab, db, dsb, H, I)
+            self._launch(k, g, l, out, act, ld, plan.blocks, plan.nblocks, tab, db, dsb, H, I)
             return
         # per expert (experts in separate buffers: the slot pool's slots): the host sizes each launch
         if plan.counts is None:
@@ -249,6 +285,11 @@ class Backend(OpenCLRuntime):
         if not work:
             return
         parts = min(len(self.queues), len(work))
+        xin = x
+        gd = experts[work[0][0]].gate.dtype
+        if self._act8(gd):               # once, on the main queue: the side queues start after it
+            xin = self._quantized(x, H, T, H, "x")[0]
+            gd += ACT8
 
         def run(p, queue):
             for e, row0, n in work[p::parts]:
@@ -256,13 +297,16 @@ class Backend(OpenCLRuntime):
                 I = ffn.gate.shape[0]
                 if I > lda:
                     raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"scratch has {lda} columns, expert needs {I}")
-                k = self._kernel("moe.cl", "ffn_gate_up", ffn.gate.dtype)
+                k = self._kernel("moe.cl", "ffn_gate_up", gd)
                 g, l = self._2d(k, I, -(-n // ROWS_PER_ITEM))
-                self._launch(k, g, l, scratch, lda, x, plan.order, row0, n, topk, ffn.gate.data,
+                self._launch(k, g, l, scratch, lda, xin, plan.order, row0, n, topk, ffn.gate.data,
                              self._scales(ffn.gate), ffn.up.data, self._scales(ffn.up), H, I, queue=queue)
-                # down: out[row0 + r] = down @ act[row0 + r]   (a matmul over the expert's rows)
-                self._matmul(out[row0:row0 + n], H, scratch[row0:row0 + n], lda, ffn.down, None, n, I, H,
-                             queue=queue)
+                # down: out[row0 + r] = down @ act[row0 + r]   (a matmul over the expert's rows; int8
+                # activations: the expert's own rows of the "act" buffer, so parts never share one)
+                act = scratch[row0:row0 + n]
+                xq = self._quantized(act, lda, n, I, "act", row0=row0, queue=queue) \
+                    if self._act8(ffn.down.dtype) else None
+                self._matmul(out[row0:row0 + n], H, act, lda, ffn.down, None, n, I, H, queue=queue, xq=xq)
 
         self.run_parts(parts, run)
 

@@ -23,6 +23,17 @@
  *                        differ only in q6_k), add one offset per chunk (q4_1, q5_1: the block's min;
  *                        q4_k, q5_k: -dmin m_s). A chunk's dot is m0 (q . x)[0:16] + m1 (q . x)[16:32]
  *                        + add sum(x): the integers meet the activations unscaled (K % WQB == 0)
+ *   WACT8=1              (block formats only) activations are int8 too, llama.cpp's arithmetic: the host
+ *                        quantises each activation row per block of 32 (dense.cl quantize_act, quant.py
+ *                        quantize_activations) into packed blocks of 40 bytes, q:i8[32] | dx:f32 | xs:f32
+ *                        (xs = dx sum q), 10 floats a block, so a row of K is XLD(K) = K / 32 * 10 floats and
+ *                        every kernel keeps its float* activation arguments. A chunk's dot is then
+ *                        dx (m0 idot(q, qx)[0:16] + m1 idot(q, qx)[16:32]) + add xs: integer products
+ *   COLIBRI_IDOT=0|1|2   the 4 x int8 dot behind IDOT4: 1 cl_khr_integer_dot_product's dot(char4, char4)
+ *                        (built with -cl-std=CL3.0, where its feature macro declares it; the portable one
+ *                        otherwise), 2 cl_arm_integer_dot_product_int8's arm_dot, 0 a portable definition
+ *                        of the same (PoCL and Oclgrind have neither); the host picks it from the device's
+ *                        extensions
  *   COLIBRI_HALF_MATH=1  only when the device reports cl_khr_fp16 and COLIBRI_DISABLE_FP16 is unset:
  *                        weight x activation products in half, accumulation in float
  * Shared with the host, defined once there (runtime.py DEFINES) and passed to every build:
@@ -72,6 +83,31 @@
 #error "the weight type switches (WF16, WBF16, WI8, WQ*, WMXFP4) are exclusive"
 #endif
 #define WBLOCK (WQ8_0 || WQ4_0 || WQ4_1 || WQ5_0 || WQ5_1 || WMXFP4 || WQ4_K || WQ5_K || WQ6_K)
+#ifndef WACT8
+#define WACT8 0
+#endif
+#if WACT8 && !WBLOCK
+#error "WACT8 (int8 activations) goes with a block format"
+#endif
+#define XLD(K) (WACT8 ? (K) / 32 * 10 : (K))     /* floats in an activation row of K values */
+#ifndef COLIBRI_IDOT
+#define COLIBRI_IDOT 0
+#endif
+#if COLIBRI_IDOT == 1 && defined(__opencl_c_integer_dot_product_input_4x8bit)
+#define IDOT4(a, b) dot((a), (b))
+#elif COLIBRI_IDOT == 2
+#pragma OPENCL EXTENSION cl_arm_integer_dot_product_int8 : enable
+#define IDOT4(a, b) arm_dot((a), (b))
+#else
+inline int idot4(const char4 a, const char4 b)  /* the extensions' 4 x int8 dot, portably (scalar: */
+{                                               /* convert_int4(char4) crashes Oclgrind 21.10's --uninitialized) */
+    return ((int)a.x * (int)b.x + (int)a.y * (int)b.y) + ((int)a.z * (int)b.z + (int)a.w * (int)b.w);
+}
+#define IDOT4(a, b) idot4((a), (b))
+#if defined(COLIBRI_REQUIRE_IDOT) && COLIBRI_IDOT      /* the offline check: the extension's dot, not this */
+#error "COLIBRI_IDOT asks for an integer dot extension this compiler does not declare"
+#endif
+#endif
 #ifndef COLIBRI_HALF_MATH
 #define COLIBRI_HALF_MATH 0
 #endif
@@ -152,57 +188,58 @@ inline float ldh(__global const uchar* p)              /* a little-endian f16 at
 }
 
 #if WMXFP4
-/* E2M1 values, doubled (quant.py E2M1): the block's scale 2^(e - 128) halves them back */
-__constant float E2M1X2[16] = {0.f, 1.f, 2.f, 3.f, 4.f, 6.f, 8.f, 12.f, 0.f, -1.f, -2.f, -3.f, -4.f, -6.f, -8.f, -12.f};
-inline float4 e2m1x2(const uchar4 n)
+/* E2M1 values, doubled (quant.py E2M1): integers; the block's scale 2^(e - 128) halves them back */
+__constant char E2M1X2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+inline char4 e2m1x2(const uchar4 n)
 {
-    return (float4)(E2M1X2[n.x], E2M1X2[n.y], E2M1X2[n.z], E2M1X2[n.w]);
+    return (char4)(E2M1X2[n.x], E2M1X2[n.y], E2M1X2[n.z], E2M1X2[n.w]);
 }
 #endif
 
-/* Chunk c (32 weights, c < WQB / 32) of the block at blk: wq[j] = q of weights 4j .. 4j+3, and
- * w = m.x q + add for weights 0..15, m.y q + add for 16..31 (the format table in quant.py) */
-inline void chunk_load(__global const uchar* blk, const int c, float4* wq, float2* m, float* add)
+/* Chunk c (32 weights, c < WQB / 32) of the block at blk: wq[j] = the small integers q of weights
+ * 4j .. 4j+3, and w = m.x q + add for weights 0..15, m.y q + add for 16..31 (the format table in
+ * quant.py); every format's q fits in a char (-32 .. 31) */
+inline void chunk_load_q(__global const uchar* blk, const int c, char4* wq, float2* m, float* add)
 {
 #if WQ8_0                                   /* d | q:i8[32]                      w = d q */
     *m = (float2)(ldh(blk));
     *add = 0.0f;
     __global const char* q = (__global const char*)(blk + 2);
     for (int j = 0; j < 8; ++j)
-        wq[j] = convert_float4(vload4(j, q));
+        wq[j] = vload4(j, q);
 #elif WQ4_0 || WQ4_1                        /* d (| min) | qs[16]                w = d nib (- 8 d | + min) */
     *m = (float2)(ldh(blk));
 #if WQ4_1
     *add = ldh(blk + 2);
     __global const uchar* qs = blk + 4;
-    const float sub = 0.0f;
+    const char sub = 0;
 #else
     *add = 0.0f;
     __global const uchar* qs = blk + 2;
-    const float sub = 8.0f;
+    const char sub = 8;
 #endif
     for (int j = 0; j < 4; ++j) {
         const uchar4 p = vload4(j, qs);
-        wq[j] = convert_float4(p & (uchar4)(15)) - sub;           /* weights 4j .. 4j+3 */
-        wq[j + 4] = convert_float4(p >> (uchar4)(4)) - sub;       /* weights 16+4j .. */
+        wq[j] = as_char4(p & (uchar4)(15)) - (char4)(sub);          /* weights 4j .. 4j+3 */
+        wq[j + 4] = as_char4(p >> (uchar4)(4)) - (char4)(sub);      /* weights 16+4j .. */
     }
 #elif WQ5_0 || WQ5_1                        /* d (| min) | qh:u32 | qs[16]      w = d (nib | hb << 4) (- 16 d | + min) */
     *m = (float2)(ldh(blk));
 #if WQ5_1
     *add = ldh(blk + 2);
     __global const uchar* qhp = blk + 4;
-    const float sub = 0.0f;
+    const int sub = 0;
 #else
     *add = 0.0f;
     __global const uchar* qhp = blk + 2;
-    const float sub = 16.0f;
+    const int sub = 16;
 #endif
     const uint qh = (uint)qhp[0] | ((uint)qhp[1] << 8) | ((uint)qhp[2] << 16) | ((uint)qhp[3] << 24);
     for (int j = 0; j < 4; ++j) {
         const uint4 p = convert_uint4(vload4(j, qhp + 4));
         const uint4 bit = (uint4)(4 * j, 4 * j + 1, 4 * j + 2, 4 * j + 3);
-        wq[j] = convert_float4((p & 15u) | (((uint4)(qh) >> bit) & 1u) << 4) - sub;
-        wq[j + 4] = convert_float4((p >> 4) | (((uint4)(qh) >> (bit + 16u)) & 1u) << 4) - sub;
+        wq[j] = convert_char4(as_int4((p & 15u) | (((uint4)(qh) >> bit) & 1u) << 4) - sub);
+        wq[j + 4] = convert_char4(as_int4((p >> 4) | (((uint4)(qh) >> (bit + 16u)) & 1u) << 4) - sub);
     }
 #elif WMXFP4                                /* e:u8 | qs[16]                    w = 2^(e-128) E2M1x2[nib] */
     const uint e = blk[0];
@@ -238,7 +275,7 @@ inline void chunk_load(__global const uchar* blk, const int c, float4* wq, float
 #if WQ5_K
         q |= ((convert_uint4(vload4(j, qh)) >> (uint)c) & 1u) << 4;
 #endif
-        wq[j] = convert_float4(q);
+        wq[j] = convert_char4(q);
     }
 #else                                       /* q6_k: ql[128] | qh[64] | scales:i8[16] | d;  chunk = half h, part p */
     const int h = c >> 2, p = c & 3;
@@ -252,9 +289,18 @@ inline void chunk_load(__global const uchar* blk, const int c, float4* wq, float
     for (int j = 0; j < 8; ++j) {
         const uint4 lo = (convert_uint4(vload4(j, ql)) >> shl) & 15u;
         const uint4 hi = (convert_uint4(vload4(j, qh)) >> shh) & 3u;
-        wq[j] = convert_float4(convert_int4(lo | (hi << 4)) - 32);
+        wq[j] = convert_char4(as_int4(lo | (hi << 4)) - 32);
     }
 #endif
+}
+
+/* the same chunk as floats: wq[j] = q of weights 4j .. 4j+3 */
+inline void chunk_load(__global const uchar* blk, const int c, float4* wq, float2* m, float* add)
+{
+    char4 q[8];
+    chunk_load_q(blk, c, q, m, add);
+    for (int j = 0; j < 8; ++j)
+        wq[j] = convert_float4(q[j]);
 }
 
 inline float ldw_block(__global const uchar* row, const int k)
@@ -298,7 +344,64 @@ inline float hdot4(const half4 w, const float4 x)
 #define WDOT4(wv, xv) dot((wv), (xv))
 #endif
 
-#if WBLOCK
+#if WBLOCK && WACT8
+
+/* sum_k w[k] * x[k], k < K: w a row of blocks, x a row of packed int8 activation blocks (XLD) */
+inline float dotw(__global const uchar* w, __global const float* x, const int K)
+{
+    float acc = 0.0f;
+    char4 wq[8];
+    float2 m;
+    float add;
+    for (int c = 0; c < K / 32; ++c) {
+        chunk_load_q(w + (size_t)(c / (WQB / 32)) * WBYTES, c % (WQB / 32), wq, &m, &add);
+        __global const float* xb = x + 10 * c;
+        __global const char* xq = (__global const char*)xb;
+        int s0 = 0, s1 = 0;
+        for (int j = 0; j < 4; ++j) {
+            s0 += IDOT4(wq[j], vload4(j, xq));
+            s1 += IDOT4(wq[j + 4], vload4(j + 4, xq));
+        }
+        acc += xb[8] * (m.x * (float)s0 + m.y * (float)s1);
+#if WHASADD
+        acc += add * xb[9];
+#endif
+    }
+    return acc;
+}
+
+/* the same row of blocks against four packed activation rows: each chunk decoded once */
+inline float4 dotw4(__global const uchar* w, __global const float* x0, __global const float* x1,
+                    __global const float* x2, __global const float* x3, const int K)
+{
+    float4 acc = (float4)(0.0f);
+    char4 wq[8];
+    float2 m;
+    float add;
+    for (int c = 0; c < K / 32; ++c) {
+        chunk_load_q(w + (size_t)(c / (WQB / 32)) * WBYTES, c % (WQB / 32), wq, &m, &add);
+        const int o = 10 * c;
+        __global const char* q0 = (__global const char*)(x0 + o);
+        __global const char* q1 = (__global const char*)(x1 + o);
+        __global const char* q2 = (__global const char*)(x2 + o);
+        __global const char* q3 = (__global const char*)(x3 + o);
+        int4 s0 = (int4)(0), s1 = (int4)(0);
+        for (int j = 0; j < 4; ++j) {
+            s0 += (int4)(IDOT4(wq[j], vload4(j, q0)), IDOT4(wq[j], vload4(j, q1)), IDOT4(wq[j], vload4(j, q2)),
+                         IDOT4(wq[j], vload4(j, q3)));
+            s1 += (int4)(IDOT4(wq[j + 4], vload4(j + 4, q0)), IDOT4(wq[j + 4], vload4(j + 4, q1)),
+                         IDOT4(wq[j + 4], vload4(j + 4, q2)), IDOT4(wq[j + 4], vload4(j + 4, q3)));
+        }
+        const float4 dx = (float4)(x0[o + 8], x1[o + 8], x2[o + 8], x3[o + 8]);
+        acc += dx * (m.x * convert_float4(s0) + m.y * convert_float4(s1));
+#if WHASADD
+        acc += add * (float4)(x0[o + 9], x1[o + 9], x2[o + 9], x3[o + 9]);
+#endif
+    }
+    return acc;
+}
+
+#elif WBLOCK
 
 /* sum_k w[k] * x[k], k < K (w: a row of blocks) */
 inline float dotw(__global const uchar* w, __global const float* x, const int K)

@@ -92,6 +92,32 @@ __kernel void matmul3(ARG(float, out0), ARG(float, out1), ARG(float, out2), CARG
     if (t0 + 3 < T) out[(size_t)(t0 + 3) * N + n] = acc.w;
 }
 
+/* int8 activations (WACT8 builds; quant.py quantize_activations is the definition): per block b of 32 of
+ * row t of x, dx = max|x| / 127, q = clamp(rint(x / dx), -127, 127) (dx = 0: q = 0), xs = dx sum q,
+ * packed as 10 floats: q:i8[32] | dx | xs at out + t * ldo + 10 b.   global (K / 32, T) */
+__kernel void quantize_act(ARG(float, out), const int ldo, CARG(float, x), const int ldx, const int T, const int K)
+{
+    const int b = get_global_id(0), t = get_global_id(1);
+    if (b >= K / 32 || t >= T)
+        return;
+    BIND(float, out); CBIND(float, x);
+    __global const float* xr = x + (size_t)t * ldx + 32 * b;
+    float amax = 0.0f;
+    for (int i = 0; i < 32; ++i)
+        amax = fmax(amax, fabs(xr[i]));
+    const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+    __global float* ob = out + (size_t)t * ldo + 10 * b;
+    __global char* q = (__global char*)ob;
+    int sum = 0;
+    for (int i = 0; i < 32; ++i) {
+        const int v = (int)clamp(rint(xr[i] * inv), -127.0f, 127.0f);
+        q[i] = (char)v;
+        sum += v;
+    }
+    ob[8] = d;
+    ob[9] = d * (float)sum;
+}
+
 /* out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * weight[:]      out, x [R,D], weight [D] fp32
  * One work-group per row; local size L a power of two; part: L floats of local memory.
  * In place (out == x) is safe: each element is read and written by the same work-item. */

@@ -139,10 +139,10 @@ __kernel void ffn_gate_up(ARG(float, act), const int lda, CARG(float, x), CARG(i
     CBIND(WTYPE, up); CBIND(float, uscale);
     __global const int* ord = order + row0;
     const int r1 = min(r0 + 1, n - 1), r2 = min(r0 + 2, n - 1), r3 = min(r0 + 3, n - 1);
-    __global const float* x0 = x + (size_t)(ord[r0] / topk) * H;
-    __global const float* x1 = x + (size_t)(ord[r1] / topk) * H;
-    __global const float* x2 = x + (size_t)(ord[r2] / topk) * H;
-    __global const float* x3 = x + (size_t)(ord[r3] / topk) * H;
+    __global const float* x0 = x + (size_t)(ord[r0] / topk) * XLD(H);
+    __global const float* x1 = x + (size_t)(ord[r1] / topk) * XLD(H);
+    __global const float* x2 = x + (size_t)(ord[r2] / topk) * XLD(H);
+    __global const float* x3 = x + (size_t)(ord[r3] / topk) * XLD(H);
     const float4 g = dotw4(WROW(gate, i, H), x0, x1, x2, x3, H) * WSCALE(gscale, i);
     const float4 u = dotw4(WROW(up, i, H), x0, x1, x2, x3, H) * WSCALE(uscale, i);
     const float4 a = g / (1.0f + exp(-g)) * u;
@@ -183,16 +183,16 @@ __kernel void ffn_gate_up_grouped(ARG(float, act), const int lda, CARG(float, x)
     __global const int* ord = order + r0;
     __global float* out = act + (size_t)r0 * lda + i;
     if (n == 1) {
-        __global const float* x0 = x + (size_t)(ord[0] / topk) * H;
+        __global const float* x0 = x + (size_t)(ord[0] / topk) * XLD(H);
         const float g = dotw(grow, x0, H) * gs, u = dotw(urow, x0, H) * us;
         out[0] = g / (1.0f + exp(-g)) * u;
         return;
     }
     const int r1 = min(1, n - 1), r2 = min(2, n - 1), r3 = min(3, n - 1);
-    __global const float* x0 = x + (size_t)(ord[0] / topk) * H;
-    __global const float* x1 = x + (size_t)(ord[r1] / topk) * H;
-    __global const float* x2 = x + (size_t)(ord[r2] / topk) * H;
-    __global const float* x3 = x + (size_t)(ord[r3] / topk) * H;
+    __global const float* x0 = x + (size_t)(ord[0] / topk) * XLD(H);
+    __global const float* x1 = x + (size_t)(ord[r1] / topk) * XLD(H);
+    __global const float* x2 = x + (size_t)(ord[r2] / topk) * XLD(H);
+    __global const float* x3 = x + (size_t)(ord[r3] / topk) * XLD(H);
     const float4 g = dotw4(grow, x0, x1, x2, x3, H) * gs;
     const float4 u = dotw4(urow, x0, x1, x2, x3, H) * us;
     const float4 a = g / (1.0f + exp(-g)) * u;

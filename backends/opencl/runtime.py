@@ -76,8 +76,23 @@ def kernel_source(name):
     return _read("common.cl") + f'\n#line 1 "{name}"\n' + _read(name)
 
 
-def weight_options(dtype: str, half_math: bool = False) -> str:
-    """Build options of the weight programs (dense.cl, moe.cl) for matrices stored as `dtype`."""
+ACT8 = "+a8"                                    # a block format's program with int8 activations: "q4_0+a8"
+
+
+def idot_kind(extensions: str) -> int:
+    """COLIBRI_IDOT for a device: 1 cl_khr_integer_dot_product, 2 cl_arm_integer_dot_product_int8, 0 neither
+    (the portable definition)."""
+    ext = extensions.split()
+    return 1 if "cl_khr_integer_dot_product" in ext else 2 if "cl_arm_integer_dot_product_int8" in ext else 0
+
+
+def weight_options(dtype: str, half_math: bool = False, idot: int = 0) -> str:
+    """Build options of the weight programs (dense.cl, moe.cl) for matrices stored as `dtype` (a block
+    format + ACT8: with int8 activations, dotted by the COLIBRI_IDOT kind `idot`)."""
+    if dtype.endswith(ACT8):
+        opts = f"{weight_options(dtype[:-len(ACT8)])} -DWACT8=1 -DCOLIBRI_IDOT={int(idot)}"
+        # cl_khr_integer_dot_product's builtins are declared by its OpenCL 3.0 feature macro
+        return opts.replace(CL_STD, "-cl-std=CL3.0") if idot == 1 else opts
     if dtype == "float16":
         return f"{CL_STD} {DEFINES} -DWF16=1 -DCOLIBRI_HALF_MATH={int(bool(half_math))}"
     if dtype == "bfloat16":
@@ -89,12 +104,14 @@ def weight_options(dtype: str, half_math: bool = False) -> str:
     return f"{CL_STD} {DEFINES} -DWF16=0"
 
 
-def build_variants(fp16_device: bool, disable_fp16: bool = False):
-    """-> [(file, options)] the backend builds: every file, the weight programs per weight type."""
+def build_variants(fp16_device: bool, disable_fp16: bool = False, idot: int = 0):
+    """-> [(file, options)] the backend builds: every file, the weight programs per weight type (block
+    formats also with int8 activations)."""
     out = []
     for f in KERNEL_FILES:
         if f in WEIGHT_PROGRAMS:
-            out += [(f, weight_options(d, fp16_device and not disable_fp16)) for d in WEIGHT_DTYPES]
+            out += [(f, weight_options(d, fp16_device and not disable_fp16, idot))
+                    for d in WEIGHT_DTYPES + tuple(b + ACT8 for b in BLOCK_DTYPES)]
         else:
             out.append((f, f"{CL_STD} {DEFINES}"))
     return out
@@ -178,9 +195,9 @@ class OpenCLRuntime(BackendBase):
     """Device, queues, programs and launches; memory as pyopencl arrays."""
     name = "opencl"
     weight_dtypes = WEIGHT_DTYPES
-    OPTIONS = ("num_streams", "disable_fp16", "device")
+    OPTIONS = ("num_streams", "disable_fp16", "device", "int8_activations")
 
-    def __init__(self, num_streams=1, disable_fp16=False, device=None):
+    def __init__(self, num_streams=1, disable_fp16=False, device=None, int8_activations=True):
         cl = self.cl = _cl()
         import pyopencl.array as cla
         self.cla = cla
@@ -202,6 +219,10 @@ class OpenCLRuntime(BackendBase):
         self.queue = self.queues[0]
         self.fp16_device = "cl_khr_fp16" in dev.extensions.split()
         self.half_math = self.fp16_device and not disable_fp16
+        # block formats with int8 activations (llama.cpp's arithmetic, as the cpu backend's default):
+        # integer dots, by the device's extension where it has one
+        self.int8_activations = bool(int8_activations)
+        self.idot = idot_kind(dev.extensions)
         self.max_wg = int(dev.max_work_group_size)
         self._kernels, self._wg = {}, {}
         for name, opts in build_variants(self.fp16_device, disable_fp16):
@@ -220,9 +241,10 @@ class OpenCLRuntime(BackendBase):
         """Build the weight programs of the model's formats (and float32's: activations as matrices),
         nothing else: 13 weight types x 2 programs would cost seconds of PoCL builds at every open."""
         for f in {"float32", *formats}:
-            opts = weight_options(f, self.half_math)
-            for name in WEIGHT_PROGRAMS:
-                self.shared.program(self.cl, name, opts)
+            for v in (f, f + ACT8) if f in BLOCK_DTYPES and self.int8_activations else (f,):
+                opts = weight_options(v, self.half_math, self.idot)
+                for name in WEIGHT_PROGRAMS:
+                    self.shared.program(self.cl, name, opts)
 
     def memory_available(self):
         """The device's global memory (OpenCL has no query for what is free); on a CPU device (PoCL)
@@ -260,8 +282,11 @@ class OpenCLRuntime(BackendBase):
         c = self.step_counts()
         per = "" if c is None else (f"; a step (median of {c['steps']}): {c['launches']:.0f} kernel launches, "
                                     f"{c['reads']:.0f} device->host reads, {c['writes']:.0f} host->device writes")
+        act = ("int8 activations for block formats (" + ("portable int8 dot", "cl_khr_integer_dot_product",
+                                                         "cl_arm_integer_dot_product_int8")[self.idot] + ")"
+               if self.int8_activations else "float32 activations")
         return (f"opencl: {self.dev.name.strip()} ({self.dev.platform.name.strip()}, {self.dev.version.strip()}), "
-                f"{len(self.queues)} queue(s), fp16 math {'on' if self.half_math else 'off'}" + per)
+                f"{len(self.queues)} queue(s), fp16 math {'on' if self.half_math else 'off'}, {act}" + per)
 
     def translate_error(self, e, where):
         return _error(self.cl, e, where) if isinstance(e, self.cl.Error) else None
@@ -271,7 +296,7 @@ class OpenCLRuntime(BackendBase):
         key = (file, name, wdtype)
         k = self._kernels.get(key)
         if k is None:
-            opts = weight_options(wdtype, self.half_math) if file in WEIGHT_PROGRAMS else f"{CL_STD} {DEFINES}"
+            opts = weight_options(wdtype, self.half_math, self.idot) if file in WEIGHT_PROGRAMS else f"{CL_STD} {DEFINES}"
             prg = self.shared.program(self.cl, file, opts)
             k = self._kernels[key] = self.cl.Kernel(prg, name)   # per backend: set_arg is not thread safe
             kmax = k.get_work_group_info(self.cl.kernel_work_group_info.WORK_GROUP_SIZE, self.dev)

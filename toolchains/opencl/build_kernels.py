@@ -87,8 +87,17 @@ def offline_builds(clang):
             jobs += [(name, ["-DWF16=0"], no_ext, "no fp16/fp64 device"),
                      (name, ["-DWBF16=1"], no_ext, "no fp16/fp64 device"),
                      (name, ["-DWI8=1"], no_ext, "no fp16/fp64 device"),
-                     # block formats (scales read with vload_half, as WF16)
+                     # block formats (scales read with vload_half, as WF16), float32 and int8 activations
                      *[(name, [f"-DW{f.upper()}=1"], no_fp64, "no fp64 device") for f in ocl.BLOCK_DTYPES],
+                     *[(name, [f"-DW{f.upper()}=1", "-DWACT8=1", "-DCOLIBRI_IDOT=0"], no_fp64,
+                        "int8 activations, portable dot") for f in ocl.BLOCK_DTYPES],
+                     # the integer dot extensions' variants (COLIBRI_REQUIRE_IDOT: no silent portable fallback)
+                     (name, ["-DWQ4_K=1", "-DWACT8=1", "-DCOLIBRI_IDOT=2", "-DCOLIBRI_REQUIRE_IDOT=1"],
+                      ["-Xclang", "-cl-ext=-cl_khr_fp64,+cl_arm_integer_dot_product_int8"],
+                      "cl_arm_integer_dot_product_int8 device"),
+                     (name, ["-cl-std=CL3.0", "-DWQ4_K=1", "-DWACT8=1", "-DCOLIBRI_IDOT=1", "-DCOLIBRI_REQUIRE_IDOT=1"],
+                      ["-Xclang", "-cl-ext=-cl_khr_fp64,-__opencl_c_fp64,+cl_khr_integer_dot_product,"
+                       "+__opencl_c_integer_dot_product_input_4x8bit"], "cl_khr_integer_dot_product device"),
                      (name, ["-DWF16=1", "-DCOLIBRI_HALF_MATH=0"], no_fp64, "no fp64 device"),
                      (name, ["-DWF16=1", "-DCOLIBRI_HALF_MATH=1"], fp16, "cl_khr_fp16 device")]
         else:

@@ -38,14 +38,18 @@ MICRO = [
      {"expert_slots": 3, "slot_policy": "prefetch"}),        # experts read from a 3-slot pool
     ("mixtral_top1_tied", {}, "int8", {"expert_slots": 2}),  # int8 rows + scales, tied int8 embedding,
                                                              # scales read from the slots' blobs
-    ("mixtral", {"intermediate_size": 64}, "q4_0", {}),      # ggml blocks of 32 (rows K % 32 == 0)
-    ("mixtral", {"intermediate_size": 64}, "q8_0", {"expert_slots": 2}),
-    ("mixtral", {"intermediate_size": 64}, "q4_1", {}),      # a block min (the additive term)
-    ("mixtral", {"intermediate_size": 64}, "q5_0", {}),      # fifth bits from a u32 at an odd half-word
-    ("mixtral", {"intermediate_size": 64}, "q5_1", {}),
-    ("mixtral", {"intermediate_size": 64}, "mxfp4", {}),     # blocks of 17 bytes: odd row strides
-    ("mixtral", {"hidden_size": 256, "intermediate_size": 256}, "q4_k_m", {}),   # q4_k, q6_k, q5_k, q8_0 mix
-    ("mixtral", {"hidden_size": 256, "intermediate_size": 256, "head_dim": 64}, "q5_k", {"expert_slots": 2}),
+    # ggml blocks (rows K % 32 == 0), with float32 activations (int8_activations False) or int8 ones
+    # (quantize_act, integer dots by the portable IDOT4; checked against the cpu backend's int8 path)
+    ("mixtral", {"intermediate_size": 64}, "q4_0", {"int8_activations": False}),
+    ("mixtral", {"intermediate_size": 64}, "q8_0", {"expert_slots": 2, "int8_activations": True}),
+    ("mixtral", {"intermediate_size": 64}, "q4_1", {"int8_activations": True}),    # a block min (additive term)
+    ("mixtral", {"intermediate_size": 64}, "q5_0", {"int8_activations": False}),   # fifth bits from a u32
+    ("mixtral", {"intermediate_size": 64}, "q5_1", {"int8_activations": True}),
+    ("mixtral", {"intermediate_size": 64}, "mxfp4", {"int8_activations": True}),   # 17-byte blocks: odd strides
+    ("mixtral", {"hidden_size": 256, "intermediate_size": 256}, "q4_k_m",          # q4_k, q6_k, q5_k, q8_0 mix
+     {"int8_activations": False}),
+    ("mixtral", {"hidden_size": 256, "intermediate_size": 256, "head_dim": 64}, "q5_k",
+     {"expert_slots": 2, "int8_activations": True}),
 ]
 PROMPT_TOKENS = 8      # <= 8 tokens: prefill in chunks of 5 (a chunk at position > 0), then decode
 DECODE_TOKENS = 3
@@ -137,11 +141,14 @@ def _child(model_dir, out_path, options="{}"):
     np.savez(out_path, logits=logits, gen=np.array(gen, np.int64))
 
 
-def _reference(model_dir):
+def _reference(model_dir, int8_activations=False):
+    """The reference backend's logits and tokens; with int8 activations, the cpu backend's int8 path
+    (the same arithmetic, quant.quantize_activations)."""
     import numpy as np
     from colibri_edge import Engine
-    with Engine.open(model_dir, backend="reference", max_seq_len=32, max_batch=2, prefill_chunk=5,
-                     kv_block_size=4, kv_cache_tokens=64) as eng:
+    where = {"backend": "cpu", "int8_activations": True} if int8_activations else {"backend": "reference"}
+    with Engine.open(model_dir, max_seq_len=32, max_batch=2, prefill_chunk=5, kv_block_size=4, kv_cache_tokens=64,
+                     **where) as eng:
         V = eng.config["vocab_size"]
         ids = (np.arange(PROMPT_TOKENS) * 7 + 3) % V
         return eng.infer(ids)[0], eng.generate(ids, max_new_tokens=DECODE_TOKENS)
@@ -157,7 +164,7 @@ def check_models(workdir):
         sub = os.path.join(workdir, f"{case}_{len(overrides)}_{out_dtype}")
         os.makedirs(sub, exist_ok=True)
         _, col = convert_case(sub, case, out_dtype=out_dtype, **overrides)
-        want_logits, want_gen = _reference(col)
+        want_logits, want_gen = _reference(col, options.get("int8_activations", False) and out_dtype != "int8")
         out_npz = os.path.join(sub, "oclgrind_out.npz")
         log = os.path.join(sub, "oclgrind.log")
         name = f"{case}{overrides or ''} ({out_dtype or 'float32'} weights{', ' if options else ''}" \
@@ -173,7 +180,7 @@ def check_models(workdir):
             elif got["gen"].tolist() != list(want_gen):
                 ok, report = False, f"decode under Oclgrind gave {got['gen'].tolist()}, reference {want_gen}"
             else:
-                report = f"clean; logits within {err:.2g} of the reference backend, decode agrees"
+                report = f"clean; logits within {err:.2g} of the reference, decode agrees"
         print(f"[oclgrind] {name}: {'OK' if ok else 'FAIL'} - {report}", flush=True)
         if not ok:
             failures.append(name)
