@@ -57,10 +57,19 @@ def main(argv=None):
                                                   os.path.join(HERE, "cache/full/colibri-gguf-q8_0"))
                                       if os.path.exists(p)]
     rows = []
+    from colibri_edge.engine import open_model_dir
+    from colibri_edge.quant import BLOCK
+    runs = []
     for m in models:
-        row = {"model": os.path.basename(m.rstrip("/"))}
+        blocks = bool(open_model_dir(m).formats & set(BLOCK))
+        # block formats: opencl with int8 activations (the default) and with float32 ones
+        runs += [(m, {"int8_activations": True}), (m, {"int8_activations": False})] if blocks and not a.tree \
+            else [(m, {})]
+    for m, opts in runs:
+        row = {"model": os.path.basename(m.rstrip("/")) + "".join(
+            f" ({'int8' if v else 'float32'} activations)" for v in opts.values())}
         for backend in ("opencl", "reference"):
-            with Engine.open(m, backend=backend) as eng:
+            with Engine.open(m, backend=backend, **(opts if backend == "opencl" else {})) as eng:
                 eng.generate([1, 2, 3, 4], max_new_tokens=2, ignore_eos=True)        # compile, warm
                 row[backend] = decode_rate(eng, a.steps, a.rounds)
                 if backend == "opencl":

@@ -90,9 +90,16 @@ class Backend(OpenCLRuntime):
     def matmuls(self, outs, x, ws, biases):
         """q, k and v (one storage type) in one launch (dense.cl matmul3); otherwise one matmul each."""
         T, K = x.shape
-        if not 1 <= len(ws) <= 3 or len({self._wdtype(w) for w in ws}) != 1 or \
+        if not 1 <= len(ws) <= 3 or \
                 any(tuple(w.shape) != (o.shape[1], K) or o.shape[0] != T for o, w in zip(outs, ws)):
-            return super().matmuls(outs, x, ws, biases)
+            return super().matmuls(outs, x, ws, biases)           # matmul says what is wrong
+        if len({self._wdtype(w) for w in ws}) != 1:
+            # mixed types (a q4_k_m file: q4_k, q8_0, q6_k): one launch each, x quantised once for all
+            xq = self._quantized(x, K, T, K, "x") if any(self._act8(self._wdtype(w)) for w in ws) else None
+            for out, w, b in zip(outs, ws, biases):
+                T_, N = out.shape
+                self._matmul(out, N, x, K, w, b, T, K, N, xq=xq if self._act8(self._wdtype(w)) else None)
+            return
         pad = 3 - len(ws)
         wd, ldx = self._wdtype(ws[0]), K
         if self._act8(wd):
