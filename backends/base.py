@@ -22,6 +22,7 @@ Optional -- each has its default below, and the core never probes a backend with
     prepare(formats, max_cols, max_rows)  warm the model's formats' kernels, size scratch  nothing
     list_devices()                  device/platform lines for `colibri backends`    none
     alloc_slots/load_slot/slot_ffn  expert slot pool storage                        one [N, blob] buffer
+    alloc_staging(nbytes)           host buffer a slot miss is read into            ordinary host memory
     upload_experts(blobs, ...)      a MoE layer's experts made resident             upload_expert each
     matmuls(outs, x, ws, biases)    projections of one x (q, k, v)                  matmul each
     _fork(n)/_join(side)            side queues for independent experts             no side queues
@@ -223,6 +224,13 @@ class Backend:
         into it; None (the default) when the slots are device memory: the pool reads into a host
         staging buffer and calls load_slot."""
         return None
+
+    def alloc_staging(self, nbytes: int) -> np.ndarray:
+        """Optional: a host uint8 buffer a slot miss is read into before load_slot copies it to the
+        device (one per reading thread, allocated once). A GPU backend gives page-locked memory, which
+        its DMA engine copies from directly (pageable memory goes through the driver's own bounce
+        buffer, one more copy). Default: ordinary host memory."""
+        return np.zeros(int(nbytes), np.uint8)
 
     def load_slot(self, slots, slot: int, blob: np.ndarray):
         """Copy one expert's blob (from the memmap) into a slot. May run on a prefetch thread: a GPU

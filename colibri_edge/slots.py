@@ -272,7 +272,7 @@ class SlotPool:
         if staged:
             dst = getattr(self._tls, "staging", None)
             if dst is None:
-                dst = self._tls.staging = np.zeros(self.blob_bytes, np.uint8)
+                dst = self._tls.staging = self.be.alloc_staging(self.blob_bytes)
         n = rec.weight_size
         view = memoryview(dst)[:n]
         done = 0

@@ -220,3 +220,26 @@ def test_gemv_formats_benchmark_checks_every_format(gpu, tmp_path):
     r = json.loads(out.read_text())
     assert set(r["formats"]) == set(create("cuda").weight_dtypes)
     assert all(v["rel_err"] < 1e-4 and v["us"] > 0 for v in r["formats"].values())
+
+
+def test_slot_misses_are_staged_in_pinned_memory(gpu):
+    """A slot miss is read into page-locked host memory (cudaHostAlloc through CuPy), which the copy to
+    the device reads by DMA; the slot pool's results on cuda are test_slots.py's."""
+    from colibri_edge import Engine
+    from colibri_edge.demo import SHIPPED
+    import cupy
+    def pinned(a):                  # numpy.frombuffer's base: the exporter, or a memoryview of it
+        owner = a.base.obj if isinstance(a.base, memoryview) else a.base
+        return isinstance(owner, cupy.cuda.PinnedMemoryPointer)
+    be = create("cuda")
+    st = be.alloc_staging(1000)
+    assert st.dtype == np.uint8 and st.shape == (1000,) and st.flags.writeable and pinned(st)
+    with Engine.open(SHIPPED, backend="cuda", expert_slots=4) as eng:
+        made, alloc = [], eng.backend.alloc_staging       # the pool asks on its first miss, per thread
+
+        def spy(n):
+            made.append(alloc(n))
+            return made[-1]
+        eng.backend.alloc_staging = spy
+        eng.generate([1, 2, 3], max_new_tokens=3, ignore_eos=True)
+        assert eng.slot_stats["misses"] > 0 and made and all(pinned(a) for a in made)

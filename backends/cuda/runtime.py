@@ -238,6 +238,12 @@ class CudaRuntime(BackendBase):
         return contextlib.nullcontext() if stream is None else stream
 
     # -- expert slots ------------------------------------------------------------------------
+    def alloc_staging(self, nbytes):
+        """Page-locked host memory (cudaHostAlloc through CuPy) for slot misses: the copy to the slot is
+        a DMA straight from it on the upload stream, while the main stream computes."""
+        mem = _cupy().cuda.alloc_pinned_memory(int(nbytes))
+        return np.frombuffer(mem, np.uint8, int(nbytes))
+
     @guarded
     def load_slot(self, slots, slot, blob):
         """Copy a blob into a slot on the upload stream, after the work queued so far (which may

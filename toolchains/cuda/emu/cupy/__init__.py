@@ -480,6 +480,19 @@ def _mem_info():
     return max(0, total - sum(n for ref, _, n in _live if ref() is not None)), total
 
 
+class PinnedMemoryPointer(bytearray):
+    """cupy.cuda.alloc_pinned_memory's result: page-locked host memory (here plain host memory that
+    numpy.frombuffer reads as on the real one: a bytearray, for Python 3.11's buffer protocol)."""
+
+    def __init__(self, size):
+        super().__init__(int(size))
+        self.size = int(size)
+
+
+def alloc_pinned_memory(size):
+    return PinnedMemoryPointer(size)
+
+
 runtime = _mod("cupy.cuda.runtime", getDeviceCount=lambda: 1, getDeviceProperties=_props, memGetInfo=_mem_info,
                CUDARuntimeError=CUDARuntimeError, streamCaptureModeRelaxed=2)
 driver = _mod("cupy.cuda.driver", CUDADriverError=CUDADriverError)
@@ -489,5 +502,6 @@ memory = _mod("cupy.cuda.memory", OutOfMemoryError=OutOfMemoryError)
 device = _mod("cupy.cuda.device", get_cublas_handle=lambda: 1)     # "cuBLAS" is matmul() below
 cuda = _mod("cupy.cuda", runtime=runtime, driver=driver, compiler=compiler, nvrtc=nvrtc, memory=memory, device=device,
             Stream=Stream, Event=Event, Graph=Graph, Device=Device, get_current_stream=get_current_stream,
-            is_available=lambda: True)
+            is_available=lambda: True, alloc_pinned_memory=alloc_pinned_memory,
+            PinnedMemoryPointer=PinnedMemoryPointer)
 EMULATED = True
