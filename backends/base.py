@@ -66,6 +66,21 @@ class FFN:
 
 
 @dataclass
+class Act:
+    """The routed experts' activation when it is not plain SwiGLU, and their biases (gpt-oss):
+        g = gate @ x + gate_bias[e],  u = up @ x + up_bias[e]
+        swiglu_oai:  a = (clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g'),  g' = min(g, limit)
+        y = down @ a + down_bias[e]
+    gate_bias, up_bias [E, I], down_bias [E, H]: float32 Weights (each may be None)."""
+    kind: str                   # "swiglu_oai"
+    alpha: float
+    limit: float
+    gate_bias: Weight | None = None
+    up_bias: Weight | None = None
+    down_bias: Weight | None = None
+
+
+@dataclass
 class Plan:
     """Tokens grouped by expert (see colibri_edge.routing.align for a worked example).
         offsets [E+1]  rows of expert e are sorted positions offsets[e] .. offsets[e+1]-1
@@ -262,10 +277,12 @@ class Backend:
         """out[R,D] = x / sqrt(mean(x^2, -1) + eps) * weight[D]   (rows R may be T*heads; may alias)."""
         raise NotImplementedError
 
-    def rope(self, out, x, positions, theta: float):
+    def rope(self, out, x, positions, theta: float, inv_freq=None):
         """Rotary embedding on x[T,heads,D] at positions[T], rotate-half convention:
         out[..., i] = x_i cos(p f_i) - x_{i+D/2} sin(p f_i),  f_i = theta^(-2i/D), i < D/2
-        out[..., i+D/2] = x_{i+D/2} cos(p f_i) + x_i sin(p f_i)."""
+        out[..., i+D/2] = x_{i+D/2} cos(p f_i) + x_i sin(p f_i).
+        inv_freq: a host float32 [D/2] table of f_i replacing theta's (YaRN: colibri_edge.rope), the
+        same array object at every call (a device backend keeps its copy by identity)."""
         raise NotImplementedError
 
     def add(self, out, a, b, gate=None):
@@ -278,11 +295,15 @@ class Backend:
         k, v: [T,Hkv,D]; slot = block * B + offset in the block (colibri_edge.state)."""
         raise NotImplementedError
 
-    def paged_attention(self, out, q, K, V, block_tables, seq_index, positions, block_size, scale):
+    def paged_attention(self, out, q, K, V, block_tables, seq_index, positions, block_size, scale,
+                        window: int = 0, sinks=None):
         """Causal attention through block tables.
         q, out [T,Hq,D]; token t of sequence s = seq_index[t] at position p = positions[t] attends to
-        that sequence's positions 0..p, slot(j) = block_tables[s, j // B] * B + j % B;
-        query head h reads KV head h // (Hq/Hkv).  out = softmax(q K^T * scale) V (fp32)."""
+        that sequence's positions lo..p, lo = max(0, p - window + 1) (window 0: lo = 0), slot(j) =
+        block_tables[s, j // B] * B + j % B (entries below lo // B may be freed: never read);
+        query head h reads KV head h // (Hq/Hkv).  out = softmax(q K^T * scale) V (fp32).
+        sinks: a float32 Weight [Hq] of per-head logits that join every softmax's denominator and
+        nothing else (gpt-oss):  out = sum_j e^{s_j} V_j / (e^{sink_h} + sum_j e^{s_j})."""
         raise NotImplementedError
 
     # -- MoE (required) ----------------------------------------------------------------------
@@ -301,10 +322,11 @@ class Backend:
         tokens routed to each expert, on the device (so graph replays count too), or None."""
         raise NotImplementedError
 
-    def grouped_ffn(self, out, x, experts, plan: Plan, scratch):
+    def grouped_ffn(self, out, x, experts, plan: Plan, scratch, act: Act | None = None):
         """For each expert e in plan.experts_to_run(): out[sorted rows of e] = experts[e](x[its tokens]).
         out [T*k,H] in plan order, x [T,H]; scratch [T*k, I] for the gate/up activations.
-        Each chosen expert's weights are read once per step, however many tokens chose it."""
+        Each chosen expert's weights are read once per step, however many tokens chose it.
+        act: another activation with expert biases (Act), only when its kind is in ffn_activations."""
         raise NotImplementedError
 
     def combine(self, out, y, w, plan: Plan):
@@ -312,6 +334,7 @@ class Backend:
         raise NotImplementedError
 
     # -- optional capabilities ---------------------------------------------------------------
+    ffn_activations = ("silu",)    # the expert activations grouped_ffn runs (Act kinds beyond SwiGLU)
     copies_weights = False         # True: weights are copied into the backend's memory (a device), so
                                    # they count against memory_available; host backends map them
 

@@ -17,7 +17,8 @@ from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVA
 from .gguf_import import unpermute
 from .modeldir import ALIGN, SUPPORTED_MODEL_TYPES, ModelWriter, check_disk, expected_tensors, expert_blob_bytes
 
-SAFETENSORS_DTYPES = {"F32": ("<f4", "float32"), "F16": ("<f2", "float16"), "BF16": ("<u2", "bfloat16")}
+SAFETENSORS_DTYPES = {"F32": ("<f4", "float32"), "F16": ("<f2", "float16"), "BF16": ("<u2", "bfloat16"),
+                      "U8": ("u1", "uint8")}      # U8: only as packed MXFP4 (*_blocks / *_scales, gpt-oss)
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                 "generation_config.json", "chat_template.jinja", "chat_template.json")
 
@@ -78,10 +79,26 @@ class SafetensorsIndex:
     def shape(self, name):
         return self.entries[name][4]
 
+    def raw(self, name, index=None) -> np.ndarray:
+        """The tensor (or its slice [index] along the first axis) as stored."""
+        path, a, b, dt, shape = self.entries[name]
+        np_dt = SAFETENSORS_DTYPES[dt][0]
+        count = int(np.prod(shape))
+        if index is not None:
+            count //= shape[0]
+            a += index * count * np.dtype(np_dt).itemsize
+            shape = shape[1:]
+        if a + count * np.dtype(np_dt).itemsize > os.path.getsize(path):
+            raise invalid_model(path, name, "data runs past the end of the file (truncated shard?)")
+        return np.fromfile(path, dtype=np_dt, count=count, offset=a).reshape(shape)
+
     def float32(self, name, index=None) -> np.ndarray:
         """The tensor (or its slice [index] along the first axis) widened to float32: one copy."""
         path, a, b, dt, shape = self.entries[name]
         np_dt, ours = SAFETENSORS_DTYPES[dt]
+        if ours == "uint8":
+            raise invalid_model(path, name, "holds U8 data where a float tensor belongs; only MXFP4 experts "
+                                "(*_blocks with *_scales) may be U8")
         count = int(np.prod(shape))
         if index is not None:                   # one slice along the first axis: read only it
             count //= shape[0]
@@ -122,7 +139,14 @@ def translate_config(hf: dict, gen: dict, path: str = "config.json", dtype: str 
     # -- features we refuse rather than compute wrongly --
     rope = hf.get("rope_parameters") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
+    rope_scaling = None
+    if rope_type == "yarn":
+        from .rope import YARN_FIELDS
+        rope_scaling = {k: rope[k] for k in YARN_FIELDS if rope.get(k) is not None}
+        if "original_max_position_embeddings" not in rope_scaling:
+            _refuse(path, "rope_parameters.original_max_position_embeddings", "YaRN without its original context")
+        rope_scaling.setdefault("factor", max_pos / rope_scaling["original_max_position_embeddings"])
+    elif rope_type != "default":
         _refuse(path, "rope_parameters.rope_type", f"rope type {rope_type!r}")
     if hf.get("rope_scaling"):
         rs = hf["rope_scaling"]
@@ -132,14 +156,24 @@ def translate_config(hf: dict, gen: dict, path: str = "config.json", dtype: str 
         _refuse(path, "partial_rotary_factor", "partial rotary embeddings")
     if hf.get("clip_qkv") is not None:
         _refuse(path, "clip_qkv", f"clipping q/k/v to {hf['clip_qkv']}")
-    if hf.get("hidden_act", "silu") != "silu":
+    oss = mt == "gpt_oss"
+    if hf.get("hidden_act", "silu") != "silu" and not oss:
         _refuse(path, "hidden_act", f"activation {hf['hidden_act']!r} (only silu / SwiGLU)")
     sw = hf.get("sliding_window")
     uses_window = sw not in (None, 0) and sw < max_pos
     if mt == "qwen2_moe":
         uses_window = uses_window and hf.get("use_sliding_window", False) and \
             "sliding_attention" in (hf.get("layer_types") or ["sliding_attention"])
-    if uses_window:
+    layer_types = None
+    if oss:         # transformers' default: even layers sliding, odd layers full
+        layer_types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                                for i in range(L)]
+        if not uses_window:                     # a window as long as the context is no window
+            layer_types = ["full_attention"] * L
+        bad = [t for t in layer_types if t not in ("sliding_attention", "full_attention")]
+        if bad or len(layer_types) != L:
+            _refuse(path, "layer_types", f"layer types {sorted(set(bad)) or layer_types!r}")
+    elif uses_window:
         _refuse(path, "sliding_window", f"a sliding window of {sw} tokens, shorter than the context "
                 f"({max_pos})")
     for field in ("attn_logit_softcapping", "final_logit_softcapping"):
@@ -154,7 +188,7 @@ def translate_config(hf: dict, gen: dict, path: str = "config.json", dtype: str 
 
     # -- layer plan --
     granite, ernie = mt in ("granitemoe", "granitemoeshared"), mt == "ernie4_5_moe"
-    if mt == "mixtral" or granite:
+    if mt == "mixtral" or granite or oss:
         E = hf.get("num_local_experts", 8)
         moe_inter = hf["intermediate_size"]
         sparse = [True] * L
@@ -195,6 +229,9 @@ def translate_config(hf: dict, gen: dict, path: str = "config.json", dtype: str 
     elif mt == "qwen3_moe":
         head_dim = _get(hf, "head_dim", default=H // nh)
         bias = out_bias = bool(hf.get("attention_bias", False))
+    elif oss:         # q/k/v/o all biased or none
+        head_dim = _get(hf, "head_dim", default=H // nh)
+        bias = out_bias = bool(hf.get("attention_bias", True))
     elif granite:     # q/k/v/o all biased or none; head_dim = hidden / heads (transformers' GraniteMoe)
         head_dim = H // nh
         bias = out_bias = bool(hf.get("attention_bias", False))
@@ -231,6 +268,16 @@ def translate_config(hf: dict, gen: dict, path: str = "config.json", dtype: str 
                      rope_pairs="interleaved")
         if not 0.0 <= extra["router_norm_min"] <= 1.0:
             raise invalid_model(path, "moe_norm_min", f"{extra['router_norm_min']} is not in [0, 1]")
+    if oss:
+        # router logits + bias, top-k, softmax over the k (= the top-k of the softmax renormalised); experts
+        # with biases and the clamped SwiGLU; a sink logit per head; the window on the sliding layers
+        extra.update(router_bias=True, expert_bias=True, attention_sinks=True, expert_act="swiglu_oai",
+                     swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)), swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+                     layer_types=layer_types)
+        if "sliding_attention" in layer_types:
+            extra["sliding_window"] = int(sw)
+    if rope_scaling:
+        extra["rope_scaling"] = rope_scaling
     tied = bool(hf.get("tie_word_embeddings", False))
     if granite and tied and (extra["folded_multipliers"]["embedding_multiplier"] != 1.0
                              or extra["folded_multipliers"]["logits_scaling"] != 1.0):
@@ -257,7 +304,7 @@ def translate_config(hf: dict, gen: dict, path: str = "config.json", dtype: str 
         "router_dtype": "float32",
         "router_mode": "topk",
         # Granite: softmax over the top-k logits = the top-k softmax probabilities renormalised
-        "norm_topk_prob": True if mt == "mixtral" or granite or ernie else bool(hf.get("norm_topk_prob", False)),
+        "norm_topk_prob": True if mt == "mixtral" or granite or ernie or oss else bool(hf.get("norm_topk_prob", False)),
         "shared_expert_intermediate_size": shared_inter,
         "shared_expert_gate": shared_inter > 0 and mt == "qwen2_moe",     # Granite's shared MLP is ungated
         "attention_bias": bool(bias),
@@ -300,6 +347,13 @@ def _source_names(cfg: dict, src=None) -> dict:
             m[p + "shared.gate"] = (s + "shared_mlp.input_linear.weight", 0, Is)
             m[p + "shared.up"] = (s + "shared_mlp.input_linear.weight", Is, 2 * Is)
             m[p + "shared.down"] = s + "shared_mlp.output_linear.weight"
+        if cfg["model_type"] == "gpt_oss":
+            m[p + "router"], m[p + "router_bias"] = s + "mlp.router.weight", s + "mlp.router.bias"
+            m[p + "attn.sinks"] = s + "self_attn.sinks"
+            gub = s + "mlp.experts.gate_up_proj_bias"       # [E, 2I], gate and up interleaved
+            m[p + "experts.gate_bias"] = (gub, lambda a: a[:, 0::2].copy())
+            m[p + "experts.up_bias"] = (gub, lambda a: a[:, 1::2].copy())
+            m[p + "experts.down_bias"] = s + "mlp.experts.down_proj_bias"
         if cfg["model_type"] == "ernie4_5_moe":
             for x in ("gate", "up", "down"):
                 m[p + f"shared.{x}"] = s + f"mlp.shared_experts.{x}_proj.weight"
@@ -338,6 +392,38 @@ def row_permutations(cfg: dict) -> dict:
     return out
 
 
+def mxfp4_rows(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """An OpenAI MXFP4 tensor -> ggml's mxfp4 rows, losslessly: blocks [R, G, 16] uint8 (byte b holds
+    values 2b (low nibble) and 2b + 1 (high)), scales [R, G] uint8 (E8M0: 2^(e - 127)) ->
+    [R, G * 17] (e | qs[16]: qs[i] holds value i (low nibble) and i + 16 (high)), the same numbers:
+    ggml's 2^(e-128) times the doubled E2M1 value."""
+    vals = np.stack([blocks & 15, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
+    out = np.empty((*blocks.shape[:-1], 17), np.uint8)
+    out[..., 0] = scales
+    out[..., 1:] = vals[..., :16] | (vals[..., 16:] << 4)
+    return out.reshape(blocks.shape[0], -1)
+
+
+def mxfp4_experts(src: SafetensorsIndex, layer: int) -> bool:
+    return f"model.layers.{layer}.mlp.experts.gate_up_proj_blocks" in src
+
+
+def _mxfp4_expert(src: SafetensorsIndex, cfg: dict, layer: int, j: int):
+    """gpt-oss's MXFP4 expert j as stored rows (gate [I, H/32*17], up, down [H, I/32*17]) and the
+    source names: gate_up_proj_blocks [E, 2I, H/32, 16] (rows interleaved gate/up), down_proj_blocks
+    [E, H, I/32, 16], with their *_scales."""
+    p = f"model.layers.{layer}.mlp.experts."
+    names = [p + n for n in ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")]
+    H, I = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    for n, shape in zip(names, ((2 * I, H // 32, 16), (2 * I, H // 32), (H, I // 32, 16), (H, I // 32))):
+        if n not in src:
+            raise invalid_model(p, n, "missing (an MXFP4 checkpoint holds blocks and scales of both projections)")
+        if src.dtype(n) != "uint8" or tuple(src.shape(n)[1:]) != shape or H % 32 or I % 32:
+            raise invalid_model(p, n, f"{src.dtype(n)} {list(src.shape(n))}: expected uint8 [E, {', '.join(map(str, shape))}]")
+    gu = mxfp4_rows(src.raw(names[0], j), src.raw(names[1], j))
+    return (gu[0::2].copy(), gu[1::2].copy(), mxfp4_rows(src.raw(names[2], j), src.raw(names[3], j))), names
+
+
 def _expert_sources(src: SafetensorsIndex, cfg: dict, layer: int, j: int):
     """-> callables giving gate [I,H], up [I,H], down [H,I] in float32 for expert j of a layer."""
     s = f"model.layers.{layer}."
@@ -355,6 +441,12 @@ def _expert_sources(src: SafetensorsIndex, cfg: dict, layer: int, j: int):
             gu = lambda: src.float32(gi, j)
             return (lambda: gu()[:I].copy(), lambda: gu()[I:].copy(), lambda: src.float32(do, j)), [gi, do]
         fused = s + f"{moe}.experts."
+        if cfg["model_type"] == "gpt_oss" and fused + "gate_up_proj" in src:
+            # gpt-oss: x @ W, gate_up_proj [E, H, 2I] with gate and up interleaved, down_proj [E, I, H]
+            gu = lambda: src.float32(fused + "gate_up_proj", j)
+            return (lambda: gu()[:, 0::2].T.copy(), lambda: gu()[:, 1::2].T.copy(),
+                    lambda: src.float32(fused + "down_proj", j).T.copy()), [fused + "gate_up_proj",
+                                                                            fused + "down_proj"]
         if fused + "gate_up_proj" in src:                 # transformers 5 fused layout [E, 2I, H], [E, H, I]
             I = cfg["moe_intermediate_size"]
             gu = lambda: src.float32(fused + "gate_up_proj", j)
@@ -468,6 +560,9 @@ def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool 
     wanted = expected_tensors(cfg, plan)
     H, I = cfg["hidden_size"], cfg["moe_intermediate_size"]
     expert_fmts = {l["layer_id"]: plan.expert(l["layer_id"], H, I) for l in cfg["layers"] if l["type"] != "dense"}
+    packed = {l for l in expert_fmts if mxfp4_experts(src, l)}
+    if packed and dtype is None:        # MXFP4 experts stay MXFP4 (ggml's layout), the rest as stored
+        expert_fmts.update({l: ("mxfp4",) * 3 for l in packed})
     used = set()
     need = sum(nbytes(f, s) + ALIGN for s, f in wanted.values())
     need += sum(expert_blob_bytes(H, I, expert_fmts[l["layer_id"]]) + ALIGN
@@ -482,8 +577,10 @@ def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool 
             continue                                   # written with its quantised matrix
         if kind == "tensor":
             shape, tdtype = wanted[what]
-            hf_name, rows = names[what], None
-            if isinstance(hf_name, tuple):
+            hf_name, rows, fn = names[what], None, None
+            if isinstance(hf_name, tuple) and callable(hf_name[1]):
+                hf_name, fn = hf_name           # a function of the source tensor (a strided slice)
+            elif isinstance(hf_name, tuple):
                 hf_name, rows = hf_name[0], slice(*hf_name[1:])
             if hf_name not in src:
                 raise invalid_model(os.path.join(hf_dir, "*.safetensors"), hf_name,
@@ -495,6 +592,8 @@ def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool 
                     raise invalid_model(os.path.join(hf_dir, "*.safetensors"), hf_name,
                                         f"shape {list(arr.shape)}: expected at least {rows.stop} rows (fused {what})")
                 arr = arr[rows].copy()
+            if fn is not None:
+                arr = fn(arr)
             if what in fold:
                 arr = arr * np.float32(fold[what])
             if len(shape) == 1 and arr.shape == (1, *shape):
@@ -506,9 +605,17 @@ def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool 
                 arr = unpermute(arr, perm[what])
             w.add_tensor(what, arr, tdtype)
             used.add(hf_name)
+        elif what[0] in packed and dtype is None:
+            mats, src_names = _mxfp4_expert(src, cfg, *what)
+            w.add_expert(what[0], what[1], *mats, expert_fmts[what[0]], hidden=H, inter=I)
+            used.update(src_names)
         else:
-            getters, src_names = _expert_sources(src, cfg, *what)
-            mats = [g() for g in getters]
+            if what[0] in packed:            # dequantised, then written in the chosen format
+                rows, src_names = _mxfp4_expert(src, cfg, *what)
+                mats = [np.asarray(widen(m, "mxfp4"), np.float32) for m in rows]
+            else:
+                getters, src_names = _expert_sources(src, cfg, *what)
+                mats = [g() for g in getters]
             if "expert.down" in fold:
                 mats[2] = mats[2] * np.float32(fold["expert.down"])
             for m, part in zip(mats, ("gate", "up", "down")):
@@ -523,6 +630,8 @@ def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool 
         raise invalid_model(os.path.join(hf_dir, "*.safetensors"), leftover[0],
                             f"{len(leftover)} tensor(s) the engine would ignore (e.g. {leftover[:3]}); "
                             "their feature is not implemented")
+    if packed and dtype is None and cfg["weight_dtype"] != "mxfp4":
+        w.config["weight_dtype"] = "mixed"
     w.finish()
     for name in COPIED_FILES:
         if os.path.exists(os.path.join(hf_dir, name)):

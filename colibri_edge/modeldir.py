@@ -95,6 +95,8 @@ def tensor_roles(cfg: dict) -> dict:
             t[p + "attn.bv"] = ((nkv * hd,), f32)
         if cfg["attention_out_bias"]:
             t[p + "attn.bo"] = ((H,), f32)
+        if cfg.get("attention_sinks"):
+            t[p + "attn.sinks"] = ((nh,), f32)
         if cfg["qk_norm"] == "per_head":
             t[p + "attn.q_norm"] = ((hd,), f32)
             t[p + "attn.k_norm"] = ((hd,), f32)
@@ -110,6 +112,13 @@ def tensor_roles(cfg: dict) -> dict:
             t[p + "router"] = ((layer["moe_num_experts"], H), f32)
             if cfg.get("router_choice_bias"):
                 t[p + "router_choice_bias"] = ((layer["moe_num_experts"],), f32)
+            if cfg.get("router_bias"):
+                t[p + "router_bias"] = ((layer["moe_num_experts"],), f32)
+            if cfg.get("expert_bias"):
+                E, I = layer["moe_num_experts"], cfg["moe_intermediate_size"]
+                t[p + "experts.gate_bias"] = ((E, I), f32)
+                t[p + "experts.up_bias"] = ((E, I), f32)
+                t[p + "experts.down_bias"] = ((E, H), f32)
         if layer["type"] == "moe_shared":
             si = cfg["shared_expert_intermediate_size"]
             t[p + "shared.gate"] = ((si, H), W)
@@ -192,11 +201,13 @@ class ModelWriter:
             raise ValueError(f"{what}: array of {array.dtype} {array.shape} is not stored {dtype} {shape}")
         return narrow(np.asarray(array, np.float32), dtype)
 
-    def add_expert(self, layer: int, local_id: int, gate, up, down, fmts, activation_fn="swiglu", hidden=None,
+    def add_expert(self, layer: int, local_id: int, gate, up, down, fmts, activation_fn=None, hidden=None,
                    inter=None):
         """gate [I,H], up [I,H], down [H,I] as float (quantised here to fmts: one format or (gate, up,
         down)) or already stored in their formats (then give hidden and inter)."""
         fmts = expert_formats(fmts)
+        if activation_fn is None:      # the config's: SwiGLU, or gpt-oss's clamped one
+            activation_fn = {"silu": "swiglu"}.get(self.config.get("expert_act", "silu"), self.config.get("expert_act"))
         if hidden is None:
             inter, hidden = np.asarray(gate).shape
         sections, size = expert_sections(hidden, inter, fmts)

@@ -4,9 +4,11 @@ each a mixer plus FFN parts, with every weight's shape in a comment.
     h  = rmsnorm(x) * input_norm;   x += mixer(h, state[seq])
     h  = rmsnorm(x) * post_norm;    x += sum of the FFN parts(h)
 
-Mixers:    Attention        GQA over a paged KV pool (optional q/k biases, q/k norms)
-FFN parts: MoE              route (optionally a choice-only bias and a renormalisation floor),
-                            align, the chosen experts' SwiGLU, combine
+Mixers:    Attention        GQA over a paged KV pool (optional q/k/v/o biases, q/k norms, a sliding
+                            window, per-head sink logits, a rope frequency table)
+FFN parts: MoE              route (optionally a router bias, a choice-only bias and a renormalisation
+                            floor), align, the chosen experts' SwiGLU (or gpt-oss's clamped SwiGLU
+                            with expert biases), combine
            SharedExpert     an always-on expert, optionally behind a sigmoid gate (Qwen2-MoE)
            DenseMLP         a plain SwiGLU MLP (dense layers)
 Each part's `forward(r, s)` runs its ops on the backend `r.be` over the step's arena views `s`
@@ -17,7 +19,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .backends.base import FFN, Weight
+import numpy as np
+
+from . import rope
+from .backends.base import FFN, Act, Weight
+from .errors import ColibriError, COLIBRI_ERR_UNAVAILABLE
 
 
 @dataclass
@@ -41,6 +47,9 @@ class Attention:
     block_size: int
     K: object = None            # this layer's cache [blocks*B, Hkv, D], the pool's storage
     V: object = None
+    window: int = 0             # attends to the last `window` positions only (0: all)
+    sinks: Weight | None = None  # [Hq] float32 sink logits (gpt-oss)
+    inv_freq: np.ndarray | None = None  # [D/2] host float32 rope frequencies (None: theta's)
 
     def forward(self, be, s):
         """x += wo @ attention(rope(norm(q)), rope(norm(k)), v), the new k, v written to the cache."""
@@ -51,11 +60,11 @@ class Attention:
         elif self.qk_norm == "full":
             be.rmsnorm(s.q2, s.q2, self.q_norm, self.eps)
             be.rmsnorm(s.k2, s.k2, self.k_norm, self.eps)
-        be.rope(s.q, s.q, s.pos, self.rope_theta)
-        be.rope(s.k, s.k, s.pos, self.rope_theta)
+        be.rope(s.q, s.q, s.pos, self.rope_theta, self.inv_freq)
+        be.rope(s.k, s.k, s.pos, self.rope_theta, self.inv_freq)
         be.kv_write(self.K, self.V, s.k, s.v, s.slots[self.pool])
         be.paged_attention(s.attn, s.q, self.K, self.V, s.tables[self.pool], s.seq, s.pos, self.block_size,
-                           self.scale)
+                           self.scale, self.window, self.sinks)
         be.matmul(s.o, s.attn2, self.wo, self.bo)
         be.add(s.x, s.x, s.o)
 
@@ -79,6 +88,9 @@ class MoE:
     next_layer: int = -1        # the next MoE layer (prefetch prediction), -1 for the last
     next_router: Weight | None = None
     next_choice_bias: Weight | None = None
+    router_bias: Weight | None = None   # [E] float32 added to the router logits (gpt-oss)
+    act: Act | None = None      # the experts' activation and biases when not plain SwiGLU
+    next_router_bias: Weight | None = None
 
     @property
     def num_experts(self) -> int:
@@ -87,12 +99,12 @@ class MoE:
     def forward(self, r, s):
         """x += sum_j w[t,j] * expert_{ids[t,j]}(h[t])"""
         be = r.be
-        be.matmul(s.router, s.h, self.router)
+        be.matmul(s.router, s.h, self.router, self.router_bias)
         be.route(s.ids, s.w, s.router, self.top_k, self.mode, self.normalize, self.choice_bias, self.norm_min)
         plan = be.align(r.plan_bufs, s.ids, s.T, len(self.experts), self.top_k, self.tally)
         prefetch = r.on_route(self, s) if r.hooks else None
         if r.slot_pool is None:
-            be.grouped_ffn(s.y, s.h, self.experts, plan, s.scratch)
+            be.grouped_ffn(s.y, s.h, self.experts, plan, s.scratch, self.act)
         else:
             r.slot_pool.run_layer(self, plan, s, prefetch)
         be.combine(s.x, s.y, s.w, plan)
@@ -174,13 +186,22 @@ def build(model, be, pools, resident: bool) -> Program:
     eps, hd = cfg["rms_norm_eps"], cfg["head_dim"]
     k = max(cfg["experts_per_layer"], 1) if cfg["router_mode"] == "gated" else cfg["top_k"]
     pool_of = {l: i for i, p in enumerate(pools) for l in p.layers}
+    inv_freq, attn_factor = rope.of_config(cfg)
+    act_kind = cfg.get("expert_act", "silu")
+    if act_kind not in be.ffn_activations:
+        raise ColibriError(COLIBRI_ERR_UNAVAILABLE,
+                           f"the {cfg['model_type']} experts' activation {act_kind!r} with expert biases is not "
+                           f"implemented on the {be.name} backend (it runs {', '.join(be.ffn_activations)}); "
+                           "open the engine with backend='cpu' (or 'reference')")
     layers, moe_index = [], 0
     for spec in cfg["layers"]:
         i, p = spec["layer_id"], f"layers.{spec['layer_id']}."
         mixer = Attention(w(p + "attn.wq"), w(p + "attn.wk"), w(p + "attn.wv"), w(p + "attn.wo"),
                           w(p + "attn.bq"), w(p + "attn.bk"), w(p + "attn.bv"), w(p + "attn.bo"),
                           w(p + "attn.q_norm"), w(p + "attn.k_norm"), cfg["qk_norm"], cfg["rope_theta"],
-                          cfg.get("attention_scale", hd ** -0.5), eps, pool_of[i], pools[pool_of[i]].block_size)
+                          cfg.get("attention_scale", hd ** -0.5) * attn_factor ** 2, eps, pool_of[i],
+                          pools[pool_of[i]].block_size, window=pools[pool_of[i]].window, sinks=w(p + "attn.sinks"),
+                          inv_freq=inv_freq)
         if spec["type"] == "dense":
             parts = (DenseMLP(ffn(p + "mlp")),)
         else:
@@ -188,8 +209,12 @@ def build(model, be, pools, resident: bool) -> Program:
             E = spec["moe_num_experts"]
             experts = be.upload_experts((model.expert_blob(i, j) for j in range(E)), H, I, fm) if resident \
                 else [None] * E
+            act = None if act_kind == "silu" else \
+                Act(act_kind, cfg["swiglu_alpha"], cfg["swiglu_limit"], w(p + "experts.gate_bias"),
+                    w(p + "experts.up_bias"), w(p + "experts.down_bias"))
             parts = (MoE(i, moe_index, w(p + "router"), experts, k, cfg["router_mode"], cfg["norm_topk_prob"],
-                         H, I, fm, w(p + "router_choice_bias"), cfg.get("router_norm_min", 0.0)),)
+                         H, I, fm, w(p + "router_choice_bias"), cfg.get("router_norm_min", 0.0),
+                         router_bias=w(p + "router_bias"), act=act),)
             moe_index += 1
             if spec["type"] == "moe_shared":
                 parts += (SharedExpert(ffn(p + "shared"), w(p + "shared.gate_logit")),)
@@ -199,4 +224,5 @@ def build(model, be, pools, resident: bool) -> Program:
     moe = prog.moe
     for a, b in zip(moe, moe[1:]):
         a.next_layer, a.next_router, a.next_choice_bias = b.layer, b.router, b.choice_bias
+        a.next_router_bias = b.router_bias
     return prog

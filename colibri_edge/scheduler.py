@@ -296,7 +296,7 @@ class Runner:
         pred = None
         if moe.next_router is not None and any(hk.wants_prediction for hk in self.hooks):
             be = self.be
-            be.matmul(s.pred_router, s.h, moe.next_router)
+            be.matmul(s.pred_router, s.h, moe.next_router, moe.next_router_bias)
             be.route(s.pred_ids, s.pred_w, s.pred_router, moe.top_k, moe.mode, moe.normalize, moe.next_choice_bias,
                      moe.norm_min)
             pred, pred_w = be.download(s.pred_ids), be.download(s.pred_w)

@@ -332,7 +332,7 @@ class SlotPool:
             for e, ffn in wave:
                 experts[e] = ffn
             sub = dataclasses.replace(plan, active=np.array([e for e, _ in wave], dtype=np.int64))
-            self.be.grouped_ffn(s.y, s.h, experts, sub, s.scratch)
+            self.be.grouped_ffn(s.y, s.h, experts, sub, s.scratch, moe.act)
 
     def resident_bytes(self) -> int:
         return sum(k is not None for k in self.cache.key_of) * self.blob_bytes

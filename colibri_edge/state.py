@@ -1,9 +1,13 @@
 """Per-sequence state (DESIGN.md, "Memory"): one abstraction, with pool kinds.
 
     PagedPool   blocks of B token positions for a group of layers that share one block table per
-                sequence (full-attention layers today; sliding-window and latent-attention groups
-                next). A token at position p lives in slot table[p // B] * B + p % B of every layer
-                of the group. Blocks are handed out as a sequence grows and returned at once.
+                sequence (the full-attention layers; the sliding-window layers of one window W,
+                latent-attention groups next). A token at position p lives in slot
+                table[p // B] * B + p % B of every layer of the group. Blocks are handed out as a
+                sequence grows and returned when it ends; a window pool also returns, before each
+                step, the blocks wholly below the window of the step's first token (a token at p
+                reads positions p-W+1..p), their table entries set to EVICTED: after a decode step
+                a sequence holds at most ceil(W / B) + 1 blocks there, however long it grows.
     FixedPool   one fixed-size slot per sequence for a group of layers (recurrent state: conv and
                 SSM / delta-rule state), taken when the sequence starts, returned when it ends.
     States      an engine's pools: a sequence reserves in all of them at once (all or nothing), and
@@ -56,15 +60,19 @@ class FreeList:
         self._back.append(i)
 
 
+EVICTED = -1            # a window pool's table entry whose block was returned (never read again)
+
+
 class PagedPool:
     """Blocks of `block_size` positions for `layers`, each layer storing `per_token` float32 values
-    per position and per tensor (`tensors`, e.g. ("k", "v"), each [num_blocks * B, *per_token])."""
+    per position and per tensor (`tensors`, e.g. ("k", "v"), each [num_blocks * B, *per_token]).
+    window > 0: the layers attend to their last `window` positions only (blocks below are returned)."""
     kind = "paged"
 
     def __init__(self, name: str, layers, num_blocks: int, block_size: int, per_token: tuple,
-                 tensors=("k", "v"), hint: str = "kv_cache_tokens"):
+                 tensors=("k", "v"), hint: str = "kv_cache_tokens", window: int = 0):
         self.name, self.layers = name, tuple(layers)
-        self.num_blocks, self.block_size = int(num_blocks), int(block_size)
+        self.num_blocks, self.block_size, self.window = int(num_blocks), int(block_size), int(window)
         self.per_token, self.tensors, self.hint = tuple(per_token), tuple(tensors), hint
         self._free = FreeList(self.num_blocks)
         self._refs = {}                 # block -> sequences holding it, for blocks held by more than one
@@ -76,9 +84,25 @@ class PagedPool:
     def need(self, seq: SeqState, index: int, tokens: int) -> int:
         return max(0, -(-tokens // self.block_size) - len(seq.tables[index]))
 
+    def _stale(self, seq: SeqState, index: int) -> range:
+        """Table indices of the blocks a window pool can return before the next step: wholly below
+        the window of the position the step starts at (seq.cached), not already returned."""
+        if not self.window:
+            return range(0)
+        lo = max(0, seq.cached - self.window + 1) // self.block_size
+        table = seq.tables[index]
+        end = first = min(lo, len(table))
+        while first > 0 and table[first - 1] != EVICTED:     # returned blocks are a prefix of the table
+            first -= 1
+        return range(first, end)
+
+    def held(self, seq: SeqState, index: int) -> int:
+        """Blocks this sequence holds in the pool (shared ones included)."""
+        return sum(b != EVICTED for b in seq.tables[index])
+
     def shortfall(self, seq, index, tokens) -> str | None:
         need = self.need(seq, index, tokens)
-        if need <= len(self._free):
+        if need <= len(self._free) + len(self._stale(seq, index)):
             return None
         return (f"{self.name} pool exhausted: sequence {seq.seq_id} needs {need} more block(s) of "
                 f"{self.block_size} tokens, {len(self._free)} free of {self.num_blocks}; open the engine "
@@ -86,19 +110,32 @@ class PagedPool:
 
     def grow(self, seq, index, tokens):
         table = seq.tables[index]
+        for j in self._stale(seq, index):
+            self._put(table[j])
+            table[j] = EVICTED
         for _ in range(self.need(seq, index, tokens)):
             table.append(self._free.pop())
 
     def release(self, seq, index):
         table = seq.tables[index]
         while table:
-            b = table.pop()
+            self._put(table.pop())
+
+    def _put(self, b):
+        """Return block b (a holder let go of it): to the free list when it was the last."""
+        if b != EVICTED:
             n = self._refs.pop(b, 1) - 1
             if n > 0:
                 if n > 1:
                     self._refs[b] = n
             else:
                 self._free.append(b)
+
+    def can_share(self, src, index, tokens) -> bool:
+        """Whether src still holds what a sequence continuing at position `tokens` reads (a window
+        pool may have returned it)."""
+        lo = max(0, tokens - self.window + 1) // self.block_size if self.window else 0
+        return all(b != EVICTED for b in src.tables[index][lo:tokens // self.block_size])
 
     def share(self, src, dst, index, tokens):
         """dst (empty) holds src's first tokens // block_size blocks too (read-only: positions below
@@ -107,7 +144,8 @@ class PagedPool:
         n = tokens // self.block_size
         shared = src.tables[index][:n]
         for b in shared:
-            self._refs[b] = self._refs.get(b, 1) + 1
+            if b != EVICTED:
+                self._refs[b] = self._refs.get(b, 1) + 1
         dst.tables[index][:] = list(shared)
 
     def storage(self) -> dict:
@@ -119,8 +157,10 @@ class PagedPool:
         return 4 * len(self.layers) * len(self.tensors) * math.prod(self.per_token)
 
     def usage(self) -> dict:
-        return {"kind": self.kind, "blocks": self.num_blocks, "free": self.free_blocks,
-                "block_size": self.block_size}
+        u = {"kind": self.kind, "blocks": self.num_blocks, "free": self.free_blocks, "block_size": self.block_size}
+        if self.window:
+            u["window"] = self.window
+        return u
 
 
 class FixedPool:
@@ -197,7 +237,7 @@ class States:
             return 0
         step = math.lcm(*[p.block_size for p in self.paged]) if self.paged else 0
         n = tokens // step * step if step else 0
-        if n == 0:
+        if n == 0 or not all(p.can_share(src, i, n) for i, p in enumerate(self.paged)):
             return 0
         for i, p in enumerate(self.paged):
             p.share(src, dst, i, n)
@@ -220,8 +260,16 @@ class States:
 
 
 def attention_pools(cfg: dict, num_blocks: int, block_size: int) -> list:
-    """The pools a model's layer plan needs. Every layer today is full attention with a paged KV
-    cache of K and V [Hkv, D] per position, all in one group."""
-    layers = [l["layer_id"] for l in cfg["layers"]]
-    return [PagedPool("KV cache", layers, num_blocks, block_size,
-                      (cfg["num_key_value_heads"], cfg["head_dim"]))]
+    """The pools a model's layer plan needs: a paged KV cache of K and V [Hkv, D] per position for
+    the full-attention layers (first: the engine's `pool`), and one for the sliding-window layers
+    (config layer_types, sliding_window) when there are any. Each has num_blocks blocks: a window
+    pool's sequences hold at most ceil(W / B) + 1 of them between steps."""
+    types = cfg.get("layer_types") or ["full_attention"] * len(cfg["layers"])
+    per = (cfg["num_key_value_heads"], cfg["head_dim"])
+    full = [l["layer_id"] for l in cfg["layers"] if types[l["layer_id"]] == "full_attention"]
+    slide = [l["layer_id"] for l in cfg["layers"] if types[l["layer_id"]] == "sliding_attention"]
+    pools = [PagedPool("KV cache", full, num_blocks, block_size, per)] if full else []
+    if slide:
+        W = cfg["sliding_window"]
+        pools.append(PagedPool(f"KV cache (window {W})", slide, num_blocks, block_size, per, window=W))
+    return pools

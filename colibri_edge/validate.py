@@ -26,7 +26,7 @@ from .errors import ColibriError, COLIBRI_ERR_INVALID_MODEL_TYPE, invalid_model
 FORMAT_VERSION = 2            # written; 1 (one weight type for the directory) is still read
 READ_VERSIONS = (1, 2)
 SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared",
-                         "ernie4_5_moe")
+                         "ernie4_5_moe", "gpt_oss")
 LAYER_TYPES = ("dense", "moe", "moe_shared")
 ROUTER_MODES = ("topk", "gated")
 QK_NORMS = ("none", "per_head", "full")
@@ -179,14 +179,24 @@ CONFIG_FIELDS = (
     "max_position_embeddings", "rope_theta", "rms_norm_eps", "tie_word_embeddings", "experts_per_layer", "top_k",
     "router_dtype", "router_mode", "norm_topk_prob", "shared_expert_intermediate_size", "shared_expert_gate",
     "attention_bias", "attention_out_bias", "qk_norm", "eos_token_ids", "bos_token_id", "weight_dtype", "layers",
-    "attention_scale", "folded_multipliers", "router_choice_bias", "router_norm_min", "rope_pairs")
+    "attention_scale", "folded_multipliers", "router_choice_bias", "router_norm_min", "rope_pairs",
+    "layer_types", "sliding_window", "attention_sinks", "rope_scaling", "router_bias", "expert_bias", "expert_act",
+    "swiglu_alpha", "swiglu_limit")
 # attention_scale: the softmax scale when it is not 1/sqrt(head_dim) (Granite's attention_multiplier);
 # folded_multipliers: what the converter multiplied into the weights (Granite), kept for inspection;
 # router_choice_bias: every MoE layer has a router_choice_bias [E] added to p for the choice only, and
 # router_norm_min floors the renormalisation's denominator (ERNIE-4.5); rope_pairs: the source's rope
 # layout ("interleaved": the converter permuted q/k rows to the half-split layout), for inspection
+# layer_types (per layer: full_attention | sliding_attention) and sliding_window W: those layers attend
+# to their last W positions; attention_sinks: every layer has attn.sinks [heads] (gpt-oss); rope_scaling:
+# YaRN (colibri_edge.rope); router_bias: router logits + layers.N.router_bias [E]; expert_bias: the
+# routed experts' biases layers.N.experts.{gate,up,down}_bias; expert_act: silu (SwiGLU) or swiglu_oai
+# (gpt-oss's clamped SwiGLU, with swiglu_alpha and swiglu_limit)
 OPTIONAL = ("architectures", "bos_token_id", "attention_scale", "folded_multipliers", "router_choice_bias",
-            "router_norm_min", "rope_pairs")
+            "router_norm_min", "rope_pairs", "layer_types", "sliding_window", "attention_sinks", "rope_scaling",
+            "router_bias", "expert_bias", "expert_act", "swiglu_alpha", "swiglu_limit")
+ATTENTION_TYPES = ("full_attention", "sliding_attention")
+EXPERT_ACTS = ("silu", "swiglu_oai")
 FOLDED = ("embedding_multiplier", "residual_multiplier", "logits_scaling")
 
 
@@ -254,6 +264,7 @@ def config(cfg, path: str = "config.json") -> dict:
     if (cfg.get("router_choice_bias") or cfg.get("router_norm_min")) and cfg["router_mode"] != "topk":
         raise invalid_model(path, "router_mode", f"{cfg['router_mode']} routing takes no choice bias or "
                             "renormalisation floor (topk does)")
+    _attention_fields(path, cfg, L)
     layers = _list(path, "layers", cfg["layers"], MAX_LAYERS)
     if len(layers) != L:
         raise invalid_model(path, "layers", f"has {len(layers)} entries, num_hidden_layers is {L}")
@@ -286,6 +297,45 @@ def config(cfg, path: str = "config.json") -> dict:
         if kind == "moe_shared" and cfg["shared_expert_intermediate_size"] < 1:
             raise invalid_model(path, "shared_expert_intermediate_size", "must be positive with moe_shared layers")
     return cfg
+
+
+def _attention_fields(path, cfg, L):
+    """layer_types / sliding_window, sinks, rope scaling, router and expert biases, the activation."""
+    from .rope import YARN_FIELDS
+    if "layer_types" in cfg:
+        types = _list(path, "layer_types", cfg["layer_types"], MAX_LAYERS)
+        if len(types) != L:
+            raise invalid_model(path, "layer_types", f"has {len(types)} entries, num_hidden_layers is {L}")
+        for i, t in enumerate(types):
+            _enum(path, f"layer_types[{i}]", t, ATTENTION_TYPES)
+        if "sliding_attention" in types and "sliding_window" not in cfg:
+            raise invalid_model(path, "sliding_window", "missing (layer_types has sliding_attention layers)")
+    if "sliding_window" in cfg:
+        _int(path, "sliding_window", cfg["sliding_window"], 1, MAX_POSITIONS)
+    for f in ("attention_sinks", "router_bias", "expert_bias"):
+        if f in cfg:
+            _bool(path, f, cfg[f])
+    act = _enum(path, "expert_act", cfg.get("expert_act", "silu"), EXPERT_ACTS)
+    if act == "swiglu_oai":
+        for f in ("swiglu_alpha", "swiglu_limit"):
+            if f not in cfg:
+                raise invalid_model(path, f, "missing (expert_act is swiglu_oai)")
+            _num(path, f, cfg[f], 0.0, 1e6, lo_open=True)
+    if "rope_scaling" in cfg:
+        rs = _obj(path, "rope_scaling", cfg["rope_scaling"])
+        _known(path, "rope_scaling.", rs, YARN_FIELDS)
+        _enum(path, "rope_scaling.rope_type", rs.get("rope_type"), ("yarn",))
+        for f in ("factor", "original_max_position_embeddings"):
+            if f not in rs:
+                raise invalid_model(path, f"rope_scaling.{f}", "missing")
+        _num(path, "rope_scaling.factor", rs["factor"], 0.0, 1e6, lo_open=True)
+        _int(path, "rope_scaling.original_max_position_embeddings", rs["original_max_position_embeddings"], 1,
+             MAX_POSITIONS)
+        for f in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
+            if rs.get(f) is not None:
+                _num(path, f"rope_scaling.{f}", rs[f], 0.0, 1e6, lo_open=True)
+        if "truncate" in rs:
+            _bool(path, "rope_scaling.truncate", rs["truncate"])
 
 
 # -- tensors.json / experts.json ----------------------------------------------------------------------
@@ -324,7 +374,7 @@ def expert_record(path: str, i: int, rec, v1: bool = False) -> tuple:
     _bool(path, f"{f}.has_residual", rec["has_residual"])
     if rec["has_residual"]:
         raise invalid_model(path, f"{f}.has_residual", "residual experts are not implemented")
-    _enum(path, f"{f}.activation_fn", rec["activation_fn"], ("swiglu",))
+    _enum(path, f"{f}.activation_fn", rec["activation_fn"], ("swiglu", "swiglu_oai"))
     if v1:
         return (_enum(path, f"{f}.dtype", rec["dtype"], ("float32", "float16", "bfloat16", "int8")),) * 3
     fm = _obj(path, f"{f}.formats", rec["formats"])

@@ -64,6 +64,27 @@ CASES = {
                                              vocab_size=86, max_position_embeddings=256,
                                              tie_word_embeddings=False, rope_theta=10000.0)),
 }
+# Families with features some backends refuse by name (test_families.py runs them): kept out of CASES,
+# whose tests run on every backend. gpt-oss: sliding and full layers (windows shorter than the prompts
+# and longer), YaRN, sinks, router and expert biases, the clamped SwiGLU with a limit that bites, top-k
+# 2 and 4 (of 5), attention biases on and off, head_dim unlike hidden/heads.
+FAMILY_CASES = {
+    "gpt_oss": ("gpt_oss", dict(hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=24, num_local_experts=4, num_experts_per_tok=2,
+                                vocab_size=97, max_position_embeddings=256, sliding_window=6, swiglu_limit=1.0,
+                                rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=8.0,
+                                                     beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                                     original_max_position_embeddings=32))),
+    "gpt_oss_k4": ("gpt_oss", dict(hidden_size=48, intermediate_size=32, num_hidden_layers=2, num_attention_heads=6,
+                                   num_key_value_heads=3, head_dim=8, num_local_experts=5, num_experts_per_tok=4,
+                                   vocab_size=83, max_position_embeddings=256, sliding_window=40,
+                                   layer_types=["full_attention", "sliding_attention"], attention_bias=False,
+                                   swiglu_limit=3.0, rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+    # widths that are multiples of 32: the MXFP4 checkpoint (mxfp4_checkpoint)
+    "gpt_oss_mx": ("gpt_oss", dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=1, head_dim=16, num_local_experts=3, num_experts_per_tok=2,
+                                   vocab_size=71, max_position_embeddings=256, sliding_window=5)),
+}
 MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "ernie4_5_moe")
 
 
@@ -73,7 +94,7 @@ def config_for(model_type: str, **overrides):
            "qwen3_moe": transformers.Qwen3MoeConfig, "olmoe": transformers.OlmoeConfig,
            "granitemoe": transformers.GraniteMoeConfig,
            "granitemoeshared": transformers.GraniteMoeSharedConfig,
-           "ernie4_5_moe": transformers.Ernie4_5_MoeConfig}[model_type]
+           "ernie4_5_moe": transformers.Ernie4_5_MoeConfig, "gpt_oss": transformers.GptOssConfig}[model_type]
     return cls(**overrides)
 
 
@@ -95,7 +116,7 @@ def build_hf(path: str, case: str, dtype: str = "float32", seed: int = 0, **over
     """Save a random model of `case` to `path`; weights scaled so logits are O(1), not ~0."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
-    model_type, cfg_kw = CASES[case]
+    model_type, cfg_kw = {**CASES, **FAMILY_CASES}[case]
     cfg = config_for(model_type, **{**cfg_kw, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
@@ -220,3 +241,58 @@ def build_text_model(tmp, case="mixtral") -> tuple:
     out = os.path.join(tmp, "col")
     convert(hf, out, progress=False)
     return hf, out, eos
+
+
+E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def _openai_mxfp4(w: np.ndarray):
+    """w [..., K] -> (blocks [..., K/32, 16] uint8, scales [..., K/32] uint8) in OpenAI's checkpoint
+    layout: byte b holds values 2b (low nibble) and 2b+1 (high); value = E2M1[nibble] * 2^(e - 127),
+    e the smallest exponent whose block max fits in 6, each value to its nearest E2M1 code."""
+    g = w.reshape(*w.shape[:-1], -1, 32).astype(np.float64)
+    amax = np.abs(g).max(-1)
+    e = np.clip(np.ceil(np.log2(np.maximum(amax, 1e-30) / 6.0)), -127, 127).astype(np.int64) + 127
+    scaled = g / np.exp2(e - 127.0)[..., None]
+    codes = np.abs(scaled[..., None] - E2M1[None, :].astype(np.float64)).argmin(-1).astype(np.uint8)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8), e.astype(np.uint8)
+
+
+def mxfp4_checkpoint(tmp: str, case: str = "gpt_oss_mx") -> tuple:
+    """A gpt-oss checkpoint as OpenAI ships it (written by hand: save_pretrained cannot write MXFP4 on
+    a CPU): the experts' gate_up_proj / down_proj as *_blocks and *_scales, quantization_config
+    mxfp4. -> (its directory, the oracle: the same model with the experts dequantised in float32 by
+    transformers' own convert_moe_packed_tensors, as a float32 checkpoint)."""
+    import json
+    import shutil
+    import torch
+    from safetensors.numpy import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    src = os.path.join(tmp, f"hf_{case}_src")
+    mx, oracle = os.path.join(tmp, f"hf_{case}_mxfp4"), os.path.join(tmp, f"hf_{case}_oracle")
+    if os.path.exists(os.path.join(oracle, "config.json")):
+        return mx, oracle
+    build_hf(src, case)
+    t = load_file(os.path.join(src, "model.safetensors"))
+    packed, deq = {}, {}
+    for name, arr in t.items():
+        if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+            blocks, scales = _openai_mxfp4(np.ascontiguousarray(arr.transpose(0, 2, 1)))   # [E, out, in]
+            packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+            deq[name] = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
+                                                   dtype=torch.float32).numpy()
+            assert deq[name].shape == arr.shape
+        else:
+            packed[name] = deq[name] = arr
+    for d, tensors in ((mx, packed), (oracle, deq)):
+        os.makedirs(d, exist_ok=True)
+        for f in os.listdir(src):
+            if f != "model.safetensors":
+                shutil.copy(os.path.join(src, f), os.path.join(d, f))
+        save_file(tensors, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.load(open(os.path.join(mx, "config.json")))
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                      "model.layers.*.mlp.router",
+                                                                                      "model.embed_tokens", "lm_head"]}
+    json.dump(cfg, open(os.path.join(mx, "config.json"), "w"))
+    return mx, oracle

@@ -153,6 +153,25 @@ def test_rope(kernel_backend, T, heads, D, theta, rng):
     close(be.download(xb), want, 1e-4)
 
 
+def test_rope_table(kernel_backend, rng):
+    """A scaled rope's frequency table (YaRN, colibri_edge.rope) instead of theta's."""
+    from colibri_edge.rope import inv_freq
+    ref, be = backend(kernel_backend)
+    D = 24
+    table, _ = inv_freq(150000.0, D, dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=32))
+    assert not np.allclose(table, inv_freq(150000.0, D)[0])
+    x = rng.standard_normal((5, 3, D)).astype(np.float32)
+    pos = rng.integers(0, 512, 5).astype(np.int32)
+    want = x.copy()
+    ref.rope(want, want, pos, 150000.0, table)
+    xb = dev(be, x)
+    be.rope(xb, xb, dev(be, pos), 150000.0, table)
+    close(be.download(xb), want, 1e-4)
+    with_theta = x.copy()
+    ref.rope(with_theta, with_theta, pos, 150000.0)
+    assert np.abs(with_theta - want).max() > 1e-2      # the table is what was used
+
+
 def fill_paged_cache(ref, be, tables, seq, pos, block, nslots, Hkv, D, rng):
     """Both backends' caches (K, V) holding the same random history for every position up to each
     token's, through each sequence's block table. -> ((rK, rV), (bK, bV))."""
@@ -190,6 +209,42 @@ def test_paged_attention(kernel_backend, Hq, Hkv, D, block, nslots, rng):
     out = be.alloc((T, Hq, D))
     be.paged_attention(out, dev(be, q), bK, bV, dev(be, tables), dev(be, seq), dev(be, pos), block, D ** -0.5)
     close(be.download(out), want, 1e-5)
+
+
+@pytest.mark.parametrize("window,block,sinks", [(5, 7, True), (1, 1, False), (16, 4, True), (300, 16, True),
+                                                (0, 5, True)])
+def test_paged_attention_window_and_sinks(kernel_backend, window, block, sinks, rng):
+    """A sliding window (positions p-W+1..p) with the blocks below every token's window returned
+    (their table entries -1: a kernel that read one would fail), and per-head sink logits."""
+    ref, be = backend(kernel_backend)
+    Hq, Hkv, D, nslots = 6, 2, 20, 400
+    nblocks = nslots // block
+    perm = rng.permutation(nblocks).astype(np.int32)
+    maxb = nblocks // 2
+    tables = np.stack([perm[:maxb], perm[maxb:2 * maxb]]).astype(np.int32)
+    last = maxb * block - 1
+    seq = np.array([0, 0, 0, 0, 1], np.int32)
+    pos = np.array([last - 3, last - 2, last - 1, last, min(29, last)], np.int32)
+    T = len(seq)
+    q = rng.standard_normal((T, Hq, D)).astype(np.float32)
+    (rK, rV), (bK, bV) = fill_paged_cache(ref, be, tables, seq, pos, block, nslots, Hkv, D, rng)
+    whole = tables.copy()
+    if window:
+        for s in (0, 1):
+            lo = max(0, int(pos[seq == s].min()) - window + 1)
+            tables[s, :lo // block] = -1
+    hs = (2.0 * rng.standard_normal(Hq)).astype(np.float32)
+    sk = be.upload(hs) if sinks else None
+    want = np.zeros_like(q)
+    ref.paged_attention(want, q, rK, rV, tables, seq, pos, block, D ** -0.5, window, ref.upload(hs) if sinks else None)
+    out = be.alloc((T, Hq, D))
+    be.paged_attention(out, dev(be, q), bK, bV, dev(be, tables), dev(be, seq), dev(be, pos), block, D ** -0.5,
+                       window, sk)
+    close(be.download(out), want, 1e-5)
+    full = np.zeros_like(q)
+    ref.paged_attention(full, q, rK, rV, whole, seq, pos, block, D ** -0.5)
+    if window and window < 30 or sinks:
+        assert np.abs(full - want).max() > 1e-3         # the window / the sinks changed the result
 
 
 @pytest.mark.parametrize("normalize", [True, False])

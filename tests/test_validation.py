@@ -152,8 +152,47 @@ def test_choice_bias_needs_its_tensors_and_topk(model):
 
 
 def test_unknown_fields_and_tensors_are_refused(model):
-    _edit(model, "config.json", lambda c: c.update(sliding_window=16))
-    _refused(model, "sliding_window", "not a field this Colibri knows")
+    _edit(model, "config.json", lambda c: c.update(attn_logit_softcapping=16.0))
+    _refused(model, "attn_logit_softcapping", "not a field this Colibri knows")
+
+
+@pytest.mark.parametrize("edit,field,words", [
+    (dict(layer_types=["sliding_attention"]), "sliding_window", "missing"),
+    (dict(layer_types=["local"], sliding_window=4), "layer_types[0]", "is not one of"),
+    (dict(layer_types=[], sliding_window=4), "layer_types", "entries"),
+    (dict(sliding_window=0), "sliding_window", "out of range"),
+    (dict(expert_act="gelu"), "expert_act", "is not one of"),
+    (dict(expert_act="swiglu_oai", swiglu_alpha=1.7), "swiglu_limit", "missing"),
+    (dict(expert_act="swiglu_oai", swiglu_alpha=-1.0, swiglu_limit=7.0), "swiglu_alpha", "out of range"),
+    (dict(rope_scaling={"rope_type": "longrope", "factor": 2.0, "original_max_position_embeddings": 8}),
+     "rope_scaling.rope_type", "is not one of"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "rope_scaling.original_max_position_embeddings",
+     "missing"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8, "x": 1}),
+     "rope_scaling.x", "not a field"),
+    (dict(attention_sinks="yes"), "attention_sinks", "true or false"),
+])
+def test_window_sink_and_rope_fields_are_checked(model, edit, field, words):
+    """gpt-oss's fields: sliding layers, the activation, YaRN, sinks (and a sink-bearing config
+    without the sink tensors is refused as a missing tensor)."""
+    L = None
+
+    def apply(c):
+        nonlocal L
+        L = c["num_hidden_layers"]
+        e = dict(edit)
+        if "layer_types" in e and e["layer_types"] == ["sliding_attention"]:
+            e["layer_types"] = ["sliding_attention"] * L
+        if "layer_types" in e and e["layer_types"] == ["local"]:
+            e["layer_types"] = ["local"] * L
+        c.update(e)
+    _edit(model, "config.json", apply)
+    _refused(model, field, words)
+
+
+def test_sinks_without_their_tensors_are_refused(model):
+    _edit(model, "config.json", lambda c: c.update(attention_sinks=True))
+    _refused(model, "layers.0.attn.sinks", "missing")
 
 
 def test_extra_tensor_is_refused(model):

@@ -112,6 +112,8 @@ class Backend(BackendBase):
         self.thread_steps = np.zeros(self.num_threads + 1, np.int64)    # steps run at each count
         self.work = np.zeros((self.num_threads, 8), np.int64)   # the kernels' claim counters (kernels.claim)
         self.none = _readonly(np.zeros(0, np.float32))      # an absent bias or scales vector
+        self._freqs = {}                                      # (theta, D) -> the rope table
+        self._act_bufs = (np.zeros((0, 0), np.float32),) * 3  # _grouped_ffn_act's rows
         self.no_tally = np.zeros(0, np.int32)
         self._qscratch = np.zeros((self.num_threads, 4, 0), np.float32)   # block formats' dequantised rows
         # block formats: activations quantised to int8 per 32, integer dots (qir.py); the
@@ -290,8 +292,15 @@ class Backend(BackendBase):
     def rmsnorm(self, out, x, weight, eps):
         self.k.rmsnorm(out, x, weight.data, float(eps))
 
-    def rope(self, out, x, positions, theta):
-        self.k.rope(out, x, positions, float(theta))
+    def rope(self, out, x, positions, theta, inv_freq=None):
+        if inv_freq is None:
+            key = (float(theta), x.shape[-1])
+            inv_freq = self._freqs.get(key)
+            if inv_freq is None:     # the reference's float32 table: 1 / theta^(2i/D)
+                D = x.shape[-1]
+                inv_freq = self._freqs[key] = (1.0 / (theta ** (np.arange(0, D, 2, dtype=np.float32) / D))).astype(
+                    np.float32)
+        self.k.rope(out, x, positions, inv_freq)
 
     def add(self, out, a, b, gate=None):
         if gate is None:
@@ -303,9 +312,11 @@ class Backend(BackendBase):
     def kv_write(self, K, V, k, v, slots):
         self.k.kv_write(K, V, k, v, slots)
 
-    def paged_attention(self, out, q, K, V, block_tables, seq_index, positions, block_size, scale):
+    def paged_attention(self, out, q, K, V, block_tables, seq_index, positions, block_size, scale, window=0,
+                        sinks=None):
         self._use_threads()
-        self.k.paged_attention(out, q, K, V, block_tables, seq_index, positions, int(block_size), float(scale))
+        self.k.paged_attention(out, q, K, V, block_tables, seq_index, positions, int(block_size), float(scale),
+                               int(window), self.none if sinks is None else sinks.data)
 
     # -- MoE ---------------------------------------------------------------------------------
     def route(self, out_ids, out_w, logits, k, mode, normalize, choice_bias=None, norm_min=0.0):
@@ -323,9 +334,13 @@ class Backend(BackendBase):
                                 self.no_tally if tally is None else tally)
         return Plan(offsets, order, inverse, counts, num_tokens, top_k, active[:n_active], num_experts=E)
 
-    def grouped_ffn(self, out, x, experts, plan, scratch):
+    ffn_activations = ("silu", "swiglu_oai")
+
+    def grouped_ffn(self, out, x, experts, plan, scratch, act=None):
         """Per active expert: gate/up + SwiGLU into scratch (its rows, packed [n, I]), then down into
         out's rows. Two parallel passes per expert, each reading that expert's weights once."""
+        if act is not None:
+            return self._grouped_ffn_act(out, x, experts, plan, scratch, act)
         self._use_threads()
         width = scratch.shape[1]
         flat = scratch.reshape(-1)         # scratch is C-contiguous: rows start.. hold act [n, I]
@@ -349,6 +364,43 @@ class Backend(BackendBase):
             else:
                 self.k.matmul(out[start:start + n], act, ffn.down.data, self._scales(ffn.down), self.none,
                               self.work)
+
+    def _grouped_ffn_act(self, out, x, experts, plan, scratch, act):
+        """Experts with biases and another activation (gpt-oss): per expert its tokens gathered
+        (rows [n, H]), gate and up as two matmuls of any format (their biases added by the
+        activation), the activation into scratch, down with its bias. Not fused: gate and up are
+        still read once each per step, and every weight format takes the one path."""
+        self._use_threads()
+        width = scratch.shape[1]
+        flat = scratch.reshape(-1)
+        H = x.shape[1]
+        for e in plan.experts_to_run():
+            e = int(e)
+            start, n = int(plan.offsets[e]), int(plan.counts[e])
+            ffn = experts[e]
+            inter = ffn.gate.shape[0]
+            xs, g, u = self._act_rows(n, H, inter)
+            self.m.gather_rows(xs, x, plan.order, start, plan.top_k)
+            for dst, w in ((g, ffn.gate), (u, ffn.up)):
+                self.matmul(dst, xs, w)
+            a = flat[start * width:start * width + n * inter].reshape(n, inter)
+            gb = self.none if act.gate_bias is None else act.gate_bias.data[e]
+            ub = self.none if act.up_bias is None else act.up_bias.data[e]
+            self.m.swiglu_oai(a, g, u, gb, ub, np.float32(act.alpha), np.float32(act.limit))
+            db = None if act.down_bias is None else Weight(act.down_bias.data[e], "float32", (H,))
+            self.matmul(out[start:start + n], a, ffn.down, db)
+
+    def _act_rows(self, n, H, inter):
+        """Views [n, H], [n, I], [n, I] of buffers kept for _grouped_ffn_act: grown at the first steps
+        (the largest expert group seen), then reused: the decode loop allocates nothing."""
+        xs, g, u = self._act_bufs
+        if xs.shape[0] < n or xs.shape[1] < H or g.shape[1] < inter:
+            rows = max(n, xs.shape[0], 8)
+            self._act_bufs = (np.zeros((rows, max(H, xs.shape[1])), np.float32),
+                              np.zeros((rows, max(inter, g.shape[1])), np.float32),
+                              np.zeros((rows, max(inter, g.shape[1])), np.float32))
+            xs, g, u = self._act_bufs
+        return xs[:n, :H], g[:n, :inter], u[:n, :inter]
 
     def _qmatmul(self, out, x, w, bias):
         """A block-format matmul: int8 activations unless turned off, else float32 (each for every row

@@ -352,18 +352,17 @@ def rmsnorm(out, x, weight, eps):
 
 
 @njit(cache=True, error_model="numpy")
-def rope(out, x, positions, theta):
+def rope(out, x, positions, inv_freq):
     """Rotate-half rotary embedding, x/out [T,heads,D] (may alias), angle a = p * f_i in float32:
-        f_i = 1 / theta^(2i/D),  i < D/2
+        f_i = inv_freq[i], i < D/2 (theta^(-2i/D) as NumPy computes it, or a scaled rope's table)
         out[..., i]       = x_i cos a - x_{i+D/2} sin a
         out[..., i + D/2] = x_{i+D/2} cos a + x_i sin a"""
     T, heads, D = x.shape
     half = D // 2
-    thetaf, Df = np.float32(theta), np.float32(D)
     for t in range(T):
         p = np.float32(positions[t])
         for i in range(half):
-            a = p * (F1 / thetaf ** (np.float32(2 * i) / Df))
+            a = p * inv_freq[i]
             c, s = np.cos(a), np.sin(a)
             for h in range(heads):
                 x1, x2 = x[t, h, i], x[t, h, i + half]
@@ -401,12 +400,15 @@ def kv_write(k_cache, v_cache, k, v, slots):
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=REDUCE, error_model="numpy")
-def paged_attention(out, q, k_cache, v_cache, block_tables, seq_index, positions, block_size, scale):
-    """out[t,h] = sum_j softmax_j(q[t,h] . K[slot(j), h//G] * scale) V[slot(j), h//G],  j = 0..p_t
-        p_t = positions[t], slot(j) = block_tables[seq_index[t], j // B] * B + j % B, G = Hq / Hkv
+def paged_attention(out, q, k_cache, v_cache, block_tables, seq_index, positions, block_size, scale, window,
+                    sinks):
+    """out[t,h] = sum_j softmax_j(q[t,h] . K[slot(j), h//G] * scale) V[slot(j), h//G],  j = lo_t..p_t
+        p_t = positions[t], lo_t = max(0, p_t - window + 1) (window 0: 0),
+        slot(j) = block_tables[seq_index[t], j // B] * B + j % B, G = Hq / Hkv
+        sinks [Hq] (or empty): a logit per head in the softmax's denominator only
     Parallel over (token, head). One pass with an online softmax in float32 (running max m, sum l,
-    the output row as the accumulator, rescaled when m grows), so no score scratch is needed.
-    out must not alias q."""
+    the output row as the accumulator, rescaled when m grows), so no score scratch is needed; a
+    sink starts it at m = sink, l = 1 (its own term). out must not alias q."""
     T, Hq, D = q.shape
     group = Hq // k_cache.shape[1]
     scalef = np.float32(scale)
@@ -415,13 +417,16 @@ def paged_attention(out, q, k_cache, v_cache, block_tables, seq_index, positions
         kvh = h // group
         table = block_tables[seq_index[t]]
         n = positions[t] + 1
+        lo = max(0, n - window) if window > 0 else 0
         qv, acc = q[t, h], out[t, h]
         for d in range(D):
             acc[d] = F0
         m, l = np.float32(-np.inf), F0
-        for blk in range((n + block_size - 1) // block_size):
+        if sinks.shape[0] > 0:
+            m, l = sinks[h], F1
+        for blk in range(lo // block_size, (n + block_size - 1) // block_size):
             base = table[blk] * block_size
-            for j in range(min(block_size, n - blk * block_size)):
+            for j in range(max(0, lo - blk * block_size), min(block_size, n - blk * block_size)):
                 kr, vr = k_cache[base + j, kvh], v_cache[base + j, kvh]
                 s = F0
                 for d in range(D):

@@ -152,6 +152,29 @@ def swiglu_gate_up(act, x, order, start, top_k, gate, up, gate_scales, up_scales
 
 
 @njit(cache=True, error_model="numpy")
+def gather_rows(out, x, order, start, top_k):
+    """out[r] = x[order[start + r] // top_k]   (an expert's tokens, in its plan order)"""
+    for r in range(out.shape[0]):
+        t = order[start + r] // top_k
+        for h in range(x.shape[1]):
+            out[r, h] = x[t, h]
+
+
+@njit(cache=True, error_model="numpy")
+def swiglu_oai(act, g, u, gate_bias, up_bias, alpha, limit):
+    """act[r,i] = (clamp(u[r,i] + ub[i], -limit, limit) + 1) * g' sigmoid(alpha g'),
+    g' = min(g[r,i] + gb[i], limit)   (gpt-oss; empty biases = 0)"""
+    R, I = act.shape
+    for r in range(R):
+        for i in range(I):
+            gv = g[r, i] + (gate_bias[i] if gate_bias.shape[0] else F0)
+            uv = u[r, i] + (up_bias[i] if up_bias.shape[0] else F0)
+            gv = min(gv, limit)
+            uv = min(max(uv, -limit), limit)
+            act[r, i] = (uv + F1) * (gv / (F1 + np.exp(-alpha * gv)))
+
+
+@njit(cache=True, error_model="numpy")
 def combine(out, y, w, inverse):
     """out[t] += sum_j w[t,j] * y[inverse[t*k + j]]        out [T,H], y [T*k,H], w [T,k]"""
     T, k = w.shape

@@ -20,13 +20,17 @@ extern "C" __global__ void kv_write(float* K, float* V, const float* k, const fl
 
 // Causal attention through block tables, fp32, for prefill chunks and decode steps alike:
 //   token t of sequence s = seq_index[t] at position p = positions[t], query head h, KV head
-//   h / (Hq/Hkv), keys j = 0..p:   out[t,h] = sum_j softmax_j(scale * q[t,h] . K[slot(j)]) V[slot(j)]
+//   h / (Hq/Hkv), keys j = lo..p, lo = max(0, p - window + 1) (window 0: lo = 0):
+//   out[t,h] = sum_j softmax_j(scale * q[t,h] . K[slot(j)]) V[slot(j)]
+//   sinks [Hq] (or null): a logit per head in the denominator only -- warp 0's online softmax
+//   starts from m = sinks[h], l = 1, the others from -inf, 0
 // q, out [T,Hq,D]; tables [S, tstride] int32.
 // grid (Hq, T), block 32*ATT_WARPS. Each warp keeps an online softmax (running max m, sum l,
 // accumulator acc[D]) over its keys; lanes split D; the warps' partial results merge at the end.
 extern "C" __global__ void paged_attention(float* out, const float* q, const float* K, const float* V,
                                            const int* tables, const int* seq_index, const int* positions,
-                                           int T, int Hq, int Hkv, int D, int B, int tstride, float scale) {
+                                           int T, int Hq, int Hkv, int D, int B, int tstride, float scale,
+                                           int window, const float* sinks) {
     __shared__ float sm_m[ATT_WARPS], sm_l[ATT_WARPS];
     __shared__ float sm_acc[ATT_WARPS][32 * ATT_MAX_DPL];
     const int h = blockIdx.x, t = blockIdx.y;
@@ -43,7 +47,9 @@ extern "C" __global__ void paged_attention(float* out, const float* q, const flo
         acc[i] = 0.f;
     }
     float m = neg_inf(), l = 0.f;
-    for (int j = warp; j < n; j += ATT_WARPS) {
+    if (sinks && warp == 0) { m = sinks[h]; l = 1.f; }
+    const int lo = window > 0 ? max(0, n - window) : 0;
+    for (int j = lo + warp; j < n; j += ATT_WARPS) {
         const size_t base = ((size_t)table[j / B] * B + j % B) * Hkv * D + (size_t)kvh * D;
         float dot = 0.f;
 #pragma unroll
@@ -67,7 +73,7 @@ extern "C" __global__ void paged_attention(float* out, const float* q, const flo
     for (int i = 0; i < ATT_MAX_DPL; ++i) sm_acc[warp][lane + 32 * i] = acc[i];
     __syncthreads();
     float M = sm_m[0];
-    for (int w = 1; w < ATT_WARPS; ++w) M = fmaxf(M, sm_m[w]);   // warp 0 saw key 0: M is finite
+    for (int w = 1; w < ATT_WARPS; ++w) M = fmaxf(M, sm_m[w]);   // warp 0 saw key lo (or a sink): M is finite
     float L = 0.f, f[ATT_WARPS];
     for (int w = 0; w < ATT_WARPS; ++w) {
         f[w] = sm_l[w] > 0.f ? expf(sm_m[w] - M) : 0.f;

@@ -48,6 +48,7 @@ class Backend(CudaRuntime):
         super().__init__(num_streams=num_streams, disable_fp16=disable_fp16, cuda_graphs=cuda_graphs,
                          device=device, use_cublas=use_cublas)
         self._tables = {}
+        self._freq_tables = {}           # id(inv_freq) -> (the host table, its device copy)
         self._mask = None
 
     # -- dense -------------------------------------------------------------------------------
@@ -99,10 +100,18 @@ class Backend(CudaRuntime):
         self._launch("rmsnorm", (R,), (threads,), (out, x, weight.data, _i32(R), _i32(D), _f32(eps)))
 
     @guarded
-    def rope(self, out, x, positions, theta):
+    def rope(self, out, x, positions, theta, inv_freq=None):
         T, heads, D = x.shape
         n = T * heads * (D // 2)
-        self._launch("rope", (cdiv(n, 256),), (256,), (out, x, positions, _i32(T), _i32(heads), _i32(D), _f32(theta)))
+        table = _NULL
+        if inv_freq is not None:         # a model's table (YaRN): uploaded once, kept by identity
+            got = self._freq_tables.get(id(inv_freq))
+            if got is None or got[0] is not inv_freq:
+                got = self._freq_tables[id(inv_freq)] = (inv_freq, self.to_device(np.asarray(inv_freq, np.float32),
+                                                                                  "float32"))
+            table = got[1]
+        self._launch("rope", (cdiv(n, 256),), (256,),
+                     (out, x, positions, _i32(T), _i32(heads), _i32(D), _f32(theta), table))
 
     @guarded
     def add(self, out, a, b, gate=None):
@@ -118,7 +127,8 @@ class Backend(CudaRuntime):
         self._launch("kv_write", (cdiv(T * W, 256),), (256,), (K, V, k, v, slots, _i32(T), _i32(W)))
 
     @guarded
-    def paged_attention(self, out, q, K, V, block_tables, seq_index, positions, block_size, scale):
+    def paged_attention(self, out, q, K, V, block_tables, seq_index, positions, block_size, scale, window=0,
+                        sinks=None):
         T, Hq, D = q.shape
         Hkv = K.shape[1]
         if D > sources.MAX_HEAD_DIM or Hq % Hkv:
@@ -126,7 +136,8 @@ class Backend(CudaRuntime):
                                f"{sources.MAX_HEAD_DIM}) / heads {Hq} over {Hkv} KV heads")
         self._launch("paged_attention", (Hq, T), (128,),
                      (out, q, K, V, block_tables, seq_index, positions, _i32(T), _i32(Hq), _i32(Hkv), _i32(D),
-                      _i32(block_size), _i32(block_tables.shape[1]), _f32(scale)))
+                      _i32(block_size), _i32(block_tables.shape[1]), _f32(scale), _i32(window),
+                      _NULL if sinks is None else sinks.data))
 
     # -- MoE ---------------------------------------------------------------------------------
     @guarded
@@ -222,8 +233,11 @@ class Backend(CudaRuntime):
         m.set(h, stream=self._s)
         return m
 
+    ffn_activations = ("silu", "swiglu_oai")
+
     @guarded
-    def grouped_ffn(self, out, x, experts, plan, scratch):
+    def grouped_ffn(self, out, x, experts, plan, scratch, act=None):
+        spec = act
         _, tab, wd, H, I, partial = self._expert_table(experts)
         T, k = plan.num_tokens, plan.top_k
         A = T * k
@@ -243,14 +257,19 @@ class Backend(CudaRuntime):
         parts = max(1, min(self.num_streams, plan.max_blocks))
         gx = cdiv(plan.max_blocks, parts)
 
+        def b(w):
+            return _NULL if spec is None or w is None else w.data
+        epi = (b(spec and spec.gate_bias), b(spec and spec.up_bias), _f32(spec.alpha if spec else 0.0),
+               _f32(spec.limit if spec else 0.0))
+
         def run(p, stream):
             with self.on(stream):
                 self._launch(gu, (gx, cdiv(I, cols)), (256,),
                              (act, x, plan.order, plan.blocks, plan.nblocks, tab[0], tab[1], tab[3], tab[4], active,
-                              _i32(k), _i32(H), _i32(I), _i32(p), _i32(parts)))
+                              _i32(k), _i32(H), _i32(I), _i32(p), _i32(parts), *epi))
                 self._launch(dn, (gx, cdiv(H, cols)), (256,),
                              (out, act, plan.blocks, plan.nblocks, tab[2], tab[5], active, _i32(H), _i32(I), _i32(p),
-                              _i32(parts)))
+                              _i32(parts), b(spec and spec.down_bias)))
         self.run_parts(parts, run)
 
     @guarded

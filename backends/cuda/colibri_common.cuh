@@ -52,6 +52,15 @@ CE_DEV float neg_inf() { return __int_as_float(0xff800000); }
 // silu(g) * u, written as the reference writes it: g / (1 + exp(-g)) * u
 CE_DEV float swiglu(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
+// the experts' activation of a MODE 1 tile: SwiGLU (alpha == 0), or gpt-oss's clamped one,
+//   g' = min(g, limit), u' = clamp(u, -limit, limit):  (u' + 1) * g' / (1 + exp(-alpha g'))
+CE_DEV float expert_act(float g, float u, float alpha, float limit) {
+    if (alpha == 0.f) return swiglu(g, u);
+    g = fminf(g, limit);
+    u = fminf(fmaxf(u, -limit), limit);
+    return (u + 1.0f) * (g / (1.0f + expf(-alpha * g)));
+}
+
 CE_DEV float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

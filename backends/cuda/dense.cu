@@ -121,9 +121,10 @@ extern "C" __global__ void rmsnorm(float* out, const float* x, const float* w, i
 // Rotary embedding, rotate-half convention, on x[T,heads,D] at positions[T] (in place allowed):
 //   f_i = theta^(-2i/D);  out_i = x_i cos(p f_i) - x_{i+D/2} sin(p f_i)
 //                         out_{i+D/2} = x_{i+D/2} cos(p f_i) + x_i sin(p f_i),   i < D/2
+// inv_freq [D/2]: a model's table of f_i (a scaled rope: YaRN), or null for theta's
 // one thread per (t, head, i); grid ceil(T*heads*D/2 / 256), block 256
 extern "C" __global__ void rope(float* out, const float* x, const int* positions, int T, int heads, int D,
-                                float theta) {
+                                float theta, const float* inv_freq) {
     const int half = D >> 1;
     const long long n = (long long)T * heads * half;
     const long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -135,7 +136,7 @@ extern "C" __global__ void rope(float* out, const float* x, const int* positions
     // double pow), f = 1/p -- at positions in the thousands one ulp of f moves the angle visibly
     const float e = (float)(2 * i) / (float)D;
     const float p32 = (float)pow((double)theta, (double)e);
-    const float inv = 1.0f / p32;
+    const float inv = inv_freq ? inv_freq[i] : 1.0f / p32;
     const float ang = (float)positions[t] * inv;
     float sn, cs;
     sincosf(ang, &sn, &cs);

@@ -186,6 +186,8 @@ extern "C" __global__ void moe_align(int* offsets, int* order, int* inverse, int
 // Grouped SwiGLU over the plan's blocks, each block one expert e and sorted rows [r0, r1):
 //   gate_up: act[r, :] = silu(x[order[r] / k] @ gate_e^T) * (x[order[r] / k] @ up_e^T)   act [A, I]
 //   down   : y[r, :]   = act[r] @ down_e^T                                                y   [A, H]
+// gpt-oss (alpha > 0): g + gbias[e], u + ubias[e] through expert_act, y + dbias[e]; gbias, ubias
+// [E, I], dbias [E, H] (each null = none)
 // gate_e [I,H], up_e [I,H], down_e [H,I]: device pointers in the tables gate_tab/up_tab/down_tab [E];
 // int8 experts also have row-scale pointers in gs_tab/us_tab/ds_tab (0 otherwise).
 // Blocks b = blockIdx.x * nparts + part (the experts are split over `nparts` streams); CTAs whose
@@ -196,136 +198,160 @@ extern "C" __global__ void moe_align(int* offsets, int* order, int* inverse, int
 template <typename WT, bool SKINNY>
 CE_DEV void moe_gate_up(float* act, const float* x, const int* order, const int* blocks, const int* nblocks,
                         const u64* gate_tab, const u64* up_tab, const u64* gs_tab, const u64* us_tab,
-                        const int* active, int k, int H, int I, int part, int nparts) {
+                        const int* active, int k, int H, int I, int part, int nparts, const float* gbias,
+                        const float* ubias, float alpha, float limit) {
     const int b = blockIdx.x * nparts + part;
     if (b >= nblocks[0]) return;
     const int e = blocks[3 * b], r0 = blocks[3 * b + 1], r1 = blocks[3 * b + 2];
     if (active && !active[e]) return;
+    const float* gb = gbias ? gbias + (size_t)e * I : nullptr;
+    const float* ub = ubias ? ubias + (size_t)e * I : nullptr;
     if constexpr (SKINNY)
         skinny_tile<WT, 1>(act, x, order, k, r0, r1 - r0, (const WStore<WT>*)gate_tab[e], (const WStore<WT>*)up_tab[e],
-                           (const float*)gs_tab[e], (const float*)us_tab[e], nullptr, I, H, blockIdx.y * SK_WARPS);
+                           (const float*)gs_tab[e], (const float*)us_tab[e], gb, I, H, blockIdx.y * SK_WARPS, ub,
+                           alpha, limit);
     else
         tiled_tile<WT, 1>(act, x, order, k, r0, r1 - r0, (const WStore<WT>*)gate_tab[e], (const WStore<WT>*)up_tab[e],
-                          (const float*)gs_tab[e], (const float*)us_tab[e], nullptr, I, H, blockIdx.y * TBN);
+                          (const float*)gs_tab[e], (const float*)us_tab[e], gb, I, H, blockIdx.y * TBN, ub, alpha,
+                          limit);
 }
 template <typename WT, bool SKINNY>
 CE_DEV void moe_down(float* y, const float* act, const int* blocks, const int* nblocks, const u64* down_tab,
-                     const u64* ds_tab, const int* active, int H, int I, int part, int nparts) {
+                     const u64* ds_tab, const int* active, int H, int I, int part, int nparts, const float* dbias) {
     const int b = blockIdx.x * nparts + part;
     if (b >= nblocks[0]) return;
     const int e = blocks[3 * b], r0 = blocks[3 * b + 1], r1 = blocks[3 * b + 2];
     if (active && !active[e]) return;
+    const float* db = dbias ? dbias + (size_t)e * H : nullptr;
     if constexpr (SKINNY)
         skinny_tile<WT, 0>(y, act, nullptr, 1, r0, r1 - r0, (const WStore<WT>*)down_tab[e], nullptr, (const float*)ds_tab[e],
-                           nullptr, nullptr, H, I, blockIdx.y * SK_WARPS);
+                           nullptr, db, H, I, blockIdx.y * SK_WARPS);
     else
         tiled_tile<WT, 0>(y, act, nullptr, 1, r0, r1 - r0, (const WStore<WT>*)down_tab[e], nullptr, (const float*)ds_tab[e],
-                          nullptr, nullptr, H, I, blockIdx.y * TBN);
+                          nullptr, db, H, I, blockIdx.y * TBN);
 }
 extern "C" __global__ void moe_gate_up_skinny_f32(float* act, const float* x, const int* order, const int* blocks,
         const int* nblocks, const u64* gate_tab, const u64* up_tab, const u64* gs_tab, const u64* us_tab,
-        const int* active, int k, int H, int I, int part, int nparts) {
+        const int* active, int k, int H, int I, int part, int nparts, const float* gbias, const float* ubias,
+        float alpha, float limit) {
     moe_gate_up<float, true>(act, x, order, blocks, nblocks, gate_tab, up_tab, gs_tab, us_tab, active, k, H, I, part,
-                      nparts);
+                      nparts, gbias, ubias, alpha, limit);
 }
 extern "C" __global__ void moe_down_skinny_f32(float* y, const float* act, const int* blocks, const int* nblocks,
-        const u64* down_tab, const u64* ds_tab, const int* active, int H, int I, int part, int nparts) {
-    moe_down<float, true>(y, act, blocks, nblocks, down_tab, ds_tab, active, H, I, part, nparts);
+        const u64* down_tab, const u64* ds_tab, const int* active, int H, int I, int part, int nparts,
+        const float* dbias) {
+    moe_down<float, true>(y, act, blocks, nblocks, down_tab, ds_tab, active, H, I, part, nparts, dbias);
 }
 extern "C" __global__ void moe_gate_up_skinny_f16(float* act, const float* x, const int* order, const int* blocks,
         const int* nblocks, const u64* gate_tab, const u64* up_tab, const u64* gs_tab, const u64* us_tab,
-        const int* active, int k, int H, int I, int part, int nparts) {
+        const int* active, int k, int H, int I, int part, int nparts, const float* gbias, const float* ubias,
+        float alpha, float limit) {
     moe_gate_up<half_t, true>(act, x, order, blocks, nblocks, gate_tab, up_tab, gs_tab, us_tab, active, k, H, I, part,
-                      nparts);
+                      nparts, gbias, ubias, alpha, limit);
 }
 extern "C" __global__ void moe_down_skinny_f16(float* y, const float* act, const int* blocks, const int* nblocks,
-        const u64* down_tab, const u64* ds_tab, const int* active, int H, int I, int part, int nparts) {
-    moe_down<half_t, true>(y, act, blocks, nblocks, down_tab, ds_tab, active, H, I, part, nparts);
+        const u64* down_tab, const u64* ds_tab, const int* active, int H, int I, int part, int nparts,
+        const float* dbias) {
+    moe_down<half_t, true>(y, act, blocks, nblocks, down_tab, ds_tab, active, H, I, part, nparts, dbias);
 }
 extern "C" __global__ void moe_gate_up_skinny_bf16(float* act, const float* x, const int* order, const int* blocks,
         const int* nblocks, const u64* gate_tab, const u64* up_tab, const u64* gs_tab, const u64* us_tab,
-        const int* active, int k, int H, int I, int part, int nparts) {
+        const int* active, int k, int H, int I, int part, int nparts, const float* gbias, const float* ubias,
+        float alpha, float limit) {
     moe_gate_up<bf16_t, true>(act, x, order, blocks, nblocks, gate_tab, up_tab, gs_tab, us_tab, active, k, H, I, part,
-                      nparts);
+                      nparts, gbias, ubias, alpha, limit);
 }
 extern "C" __global__ void moe_down_skinny_bf16(float* y, const float* act, const int* blocks, const int* nblocks,
-        const u64* down_tab, const u64* ds_tab, const int* active, int H, int I, int part, int nparts) {
-    moe_down<bf16_t, true>(y, act, blocks, nblocks, down_tab, ds_tab, active, H, I, part, nparts);
+        const u64* down_tab, const u64* ds_tab, const int* active, int H, int I, int part, int nparts,
+        const float* dbias) {
+    moe_down<bf16_t, true>(y, act, blocks, nblocks, down_tab, ds_tab, active, H, I, part, nparts, dbias);
 }
 extern "C" __global__ void moe_gate_up_skinny_i8(float* act, const float* x, const int* order, const int* blocks,
         const int* nblocks, const u64* gate_tab, const u64* up_tab, const u64* gs_tab, const u64* us_tab,
-        const int* active, int k, int H, int I, int part, int nparts) {
+        const int* active, int k, int H, int I, int part, int nparts, const float* gbias, const float* ubias,
+        float alpha, float limit) {
     moe_gate_up<i8_t, true>(act, x, order, blocks, nblocks, gate_tab, up_tab, gs_tab, us_tab, active, k, H, I, part,
-                      nparts);
+                      nparts, gbias, ubias, alpha, limit);
 }
 extern "C" __global__ void moe_down_skinny_i8(float* y, const float* act, const int* blocks, const int* nblocks,
-        const u64* down_tab, const u64* ds_tab, const int* active, int H, int I, int part, int nparts) {
-    moe_down<i8_t, true>(y, act, blocks, nblocks, down_tab, ds_tab, active, H, I, part, nparts);
+        const u64* down_tab, const u64* ds_tab, const int* active, int H, int I, int part, int nparts,
+        const float* dbias) {
+    moe_down<i8_t, true>(y, act, blocks, nblocks, down_tab, ds_tab, active, H, I, part, nparts, dbias);
 }
 extern "C" __global__ void moe_gate_up_tiled_f32(float* act, const float* x, const int* order, const int* blocks,
         const int* nblocks, const u64* gate_tab, const u64* up_tab, const u64* gs_tab, const u64* us_tab,
-        const int* active, int k, int H, int I, int part, int nparts) {
+        const int* active, int k, int H, int I, int part, int nparts, const float* gbias, const float* ubias,
+        float alpha, float limit) {
     moe_gate_up<float, false>(act, x, order, blocks, nblocks, gate_tab, up_tab, gs_tab, us_tab, active, k, H, I, part,
-                      nparts);
+                      nparts, gbias, ubias, alpha, limit);
 }
 extern "C" __global__ void moe_down_tiled_f32(float* y, const float* act, const int* blocks, const int* nblocks,
-        const u64* down_tab, const u64* ds_tab, const int* active, int H, int I, int part, int nparts) {
-    moe_down<float, false>(y, act, blocks, nblocks, down_tab, ds_tab, active, H, I, part, nparts);
+        const u64* down_tab, const u64* ds_tab, const int* active, int H, int I, int part, int nparts,
+        const float* dbias) {
+    moe_down<float, false>(y, act, blocks, nblocks, down_tab, ds_tab, active, H, I, part, nparts, dbias);
 }
 extern "C" __global__ void moe_gate_up_tiled_f16(float* act, const float* x, const int* order, const int* blocks,
         const int* nblocks, const u64* gate_tab, const u64* up_tab, const u64* gs_tab, const u64* us_tab,
-        const int* active, int k, int H, int I, int part, int nparts) {
+        const int* active, int k, int H, int I, int part, int nparts, const float* gbias, const float* ubias,
+        float alpha, float limit) {
     moe_gate_up<half_t, false>(act, x, order, blocks, nblocks, gate_tab, up_tab, gs_tab, us_tab, active, k, H, I, part,
-                      nparts);
+                      nparts, gbias, ubias, alpha, limit);
 }
 extern "C" __global__ void moe_down_tiled_f16(float* y, const float* act, const int* blocks, const int* nblocks,
-        const u64* down_tab, const u64* ds_tab, const int* active, int H, int I, int part, int nparts) {
-    moe_down<half_t, false>(y, act, blocks, nblocks, down_tab, ds_tab, active, H, I, part, nparts);
+        const u64* down_tab, const u64* ds_tab, const int* active, int H, int I, int part, int nparts,
+        const float* dbias) {
+    moe_down<half_t, false>(y, act, blocks, nblocks, down_tab, ds_tab, active, H, I, part, nparts, dbias);
 }
 extern "C" __global__ void moe_gate_up_tiled_bf16(float* act, const float* x, const int* order, const int* blocks,
         const int* nblocks, const u64* gate_tab, const u64* up_tab, const u64* gs_tab, const u64* us_tab,
-        const int* active, int k, int H, int I, int part, int nparts) {
+        const int* active, int k, int H, int I, int part, int nparts, const float* gbias, const float* ubias,
+        float alpha, float limit) {
     moe_gate_up<bf16_t, false>(act, x, order, blocks, nblocks, gate_tab, up_tab, gs_tab, us_tab, active, k, H, I, part,
-                      nparts);
+                      nparts, gbias, ubias, alpha, limit);
 }
 extern "C" __global__ void moe_down_tiled_bf16(float* y, const float* act, const int* blocks, const int* nblocks,
-        const u64* down_tab, const u64* ds_tab, const int* active, int H, int I, int part, int nparts) {
-    moe_down<bf16_t, false>(y, act, blocks, nblocks, down_tab, ds_tab, active, H, I, part, nparts);
+        const u64* down_tab, const u64* ds_tab, const int* active, int H, int I, int part, int nparts,
+        const float* dbias) {
+    moe_down<bf16_t, false>(y, act, blocks, nblocks, down_tab, ds_tab, active, H, I, part, nparts, dbias);
 }
 extern "C" __global__ void moe_gate_up_tiled_i8(float* act, const float* x, const int* order, const int* blocks,
         const int* nblocks, const u64* gate_tab, const u64* up_tab, const u64* gs_tab, const u64* us_tab,
-        const int* active, int k, int H, int I, int part, int nparts) {
+        const int* active, int k, int H, int I, int part, int nparts, const float* gbias, const float* ubias,
+        float alpha, float limit) {
     moe_gate_up<i8_t, false>(act, x, order, blocks, nblocks, gate_tab, up_tab, gs_tab, us_tab, active, k, H, I, part,
-                      nparts);
+                      nparts, gbias, ubias, alpha, limit);
 }
 extern "C" __global__ void moe_down_tiled_i8(float* y, const float* act, const int* blocks, const int* nblocks,
-        const u64* down_tab, const u64* ds_tab, const int* active, int H, int I, int part, int nparts) {
-    moe_down<i8_t, false>(y, act, blocks, nblocks, down_tab, ds_tab, active, H, I, part, nparts);
+        const u64* down_tab, const u64* ds_tab, const int* active, int H, int I, int part, int nparts,
+        const float* dbias) {
+    moe_down<i8_t, false>(y, act, blocks, nblocks, down_tab, ds_tab, active, H, I, part, nparts, dbias);
 }
 
 // the block formats: the same four kernels each
 #define COLIBRI_MOE_BLOCK(SUF, TAG)                                                                              \
     extern "C" __global__ void moe_gate_up_skinny_##SUF(float* act, const float* x, const int* order,            \
             const int* blocks, const int* nblocks, const u64* gate_tab, const u64* up_tab, const u64* gs_tab,    \
-            const u64* us_tab, const int* active, int k, int H, int I, int part, int nparts) {                  \
+            const u64* us_tab, const int* active, int k, int H, int I, int part, int nparts, const float* gbias, \
+            const float* ubias, float alpha, float limit) {                                                    \
         moe_gate_up<TAG, true>(act, x, order, blocks, nblocks, gate_tab, up_tab, gs_tab, us_tab, active, k, H,  \
-                               I, part, nparts);                                                              \
+                               I, part, nparts, gbias, ubias, alpha, limit);                                  \
     }                                                                                                          \
     extern "C" __global__ void moe_down_skinny_##SUF(float* y, const float* act, const int* blocks,              \
             const int* nblocks, const u64* down_tab, const u64* ds_tab, const int* active, int H, int I,        \
-            int part, int nparts) {                                                                            \
-        moe_down<TAG, true>(y, act, blocks, nblocks, down_tab, ds_tab, active, H, I, part, nparts);            \
+            int part, int nparts, const float* dbias) {                                                        \
+        moe_down<TAG, true>(y, act, blocks, nblocks, down_tab, ds_tab, active, H, I, part, nparts, dbias);     \
     }                                                                                                          \
     extern "C" __global__ void moe_gate_up_tiled_##SUF(float* act, const float* x, const int* order,             \
             const int* blocks, const int* nblocks, const u64* gate_tab, const u64* up_tab, const u64* gs_tab,    \
-            const u64* us_tab, const int* active, int k, int H, int I, int part, int nparts) {                  \
+            const u64* us_tab, const int* active, int k, int H, int I, int part, int nparts, const float* gbias, \
+            const float* ubias, float alpha, float limit) {                                                    \
         moe_gate_up<TAG, false>(act, x, order, blocks, nblocks, gate_tab, up_tab, gs_tab, us_tab, active, k, H, \
-                                I, part, nparts);                                                             \
+                                I, part, nparts, gbias, ubias, alpha, limit);                                 \
     }                                                                                                          \
     extern "C" __global__ void moe_down_tiled_##SUF(float* y, const float* act, const int* blocks,               \
             const int* nblocks, const u64* down_tab, const u64* ds_tab, const int* active, int H, int I,        \
-            int part, int nparts) {                                                                            \
-        moe_down<TAG, false>(y, act, blocks, nblocks, down_tab, ds_tab, active, H, I, part, nparts);           \
+            int part, int nparts, const float* dbias) {                                                        \
+        moe_down<TAG, false>(y, act, blocks, nblocks, down_tab, ds_tab, active, H, I, part, nparts, dbias);    \
     }
 COLIBRI_MOE_BLOCK(q8_0, q8_0_t) COLIBRI_MOE_BLOCK(q4_0, q4_0_t) COLIBRI_MOE_BLOCK(q4_1, q4_1_t)
 COLIBRI_MOE_BLOCK(q5_0, q5_0_t) COLIBRI_MOE_BLOCK(q5_1, q5_1_t) COLIBRI_MOE_BLOCK(mxfp4, mxfp4_t)

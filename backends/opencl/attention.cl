@@ -24,9 +24,12 @@ inline size_t slot_of(__global const int* table, const int j, const int B)
 }
 
 /* Causal attention through block tables, fp32:
- *   token t of sequence s = seq_index[t] at position p = positions[t] attends to positions j <= p,
+ *   token t of sequence s = seq_index[t] at position p = positions[t] attends to positions
+ *   lo <= j <= p, lo = max(0, p - window + 1) (window 0: lo = 0),
  *   slot(j) = block_tables[s, j / B] * B + j % B;  query head h reads KV head h / (Hq / Hkv);
  *   out[t, h] = softmax_j(q[t, h] . K[slot(j), g] * scale) @ V[slot(j), g]
+ *   with sinks (has_sinks): a logit sinks[h] joins the softmax's denominator only -- the online
+ *   softmax starts from m = sinks[h], l = 1 instead of m = -inf, l = 0
  * q, out [T, Hq, D]; K, V [num_slots, Hkv, D]; block_tables [S, max_blocks] (row stride ldb).
  *
  * One work-group of C work-items per (head, token), C a power of two. Keys are taken in chunks
@@ -40,13 +43,13 @@ inline size_t slot_of(__global const int* table, const int j, const int B)
 __kernel void paged_attention(ARG(float, out), CARG(float, q), CARG(float, K), CARG(float, V),
                               CARG(int, block_tables), const int ldb, CARG(int, seq_index), CARG(int, positions),
                               const int Hq, const int Hkv, const int D, const int B, const float scale,
-                              __local float* q_loc, __local float* acc, __local float* s_loc,
+                              const int window, CARG(float, sinks), const int has_sinks, __local float* q_loc, __local float* acc, __local float* s_loc,
                               __local float* p_loc)
 {
     const int i = get_local_id(0), C = get_local_size(0);
     const int h = get_group_id(0), t = get_global_id(1);
     BIND(float, out); CBIND(float, q); CBIND(float, K); CBIND(float, V);
-    CBIND(int, block_tables); CBIND(int, seq_index); CBIND(int, positions);
+    CBIND(int, block_tables); CBIND(int, seq_index); CBIND(int, positions); CBIND(float, sinks);
     const int g = h / (Hq / Hkv);
     const int p = positions[t];
     __global const int* table = block_tables + (size_t)seq_index[t] * ldb;
@@ -56,8 +59,8 @@ __kernel void paged_attention(ARG(float, out), CARG(float, q), CARG(float, K), C
         acc[d] = 0.0f;
     }
     barrier(CLK_LOCAL_MEM_FENCE);
-    float m = -INFINITY, l = 0.0f;
-    for (int j0 = 0; j0 <= p; j0 += C) {
+    float m = has_sinks ? sinks[h] : -INFINITY, l = has_sinks ? 1.0f : 0.0f;
+    for (int j0 = window > 0 ? max(0, p - window + 1) : 0; j0 <= p; j0 += C) {
         /* 1. scores */
         const int j = j0 + i;
         float s = -INFINITY;

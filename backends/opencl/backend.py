@@ -130,11 +130,19 @@ class Backend(OpenCLRuntime):
             buf = self._inv_freq[key] = self.to_device(inv.astype(np.float32), "float32")
         return buf
 
-    def rope(self, out, x, positions, theta):
+    def rope(self, out, x, positions, theta, inv_freq=None):
         T, heads, D = x.shape
         k = self._kernel("dense.cl", "rope")
         g, l = self._2d(k, D // 2, T * heads, want=32)
-        self._launch(k, g, l, out, x, positions, self._freqs(theta, D), T, heads, D)
+        if inv_freq is None:
+            table = self._freqs(theta, D)
+        else:                            # a model's table (YaRN): uploaded once, kept by identity
+            got = self._inv_freq.get(id(inv_freq))
+            if got is None or got[0] is not inv_freq:
+                got = self._inv_freq[id(inv_freq)] = (inv_freq, self.to_device(np.asarray(inv_freq, np.float32),
+                                                                               "float32"))
+            table = got[1]
+        self._launch(k, g, l, out, x, positions, table, T, heads, D)
 
     def add(self, out, a, b, gate=None):
         n = out.size
@@ -151,7 +159,8 @@ class Backend(OpenCLRuntime):
         g, l = self._2d(kk, row, T)
         self._launch(kk, g, l, K, V, k, v, slots, T, row)
 
-    def paged_attention(self, out, q, K, V, block_tables, seq_index, positions, block_size, scale):
+    def paged_attention(self, out, q, K, V, block_tables, seq_index, positions, block_size, scale, window=0,
+                        sinks=None):
         T, Hq, D = q.shape
         Hkv = K.shape[1]
         k = self._kernel("attention.cl", "paged_attention")
@@ -159,7 +168,8 @@ class Backend(OpenCLRuntime):
         lm = self.cl.LocalMemory
         ldb = block_tables.shape[1]
         self._launch(k, (C * Hq, T), (C, 1), out, q, K, V, block_tables, ldb, seq_index, positions,
-                     Hq, Hkv, D, block_size, float(scale), lm(4 * D), lm(4 * D), lm(4 * C), lm(4 * C))
+                     Hq, Hkv, D, block_size, float(scale), int(window), self._dummy if sinks is None else sinks.data,
+                     sinks is not None, lm(4 * D), lm(4 * D), lm(4 * C), lm(4 * C))
 
     # -- MoE ---------------------------------------------------------------------------------------
     def route(self, out_ids, out_w, logits, k, mode, normalize, choice_bias=None, norm_min=0.0):
@@ -256,8 +266,15 @@ class Backend(OpenCLRuntime):
         self._tables[key] = (tuple(experts), res)
         return res
 
-    def grouped_ffn(self, out, x, experts, plan, scratch):
+    ffn_activations = ("silu", "swiglu_oai")
+
+    def grouped_ffn(self, out, x, experts, plan, scratch, act=None):
+        spec = act
         T, H = x.shape
+        has_bias = spec is not None and spec.gate_bias is not None and spec.up_bias is not None
+        alpha, limit = (float(spec.alpha), float(spec.limit)) if spec is not None else (0.0, 0.0)
+        gbias, ubias = (spec.gate_bias.data, spec.up_bias.data) if has_bias else (self._dummy, self._dummy)
+        dbias = spec.down_bias if spec is not None and spec.down_bias is not None else None
         topk = plan.top_k
         lda = scratch.shape[1]
         packed = self._expert_table(experts) if plan.active is None and plan.blocks is not None else None
@@ -275,13 +292,14 @@ class Backend(OpenCLRuntime):
             k = self._kernel("moe.cl", "ffn_gate_up_grouped", gd)
             g, l = self._2d(k, I, plan.max_blocks)
             self._launch(k, g, l, scratch, lda, xin, plan.order, plan.blocks, plan.nblocks, tab, gb, ub, gsb, usb,
-                         topk, H, I)
+                         topk, H, I, gbias, ubias, has_bias, alpha, limit)
             if self._act8(dd):
                 act, ld = self._quantized(scratch, lda, T * topk, I, "act")
                 dd += ACT8
             k = self._kernel("moe.cl", "ffn_down_grouped", dd)
             g, l = self._2d(k, H, plan.max_blocks)
-            self._launch(k, g, l, out, act, ld, plan.blocks, plan.nblocks, tab, db, dsb, H, I)
+            self._launch(k, g, l, out, act, ld, plan.blocks, plan.nblocks, tab, db, dsb, H, I,
+                         self._dummy if dbias is None else dbias.data, dbias is not None)
             return
         # per expert (experts in separate buffers: the slot pool's slots): the host sizes each launch
         if plan.counts is None:
@@ -307,13 +325,16 @@ class Backend(OpenCLRuntime):
                 k = self._kernel("moe.cl", "ffn_gate_up", gd)
                 g, l = self._2d(k, I, -(-n // ROWS_PER_ITEM))
                 self._launch(k, g, l, scratch, lda, xin, plan.order, row0, n, topk, ffn.gate.data,
-                             self._scales(ffn.gate), ffn.up.data, self._scales(ffn.up), H, I, queue=queue)
+                             self._scales(ffn.gate), ffn.up.data, self._scales(ffn.up), H, I,
+                             gbias[e] if has_bias else gbias, ubias[e] if has_bias else ubias, has_bias, alpha, limit,
+                             queue=queue)
                 # down: out[row0 + r] = down @ act[row0 + r]   (a matmul over the expert's rows; int8
                 # activations: the expert's own rows of the "act" buffer, so parts never share one)
                 act = scratch[row0:row0 + n]
                 xq = self._quantized(act, lda, n, I, "act", row0=row0, queue=queue) \
                     if self._act8(ffn.down.dtype) else None
-                self._matmul(out[row0:row0 + n], H, act, lda, ffn.down, None, n, I, H, queue=queue, xq=xq)
+                db = None if dbias is None else Weight(dbias.data[e], "float32", (H,))
+                self._matmul(out[row0:row0 + n], H, act, lda, ffn.down, db, n, I, H, queue=queue, xq=xq)
 
         self.run_parts(parts, run)
 

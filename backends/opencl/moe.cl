@@ -120,32 +120,55 @@ __kernel void align(ARG(int, offsets), ARG(int, order), ARG(int, inverse), ARG(i
     }
 }
 
+/* The experts' activation: SwiGLU (alpha == 0) or gpt-oss's clamped one (alpha > 0),
+ *   g' = min(g, limit), u' = clamp(u, -limit, limit):   (u' + 1) * g' / (1 + exp(-alpha g'))
+ * g and u arrive with their biases added (gpt-oss's experts have them; others pass none). */
+inline float4 expert_act4(float4 g, float4 u, const float alpha, const float limit)
+{
+    if (alpha == 0.0f)
+        return g / (1.0f + exp(-g)) * u;
+    g = fmin(g, (float4)(limit));
+    u = clamp(u, (float4)(-limit), (float4)(limit));
+    return (u + 1.0f) * (g / (1.0f + exp(-alpha * g)));
+}
+
+inline float expert_act(float g, float u, const float alpha, const float limit)
+{
+    if (alpha == 0.0f)
+        return g / (1.0f + exp(-g)) * u;
+    g = fmin(g, limit);
+    u = clamp(u, -limit, limit);
+    return (u + 1.0f) * (g / (1.0f + exp(-alpha * g)));
+}
+
 /* One expert's SwiGLU first half over its rows r < n of the plan (sorted rows row0 + r):
  *   tok(r) = order[row0 + r] / topk
  *   act[row0 + r, i] = silu(g) * u,  g = gate[i] . x[tok(r)],  u = up[i] . x[tok(r)]  (int8: times the
  *                      rows' scales gscale[i], uscale[i]),
- *   silu(g) = g / (1 + exp(-g))
+ *   silu(g) = g / (1 + exp(-g)); with has_bias, g + gbias[i] and u + ubias[i] (the expert's rows of
+ *   the layer's bias tables, offset by the host) through expert_act
  * act: the scratch [T*k, lda] (first I columns used); x [T,H]; gate, up [I,H] (storage type).
  * ROWS_PER_ITEM (4: the float4 lanes of dotw4) rows per work-item, clamped; each gate/up row is
  * read once per four tokens. global (I, ceil(n / ROWS_PER_ITEM)) */
 __kernel void ffn_gate_up(ARG(float, act), const int lda, CARG(float, x), CARG(int, order), const int row0,
                           const int n, const int topk, CARG(WTYPE, gate), CARG(float, gscale), CARG(WTYPE, up),
-                          CARG(float, uscale), const int H, const int I)
+                          CARG(float, uscale), const int H, const int I, CARG(float, gbias), CARG(float, ubias),
+                          const int has_bias, const float alpha, const float limit)
 {
     const int i = get_global_id(0), r0 = ROWS_PER_ITEM * get_global_id(1);
     if (i >= I || r0 >= n)
         return;
     BIND(float, act); CBIND(float, x); CBIND(int, order); CBIND(WTYPE, gate); CBIND(float, gscale);
-    CBIND(WTYPE, up); CBIND(float, uscale);
+    CBIND(WTYPE, up); CBIND(float, uscale); CBIND(float, gbias); CBIND(float, ubias);
     __global const int* ord = order + row0;
     const int r1 = min(r0 + 1, n - 1), r2 = min(r0 + 2, n - 1), r3 = min(r0 + 3, n - 1);
     __global const float* x0 = x + (size_t)(ord[r0] / topk) * XLD(H);
     __global const float* x1 = x + (size_t)(ord[r1] / topk) * XLD(H);
     __global const float* x2 = x + (size_t)(ord[r2] / topk) * XLD(H);
     __global const float* x3 = x + (size_t)(ord[r3] / topk) * XLD(H);
-    const float4 g = dotw4(WROW(gate, i, H), x0, x1, x2, x3, H) * WSCALE(gscale, i);
-    const float4 u = dotw4(WROW(up, i, H), x0, x1, x2, x3, H) * WSCALE(uscale, i);
-    const float4 a = g / (1.0f + exp(-g)) * u;
+    const float4 g = dotw4(WROW(gate, i, H), x0, x1, x2, x3, H) * WSCALE(gscale, i) + (has_bias ? gbias[i] : 0.0f);
+    const float4 u = dotw4(WROW(up, i, H), x0, x1, x2, x3, H) * WSCALE(uscale, i) + (has_bias ? ubias[i] : 0.0f);
+    const float4 a = expert_act4(g, u, alpha, limit);
     __global float* out = act + (size_t)(row0 + r0) * lda + i;
     out[0] = a.x;
     if (r0 + 1 < n) out[(size_t)lda] = a.y;
@@ -165,15 +188,18 @@ __kernel void ffn_gate_up(ARG(float, act), const int lda, CARG(float, x), CARG(i
 #define EXPERT_SCALES(base, e, m) ((__global const float*)((base) + tab[6 * (e) + 3 + (m)]))
 
 /* act[r, i] = silu(gate_e[i] . x[tok(r)]) * (up_e[i] . x[tok(r)])  for the rows r of block b (expert e),
- * tok(r) = order[r] / topk.  global (I, max_blocks) */
+ * tok(r) = order[r] / topk; with has_bias, + gbias[e, i] / ubias[e, i] ([E, I]) through expert_act.
+ * global (I, max_blocks) */
 __kernel void ffn_gate_up_grouped(ARG(float, act), const int lda, CARG(float, x), CARG(int, order),
                                   CARG(int, blocks), CARG(int, nblocks), CARG(uint, tab),
                                   __global const uchar* gbase, __global const uchar* ubase,
                                   __global const uchar* gsbase, __global const uchar* usbase,
-                                  const int topk, const int H, const int I)
+                                  const int topk, const int H, const int I, CARG(float, gbias), CARG(float, ubias),
+                                  const int has_bias, const float alpha, const float limit)
 {
     const int i = get_global_id(0), b = get_global_id(1);
     BIND(float, act); CBIND(float, x); CBIND(int, order); CBIND(int, blocks); CBIND(int, nblocks); CBIND(uint, tab);
+    CBIND(float, gbias); CBIND(float, ubias);
     if (i >= I || b >= nblocks[0])
         return;
     const int e = blocks[3 * b], r0 = blocks[3 * b + 1], n = blocks[3 * b + 2] - r0;
@@ -182,10 +208,11 @@ __kernel void ffn_gate_up_grouped(ARG(float, act), const int lda, CARG(float, x)
     const float gs = WSCALE(EXPERT_SCALES(gsbase, e, 0), i), us = WSCALE(EXPERT_SCALES(usbase, e, 1), i);
     __global const int* ord = order + r0;
     __global float* out = act + (size_t)r0 * lda + i;
+    const float gb = has_bias ? gbias[(size_t)e * I + i] : 0.0f, ub = has_bias ? ubias[(size_t)e * I + i] : 0.0f;
     if (n == 1) {
         __global const float* x0 = x + (size_t)(ord[0] / topk) * XLD(H);
-        const float g = dotw(grow, x0, H) * gs, u = dotw(urow, x0, H) * us;
-        out[0] = g / (1.0f + exp(-g)) * u;
+        const float g = dotw(grow, x0, H) * gs + gb, u = dotw(urow, x0, H) * us + ub;
+        out[0] = expert_act(g, u, alpha, limit);
         return;
     }
     const int r1 = min(1, n - 1), r2 = min(2, n - 1), r3 = min(3, n - 1);
@@ -193,22 +220,25 @@ __kernel void ffn_gate_up_grouped(ARG(float, act), const int lda, CARG(float, x)
     __global const float* x1 = x + (size_t)(ord[r1] / topk) * XLD(H);
     __global const float* x2 = x + (size_t)(ord[r2] / topk) * XLD(H);
     __global const float* x3 = x + (size_t)(ord[r3] / topk) * XLD(H);
-    const float4 g = dotw4(grow, x0, x1, x2, x3, H) * gs;
-    const float4 u = dotw4(urow, x0, x1, x2, x3, H) * us;
-    const float4 a = g / (1.0f + exp(-g)) * u;
+    const float4 g = dotw4(grow, x0, x1, x2, x3, H) * gs + gb;
+    const float4 u = dotw4(urow, x0, x1, x2, x3, H) * us + ub;
+    const float4 a = expert_act4(g, u, alpha, limit);
     out[0] = a.x;
     if (n > 1) out[(size_t)lda] = a.y;
     if (n > 2) out[(size_t)2 * lda] = a.z;
     if (n > 3) out[(size_t)3 * lda] = a.w;
 }
 
-/* y[r, h] = down_e[h] . act[r, :I]  for the rows r of block b (expert e).  global (H, max_blocks) */
+/* y[r, h] = down_e[h] . act[r, :I] (+ dbias[e, h] with has_bias, [E, H])  for the rows r of block b
+ * (expert e).  global (H, max_blocks) */
 __kernel void ffn_down_grouped(ARG(float, y), CARG(float, act), const int lda, CARG(int, blocks),
                                CARG(int, nblocks), CARG(uint, tab), __global const uchar* dbase,
-                               __global const uchar* dsbase, const int H, const int I)
+                               __global const uchar* dsbase, const int H, const int I, CARG(float, dbias),
+                               const int has_bias)
 {
     const int h = get_global_id(0), b = get_global_id(1);
     BIND(float, y); CBIND(float, act); CBIND(int, blocks); CBIND(int, nblocks); CBIND(uint, tab);
+    CBIND(float, dbias);
     if (h >= H || b >= nblocks[0])
         return;
     const int e = blocks[3 * b], r0 = blocks[3 * b + 1], n = blocks[3 * b + 2] - r0;
@@ -216,12 +246,13 @@ __kernel void ffn_down_grouped(ARG(float, y), CARG(float, act), const int lda, C
     const float ds = WSCALE(EXPERT_SCALES(dsbase, e, 2), h);
     __global const float* a0 = act + (size_t)r0 * lda;
     __global float* out = y + (size_t)r0 * H + h;
+    const float db = has_bias ? dbias[(size_t)e * H + h] : 0.0f;
     if (n == 1) {
-        out[0] = dotw(drow, a0, I) * ds;
+        out[0] = dotw(drow, a0, I) * ds + db;
         return;
     }
     const float4 v = dotw4(drow, a0, a0 + (size_t)min(1, n - 1) * lda, a0 + (size_t)min(2, n - 1) * lda,
-                           a0 + (size_t)min(3, n - 1) * lda, I) * ds;
+                           a0 + (size_t)min(3, n - 1) * lda, I) * ds + db;
     out[0] = v.x;
     if (n > 1) out[(size_t)H] = v.y;
     if (n > 2) out[(size_t)2 * H] = v.z;

@@ -32,6 +32,19 @@ def _storage(dtype):
     return np.dtype(np.uint8) if dtype == "uint8" else storage_dtype(dtype)
 
 
+def swiglu_oai(g, u, act, e):
+    """gpt-oss's clamped SwiGLU of expert e (base.Act): (clamp(u + bu) + 1) * g' sigmoid(alpha g'),
+    g' = min(g + bg, limit), u clamped to [-limit, limit]."""
+    if act.gate_bias is not None:
+        g = g + _f32(act.gate_bias)[e]
+    if act.up_bias is not None:
+        u = u + _f32(act.up_bias)[e]
+    lim, alpha = np.float32(act.limit), np.float32(act.alpha)
+    g = np.minimum(g, lim)
+    u = np.clip(u, -lim, lim)
+    return (u + np.float32(1)) * (g / (np.float32(1) + np.exp(-alpha * g)))
+
+
 class Backend(BackendBase):
     name = "reference"
     weight_dtypes = WEIGHT_DTYPES
@@ -75,9 +88,10 @@ class Backend(BackendBase):
         var = np.mean(x * x, axis=-1, keepdims=True)
         out[...] = x / np.sqrt(var + np.float32(eps)) * _f32(weight)
 
-    def rope(self, out, x, positions, theta):
+    def rope(self, out, x, positions, theta, inv_freq=None):
         D = x.shape[-1]
-        inv_freq = 1.0 / (theta ** (np.arange(0, D, 2, dtype=np.float32) / D))
+        if inv_freq is None:
+            inv_freq = 1.0 / (theta ** (np.arange(0, D, 2, dtype=np.float32) / D))
         ang = positions.astype(np.float32)[:, None] * inv_freq[None, :].astype(np.float32)   # [T, D/2]
         cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
         x1, x2 = x[..., : D // 2].copy(), x[..., D // 2:].copy()
@@ -95,17 +109,20 @@ class Backend(BackendBase):
         K[slots] = k
         V[slots] = v
 
-    def paged_attention(self, out, q, K, V, block_tables, seq_index, positions, block_size, scale):
+    def paged_attention(self, out, q, K, V, block_tables, seq_index, positions, block_size, scale, window=0,
+                        sinks=None):
         Hq, Hkv = q.shape[1], K.shape[1]
         group = Hq // Hkv
         for t in range(q.shape[0]):
             n = int(positions[t]) + 1
-            j = np.arange(n)
+            j = np.arange(max(0, n - window) if window else 0, n)
             slots = block_tables[seq_index[t], j // block_size] * block_size + j % block_size
             k = np.repeat(K[slots], group, axis=1)       # [n, Hq, D]
             v = np.repeat(V[slots], group, axis=1)
             s = np.einsum("hd,nhd->hn", q[t], k) * np.float32(scale)
-            p = routing.softmax(s)
+            if sinks is not None:                        # the sink joins the softmax, then is dropped
+                s = np.concatenate([s, _f32(sinks)[:, None]], axis=1)
+            p = routing.softmax(s)[:, :len(j)]
             out[t] = np.einsum("hn,nhd->hd", p, v)
 
     # MoE
@@ -121,7 +138,9 @@ class Backend(BackendBase):
             tally += counts.astype(tally.dtype)
         return Plan(offsets, order, inverse, counts, num_tokens, top_k, num_experts=num_experts)
 
-    def grouped_ffn(self, out, x, experts, plan, scratch):
+    ffn_activations = ("silu", "swiglu_oai")
+
+    def grouped_ffn(self, out, x, experts, plan, scratch, act=None):
         k = plan.top_k
         for e in plan.experts_to_run():
             a, b = plan.offsets[e], plan.offsets[e + 1]
@@ -131,8 +150,13 @@ class Backend(BackendBase):
             g, u = np.empty((b - a, ffn.gate.shape[0]), np.float32), np.empty((b - a, ffn.up.shape[0]), np.float32)
             _rows_matmul(g, xs, _f32(ffn.gate))
             _rows_matmul(u, xs, _f32(ffn.up))
-            act = g / (1.0 + np.exp(-g)) * u                  # SwiGLU: silu(gate) * up
-            _rows_matmul(out[a:b], act, _f32(ffn.down))
+            if act is None:
+                a_ = g / (1.0 + np.exp(-g)) * u                  # SwiGLU: silu(gate) * up
+            else:
+                a_ = swiglu_oai(g, u, act, e)
+            _rows_matmul(out[a:b], a_, _f32(ffn.down))
+            if act is not None and act.down_bias is not None:
+                out[a:b] += _f32(act.down_bias)[e]
 
     def combine(self, out, y, w, plan):
         T, k = plan.num_tokens, plan.top_k

@@ -1,0 +1,64 @@
+"""Rotary frequencies: the f_i table every backend's rope reads, and the factor a scaled rope puts on
+the attention scores.
+
+    default   f_i = theta^(-2i/D),  i < D/2
+    yarn      (YaRN, arXiv 2309.00071; transformers' _compute_yarn_parameters)
+              pos_i = theta^(2i/D);  extrapolated e_i = 1 / pos_i;  interpolated n_i = 1 / (factor pos_i)
+              ramp over the dims low..high where a wavelength turns beta_fast .. beta_slow times in the
+              original context L0:   dim(r) = D ln(L0 / (2 pi r)) / (2 ln theta)
+              (floored / ceiled when truncate), low = max(dim(beta_fast), 0), high = min(dim(beta_slow), D-1)
+              m_i = 1 - clamp((i - low) / (high - low), 0, 1);   f_i = n_i (1 - m_i) + e_i m_i
+              cos and sin are multiplied by attention_factor (default 0.1 ln(factor) + 1, 1 when
+              factor <= 1; mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are given,
+              mscale(s, m) = 0.1 m ln(s) + 1): q and k each carry it once, so the scores carry its square, which the
+              engine folds into the softmax scale instead (the cache holds unscaled k).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+YARN_FIELDS = ("rope_type", "factor", "beta_fast", "beta_slow", "original_max_position_embeddings",
+               "attention_factor", "truncate", "mscale", "mscale_all_dim")
+
+
+def _mscale(scale: float, m: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+def inv_freq(theta: float, D: int, scaling: dict | None = None) -> tuple[np.ndarray, float]:
+    """-> (f [D/2] float32, attention_factor). scaling: the config's rope_scaling (None: default)."""
+    pos = np.float32(theta) ** (np.arange(0, D, 2, dtype=np.float32) / np.float32(D))
+    if not scaling:
+        return (np.float32(1.0) / pos).astype(np.float32), 1.0
+    factor = float(scaling["factor"])
+    af = scaling.get("attention_factor")
+    if af is None and scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        af = _mscale(factor, float(scaling["mscale"])) / _mscale(factor, float(scaling["mscale_all_dim"]))
+    af = _mscale(factor) if af is None else float(af)
+    L0 = float(scaling["original_max_position_embeddings"])
+    fast, slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def dim_of(rot):
+        return D * math.log(L0 / (rot * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, D - 1)
+    if low == high:
+        high += 0.001                      # as transformers: no division by zero
+    ramp = np.clip((np.arange(D // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    keep = (np.float32(1) - ramp).astype(np.float32)                 # the extrapolated share
+    extra, inter = np.float32(1) / pos, np.float32(1) / (np.float32(factor) * pos)
+    return (inter * (np.float32(1) - keep) + extra * keep).astype(np.float32), af
+
+
+def of_config(cfg: dict) -> tuple[np.ndarray | None, float]:
+    """The model's table (None when it is the default one, which every backend computes) and the
+    factor its scores take."""
+    sc = cfg.get("rope_scaling")
+    if not sc:
+        return None, 1.0
+    return inv_freq(cfg["rope_theta"], cfg["head_dim"], sc)

@@ -1,0 +1,173 @@
+"""MoE families beyond the shared suite (issue 16), against transformers on tiny random checkpoints:
+gpt-oss (sliding and full layers, sinks, YaRN, router and expert biases, the clamped SwiGLU).
+A backend that does not implement a family's experts refuses to open it, by name (asserted here);
+every backend that does runs the parity, greedy and window-eviction tests."""
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from colibri_edge import Engine, ColibriError, COLIBRI_ERR_UNAVAILABLE
+from colibri_edge.backends import backend_class
+from colibri_edge.hooks import RoutingHook
+from colibri_edge.modeldir import ModelDir
+from conftest import fp32
+from test_parity import ExpertIds
+from hf_models import FAMILY_CASES, convert_case, hf_greedy, hf_logits, mxfp4_checkpoint
+
+TOL = 1e-4
+OSS = ["gpt_oss", "gpt_oss_k4"]
+
+
+def runs_gpt_oss(name) -> bool:
+    return "swiglu_oai" in backend_class(name).ffn_activations
+
+
+def open_or_refused(col, name, **kw):
+    """The engine, or None after checking the refusal names the activation and the way out."""
+    if runs_gpt_oss(name):
+        return Engine.open(col, backend=name, **fp32(name), **kw)
+    with pytest.raises(ColibriError) as e:
+        Engine.open(col, backend=name, **kw)
+    assert e.value.code == COLIBRI_ERR_UNAVAILABLE and "swiglu_oai" in e.value.message \
+        and "backend='cpu'" in e.value.message
+    return None
+
+
+def hf_logits_and_choices(hf, ids):
+    """transformers' float32 logits and every layer's router choice ([tokens, k] per layer), with
+    the margin between the k-th and (k+1)-th biased logit (ties make a choice arbitrary)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, attn_implementation="eager").eval()
+    seen = {}
+
+    def hook(i):
+        def f(mod, inp, out):
+            logits, _, idx = out
+            top = torch.topk(logits, mod.top_k + 1 if mod.top_k < logits.shape[-1] else mod.top_k, dim=-1).values
+            margin = (top[:, mod.top_k - 1] - top[:, mod.top_k]) if mod.top_k < logits.shape[-1] else \
+                torch.full((logits.shape[0],), np.inf)
+            seen[i] = (idx.numpy().copy(), margin.numpy().copy())
+        return f
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp.router.register_forward_hook(hook(i))
+    with torch.no_grad():
+        logits = model(torch.as_tensor(np.asarray(ids), dtype=torch.long)).logits.float().numpy()
+    return logits, seen
+
+
+@pytest.mark.parametrize("case", OSS)
+def test_gpt_oss_logits_and_routing_match_transformers(backend_name, case, model_cache):
+    """Logits of a batch, a single prompt and ragged prompts (all longer than the window of the
+    sliding layers) within 1e-4 of max |logit|, and each token's experts equal to transformers'
+    router choice wherever the k-th and (k+1)-th logits are not within 1e-4."""
+    hf, col = convert_case(model_cache, case)
+    V = FAMILY_CASES[case][1]["vocab_size"]
+    batch = np.random.default_rng(7).integers(0, V, size=(3, 13))
+    want, choices = hf_logits_and_choices(hf, batch)
+    assert np.abs(want).max() > 1.0
+    eng = open_or_refused(col, backend_name, max_seq_len=64)
+    if eng is None:
+        return
+    with eng:
+        ids = ExpertIds(eng)
+        got = eng.infer(batch)
+        eng.runner.hooks.clear()
+        single = eng.infer(batch[1])
+        ragged = eng.infer([batch[0][:5], batch[2]])
+    scale = np.abs(want).max()
+    assert np.abs(got - want).max() / scale < TOL
+    assert np.abs(single[0] - want[1]).max() / scale < TOL
+    assert np.abs(ragged[0] - hf_logits_and_choices(hf, batch[:1, :5])[0][0]).max() / scale < TOL
+    assert np.abs(ragged[1] - want[2]).max() / scale < TOL
+    compared = 0
+    mine = ids.by_layer()
+    for layer, (hf_idx, margin) in choices.items():
+        ours = mine[layer]
+        for t in np.flatnonzero(margin > 1e-4):
+            assert sorted(ours[t]) == sorted(hf_idx[t]), (layer, t)
+            compared += 1
+    assert compared > 0.9 * sum(len(m) for _, m in choices.values())
+
+
+@pytest.mark.parametrize("block", [1, 7, 16])
+def test_gpt_oss_greedy_matches_transformers(backend_name, block, model_cache):
+    """32 greedy tokens after a prompt longer than the window (6), token for token."""
+    hf, col = convert_case(model_cache, "gpt_oss")
+    prompt = [5, 17, 3, 42, 8, 11, 29, 60, 2, 71]
+    key = os.path.join(model_cache, "greedy_gpt_oss.json")
+    if not os.path.exists(key):
+        json.dump(hf_greedy(hf, prompt, 32), open(key, "w"))
+    eng = open_or_refused(col, backend_name, kv_block_size=block, max_seq_len=128, kv_cache_tokens=40 * block + 128)
+    if eng is None:
+        return
+    with eng:
+        got = eng.generate(prompt, max_new_tokens=32, ignore_eos=True)
+        assert all(p.free_blocks == p.num_blocks for p in eng.runner.states.paged)   # everything returned
+    assert got == json.load(open(key))
+
+
+class Held(RoutingHook):
+    """The blocks each paged pool holds for the one sequence, after every step."""
+
+    def __init__(self, runner):
+        self.runner, self.after = runner, []
+        runner.hooks.append(self)
+
+    def begin_step(self, entries, positions):
+        self.seq = entries[0][0]
+
+    def end_step(self):
+        pools = self.runner.states.paged
+        self.after.append((self.seq.cached, [p.held(self.seq, i) for i, p in enumerate(pools)],
+                           [p.num_blocks - p.free_blocks for p in pools]))
+
+
+@pytest.mark.parametrize("block", [1, 4])
+def test_sliding_layers_return_blocks_out_of_the_window(backend_name, block, model_cache):
+    """Generating 20x the window: the sliding layers' pool holds at most ceil(W / B) + 1 blocks of
+    the sequence after each decode step (the pool's free count shows them returned), the full
+    layers' pool every block of the sequence."""
+    _, col = convert_case(model_cache, "gpt_oss")
+    W = ModelDir(col).config["sliding_window"]
+    eng = open_or_refused(col, backend_name, kv_block_size=block, max_seq_len=160, max_batch=1,
+                          kv_cache_tokens=160)
+    if eng is None:
+        return
+    with eng:
+        full, window = eng.runner.states.paged
+        assert window.window == W and full.window == 0
+        held = Held(eng.runner)
+        eng.generate([5, 17, 3], max_new_tokens=20 * W, ignore_eos=True)
+        bound = math.ceil(W / block) + 1
+        for cached, (f, w), (used_f, used_w) in held.after[1:]:
+            assert w <= bound and used_w == w
+            assert f == used_f == math.ceil(cached / block)
+        assert held.after[-1][0] > 20 * W
+        assert window.free_blocks == window.num_blocks and full.free_blocks == full.num_blocks
+
+
+@pytest.mark.parametrize("out_dtype", [None, "float32"])
+def test_gpt_oss_mxfp4_checkpoint(backend_name, out_dtype, model_cache):
+    """OpenAI's MXFP4 experts (*_blocks / *_scales) kept as MXFP4 (repacked to ggml's layout, no
+    rounding) or dequantised to float32 at conversion: the logits of transformers on the checkpoint
+    dequantised in float32 by transformers' own function, within float32 tolerance."""
+    from colibri_edge.convert import convert
+    mx, oracle = mxfp4_checkpoint(model_cache)
+    col = os.path.join(model_cache, f"col_gpt_oss_mx_{out_dtype}")
+    if not os.path.exists(os.path.join(col, "config.json")):
+        convert(mx, col, dtype=out_dtype, progress=False)
+    m = ModelDir(col)
+    assert set(m.layer_formats.values()) == {("mxfp4",) * 3 if out_dtype is None else ("float32",) * 3}
+    ids = np.random.default_rng(3).integers(0, FAMILY_CASES["gpt_oss_mx"][1]["vocab_size"], size=(2, 11))
+    want = hf_logits(oracle, ids)
+    opts = {"int8_activations": False} if "int8_activations" in backend_class(backend_name).OPTIONS else {}
+    eng = open_or_refused(col, backend_name, max_seq_len=64, **opts)
+    if eng is None:
+        return
+    with eng:
+        got = eng.infer(ids)
+    assert np.abs(got - want).max() / np.abs(want).max() < TOL
