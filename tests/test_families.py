@@ -1,7 +1,6 @@
 """MoE families beyond the shared suite (issue 16), against transformers on tiny random checkpoints:
-gpt-oss (sliding and full layers, sinks, YaRN, router and expert biases, the clamped SwiGLU).
-A backend that does not implement a family's experts refuses to open it, by name (asserted here);
-every backend that does runs the parity, greedy and window-eviction tests."""
+gpt-oss (sliding and full layers, sinks, YaRN, router and expert biases, the clamped SwiGLU), on
+every backend; a backend without a family's activation refuses it by name."""
 import json
 import math
 import os
@@ -21,19 +20,22 @@ TOL = 1e-4
 OSS = ["gpt_oss", "gpt_oss_k4"]
 
 
-def runs_gpt_oss(name) -> bool:
-    return "swiglu_oai" in backend_class(name).ffn_activations
+def open_engine(col, name, **kw):
+    """The engine (every backend runs gpt-oss's experts: Backend.ffn_activations)."""
+    assert "swiglu_oai" in backend_class(name).ffn_activations
+    return Engine.open(col, backend=name, **fp32(name), **kw)
 
 
-def open_or_refused(col, name, **kw):
-    """The engine, or None after checking the refusal names the activation and the way out."""
-    if runs_gpt_oss(name):
-        return Engine.open(col, backend=name, **fp32(name), **kw)
+def test_a_backend_without_the_activation_refuses_by_name(model_cache, monkeypatch):
+    """A backend that does not list swiglu_oai in ffn_activations (an out-of-tree one) refuses a
+    gpt-oss model when the engine opens, naming the activation and the way out."""
+    _, col = convert_case(model_cache, "gpt_oss")
+    cls = backend_class("reference")
+    monkeypatch.setattr(cls, "ffn_activations", ("silu",))
     with pytest.raises(ColibriError) as e:
-        Engine.open(col, backend=name, **kw)
+        Engine.open(col, backend="reference")
     assert e.value.code == COLIBRI_ERR_UNAVAILABLE and "swiglu_oai" in e.value.message \
         and "backend='cpu'" in e.value.message
-    return None
 
 
 def hf_logits_and_choices(hf, ids):
@@ -69,9 +71,7 @@ def test_gpt_oss_logits_and_routing_match_transformers(backend_name, case, model
     batch = np.random.default_rng(7).integers(0, V, size=(3, 13))
     want, choices = hf_logits_and_choices(hf, batch)
     assert np.abs(want).max() > 1.0
-    eng = open_or_refused(col, backend_name, max_seq_len=64)
-    if eng is None:
-        return
+    eng = open_engine(col, backend_name, max_seq_len=64)
     with eng:
         ids = ExpertIds(eng)
         got = eng.infer(batch)
@@ -101,9 +101,7 @@ def test_gpt_oss_greedy_matches_transformers(backend_name, block, model_cache):
     key = os.path.join(model_cache, "greedy_gpt_oss.json")
     if not os.path.exists(key):
         json.dump(hf_greedy(hf, prompt, 32), open(key, "w"))
-    eng = open_or_refused(col, backend_name, kv_block_size=block, max_seq_len=128, kv_cache_tokens=40 * block + 128)
-    if eng is None:
-        return
+    eng = open_engine(col, backend_name, kv_block_size=block, max_seq_len=128, kv_cache_tokens=40 * block + 128)
     with eng:
         got = eng.generate(prompt, max_new_tokens=32, ignore_eos=True)
         assert all(p.free_blocks == p.num_blocks for p in eng.runner.states.paged)   # everything returned
@@ -133,10 +131,8 @@ def test_sliding_layers_return_blocks_out_of_the_window(backend_name, block, mod
     layers' pool every block of the sequence."""
     _, col = convert_case(model_cache, "gpt_oss")
     W = ModelDir(col).config["sliding_window"]
-    eng = open_or_refused(col, backend_name, kv_block_size=block, max_seq_len=160, max_batch=1,
+    eng = open_engine(col, backend_name, kv_block_size=block, max_seq_len=160, max_batch=1,
                           kv_cache_tokens=160)
-    if eng is None:
-        return
     with eng:
         full, window = eng.runner.states.paged
         assert window.window == W and full.window == 0
@@ -165,9 +161,20 @@ def test_gpt_oss_mxfp4_checkpoint(backend_name, out_dtype, model_cache):
     ids = np.random.default_rng(3).integers(0, FAMILY_CASES["gpt_oss_mx"][1]["vocab_size"], size=(2, 11))
     want = hf_logits(oracle, ids)
     opts = {"int8_activations": False} if "int8_activations" in backend_class(backend_name).OPTIONS else {}
-    eng = open_or_refused(col, backend_name, max_seq_len=64, **opts)
-    if eng is None:
-        return
+    eng = open_engine(col, backend_name, max_seq_len=64, **opts)
     with eng:
         got = eng.infer(ids)
     assert np.abs(got - want).max() / np.abs(want).max() < TOL
+
+
+def test_gpt_oss_through_the_slot_pool(backend_name, model_cache):
+    """Experts streamed through 2 slots (each backend's per-expert path, the biases indexed by the
+    expert id, not the slot): the same logits as with every expert resident."""
+    _, col = convert_case(model_cache, "gpt_oss_k4")
+    ids = np.random.default_rng(5).integers(0, FAMILY_CASES["gpt_oss_k4"][1]["vocab_size"], size=(2, 9))
+    with open_engine(col, backend_name, max_seq_len=64) as eng:
+        want = eng.infer(ids)
+    with open_engine(col, backend_name, max_seq_len=64, expert_slots=2) as eng:
+        assert eng.runner.slot_pool is not None
+        got = eng.infer(ids)
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
