@@ -45,16 +45,28 @@ def _cmd_inspect(a):
         fm = cfg["folded_multipliers"]
         print(f"  folded into the weights at conversion: embedding x{fm['embedding_multiplier']:g}, o_proj and "
               f"down projections x{fm['residual_multiplier']:g}, lm_head /{fm['logits_scaling']:g}")
+    if cfg.get("rope_scaling"):
+        rs = cfg["rope_scaling"]
+        print(f"  rope: YaRN x{rs['factor']:g} over an original context of {rs['original_max_position_embeddings']}")
+    if cfg.get("expert_act", "silu") != "silu":
+        print(f"  experts: {cfg['expert_act']} (alpha {cfg['swiglu_alpha']:g}, limit {cfg['swiglu_limit']:g})"
+              f"{', with biases' if cfg.get('expert_bias') else ''}{'; router with a bias' if cfg.get('router_bias') else ''}")
+    types = cfg.get("layer_types") or ["full_attention"] * len(cfg["layers"])
+    sinks = " with sinks" if cfg.get("attention_sinks") else ""
     print("  layer plan (mixer + ffn):")
     for l in cfg["layers"]:
         ffn = {"dense": "dense MLP", "moe": "routed experts", "moe_shared": "routed + shared experts"}[l["type"]]
         extra = "" if l["type"] == "dense" else f" {l['moe_expert_start']}..{l['moe_expert_start'] + l['moe_num_experts'] - 1}"
-        print(f"    {l['layer_id']:3d} attention + {ffn}{extra}")
+        mixer = f"sliding-window attention ({cfg['sliding_window']}){sinks}" \
+            if types[l["layer_id"]] == "sliding_attention" else f"attention{sinks}"
+        print(f"    {l['layer_id']:3d} {mixer} + {ffn}{extra}")
     print(f"  experts: {s['num_experts']} x {human(s['bytes_per_expert'])} (bytes per expert: {s['bytes_per_expert']})"
           f" = {human(s['expert_bytes'])}")
     print(f"  non-expert weights: {human(s['non_expert_bytes'])}")
     print(f"  weight bytes read per decoded token: {human(s['bytes_per_decoded_token'])}")
-    print(f"  KV cache: {s['kv_bytes_per_token']} bytes per token")
+    print(f"  KV cache: {s['kv_bytes_per_token']} bytes per token"
+          + (f" (full-attention layers) + at most {s['kv_window_bytes_per_sequence']} bytes per sequence in the "
+             f"sliding-window layers (blocks of {a.block_size})" if s["kv_window_bytes_per_sequence"] else ""))
     print(f"  memory at context {a.context} x batch {a.max_batch} (prefill chunk {a.prefill_chunk}, KV blocks of "
           f"{a.block_size}): weights {human(s['non_expert_bytes'])} + experts {human(s['expert_bytes'])} + KV cache "
           f"{human(s['kv_cache_bytes'])} + scratch {human(s['scratch_bytes'])} = {human(s['total_bytes'])}")

@@ -481,13 +481,14 @@ class Engine:
                                           "read_bytes": pool.read_bytes, "memory": pool.locked}
 
     def trace_meta(self) -> dict:
-        from .planning import summary
+        from .planning import kv_window_bytes, summary
         c, s = self.config, summary(self.model, 1)
         return {"model": self.path, "model_type": c["model_type"], "backend": self.backend.name,
                 "top_k": self.runner.top_k, "experts_per_layer": c["experts_per_layer"],
                 "bytes_per_expert": s["bytes_per_expert"], "num_hidden_layers": c["num_hidden_layers"],
                 "non_expert_bytes": s["non_expert_bytes"], "expert_bytes": s["expert_bytes"],
                 "bytes_per_decoded_token": s["bytes_per_decoded_token"], "kv_bytes_per_token": s["kv_bytes_per_token"],
+                "kv_window_bytes_per_sequence": kv_window_bytes(c, self.runner.states.paged[0].block_size),
                 "scratch_bytes": self.runner.arena_bytes}
 
     def trace(self, prompts, max_new_tokens=0, **gen):

@@ -12,10 +12,25 @@ from .modeldir import ModelDir
 from .scheduler import layout
 
 
-def kv_bytes(cfg: dict, tokens: int) -> int:
-    """Bytes of the per-sequence state for `tokens` cached positions (K and V in float32 today)."""
+def kv_bytes(cfg: dict, tokens: int, block_size: int = 1) -> int:
+    """Bytes of the per-sequence state for `tokens` cached positions (K and V in float32 today): every
+    position in the full-attention layers, at most ceil(W / B) + 1 blocks in sliding-window ones."""
+    _, states = layout(cfg, 1, 1, 1, 1, block_size)
+    B = block_size
+    return sum(p.bytes_per_token() * (min(-(-tokens // B), -(-p.window // B) + 1) * B if p.window else tokens)
+               for p in states.paged)
+
+
+def kv_full_bytes_per_token(cfg: dict) -> int:
+    """What each cached position costs in the full-attention layers (the window layers' cost is bounded)."""
     _, states = layout(cfg, 1, 1, 1, 1, 1)
-    return tokens * sum(p.bytes_per_token() for p in states.paged)
+    return sum(p.bytes_per_token() for p in states.paged if not p.window)
+
+
+def kv_window_bytes(cfg: dict, block_size: int) -> int:
+    """The most a sequence holds in the sliding-window layers between steps, however long it is."""
+    _, states = layout(cfg, 1, 1, 1, 1, block_size)
+    return sum(p.bytes_per_token() * (-(-p.window // block_size) + 1) * block_size for p in states.paged if p.window)
 
 
 def engine_memory(cfg: dict, max_seq_len: int, max_batch: int, prefill_chunk: int, kv_tokens: int,
@@ -49,7 +64,9 @@ def summary(model: ModelDir, context: int, max_batch: int = 1, prefill_chunk: in
         "non_expert_bytes": non_expert, "expert_bytes": experts, "bytes_per_expert": per_expert,
         "bytes_per_expert_by_layer": per_layer, "formats": sorted(model.formats),
         "num_experts": len(model.experts), "bytes_per_decoded_token": per_token,
-        "kv_cache_bytes": mem["state_bytes"], "kv_bytes_per_token": kv_bytes(cfg, 1),
+        "kv_cache_bytes": mem["state_bytes"],
+        "kv_bytes_per_token": kv_full_bytes_per_token(cfg),
+        "kv_window_bytes_per_sequence": kv_window_bytes(cfg, block_size),
         "scratch_bytes": mem["arena_bytes"], "context": context, "max_batch": max_batch,
         "prefill_chunk": prefill_chunk, "block_size": block_size,
         "total_bytes": non_expert + experts + mem["state_bytes"] + mem["arena_bytes"],

@@ -178,3 +178,23 @@ def test_gpt_oss_through_the_slot_pool(backend_name, model_cache):
         assert eng.runner.slot_pool is not None
         got = eng.infer(ids)
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
+
+
+def test_inspect_shows_the_layer_plan_and_the_window_bound(model_cache, capsys):
+    """`colibri inspect`: each layer's mixer (sliding window or full, with sinks), YaRN, the experts'
+    activation, KV bytes per token for the full layers and the per-sequence bound of the window
+    layers, which is what the pool holds at most: (ceil(W / B) + 1) * B positions of K and V."""
+    from colibri_edge.cli import main
+    from colibri_edge.planning import summary
+    _, col = convert_case(model_cache, "gpt_oss")
+    cfg = ModelDir(col).config
+    main(["inspect", col, "--block-size", "4"])
+    out = capsys.readouterr().out
+    W, nkv, hd = cfg["sliding_window"], cfg["num_key_value_heads"], cfg["head_dim"]
+    assert f"0 sliding-window attention ({W}) with sinks" in out and "1 attention with sinks" in out
+    assert "YaRN x8" in out and "swiglu_oai" in out
+    s = summary(ModelDir(col), 64, block_size=4)
+    per_pos = 2 * 4 * nkv * hd                                 # K and V, float32, one layer
+    assert s["kv_bytes_per_token"] == per_pos * 1              # layer 1 is the only full one
+    assert s["kv_window_bytes_per_sequence"] == per_pos * 2 * (math.ceil(W / 4) + 1) * 4
+    assert f"{s['kv_window_bytes_per_sequence']} bytes per sequence" in out
