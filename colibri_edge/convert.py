@@ -531,6 +531,7 @@ def _finite(hf_dir, name, arr):
 def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool = True) -> dict:
     """Convert a Hugging Face checkpoint directory, or a GGUF file (gguf_import.py); returns the
     Colibri config written."""
+    hf_dir, out_dir = os.fspath(hf_dir), os.fspath(out_dir)
     if os.path.isfile(hf_dir) and hf_dir.endswith(".gguf"):
         if dtype is not None:
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"--dtype {dtype}: a GGUF file is converted in the "

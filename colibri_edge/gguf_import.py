@@ -45,8 +45,9 @@ from . import validate
 from .modeldir import ALIGN, ModelWriter, check_disk, tensor_roles
 
 ARCHS = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
-         "ernie4_5-moe": "ernie4_5_moe"}
-NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "ernie4_5-moe": True}
+         "ernie4_5-moe": "ernie4_5_moe", "gpt-oss": "gpt_oss"}
+NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "ernie4_5-moe": True,
+             "gpt-oss": True}
 # archs whose q/k rows the file holds with adjacent rope pairs (llama.cpp's rope type NORM): un-permuted
 # to the half-split layout every backend runs (`llama`: the converter permuted them; `ernie4_5-moe`:
 # Hugging Face's own layout, kept)
@@ -241,12 +242,13 @@ def hf_config(m: GGUFModel) -> tuple[dict, str]:
                             "are not implemented")
     scaling = g("rope.scaling.type", str, required=False, default="none")
     factor = g("rope.scaling.factor", float, required=False, default=1.0)
-    if scaling not in ("none", "") and factor != 1.0:
+    oss = arch == "gpt-oss"
+    if scaling not in ("none", "") and factor != 1.0 and not (oss and scaling == "yarn"):
         raise invalid_model(m.path, a + "rope.scaling.type", f"rope scaling {scaling!r} x{factor} is not implemented")
     ctx = _pos(m, a + "context_length", g("context_length", required=False, default=4096), 1,
                validate.MAX_POSITIONS)
     window = g("attention.sliding_window", required=False, default=0)
-    if window and window < ctx:
+    if window and window < ctx and not oss:
         raise invalid_model(m.path, a + "attention.sliding_window", f"a window of {window} tokens, shorter than "
                             f"the context ({ctx}): sliding-window attention is not implemented")
     gating = g("expert_gating_func", required=False, default=1)
@@ -277,6 +279,22 @@ def hf_config(m: GGUFModel) -> tuple[dict, str]:
           "norm_topk_prob": g("expert_weights_norm", bool, required=False, default=NORM_TOPK[arch])}
     if arch == "llama":
         hf.update(num_local_experts=E, intermediate_size=ff_exp)
+    elif oss:
+        # llama.cpp's gpt-oss: even layers sliding (its fixed pattern), alpha 1.702 and limit 7 (fixed in
+        # its graph; translate_config's defaults), YaRN with gpt-oss's untruncated correction range
+        rope = {"rope_type": "default", "rope_theta": theta}
+        if scaling == "yarn" and factor != 1.0:
+            rope = {"rope_type": "yarn", "rope_theta": theta, "factor": factor, "truncate": False,
+                    "original_max_position_embeddings": _pos(m, a + "rope.scaling.original_context_length",
+                                                             g("rope.scaling.original_context_length"), 1,
+                                                             validate.MAX_POSITIONS),
+                    "beta_fast": g("rope.scaling.yarn_beta_fast", float, required=False, default=32.0),
+                    "beta_slow": g("rope.scaling.yarn_beta_slow", float, required=False, default=1.0)}
+            af = g("rope.scaling.yarn_attn_factor", float, required=False)
+            if af is not None:
+                rope["attention_factor"] = af
+        hf.update(num_local_experts=E, intermediate_size=ff_exp, attention_bias=True, rope_parameters=rope,
+                  sliding_window=window or None)
     elif arch == "ernie4_5-moe":
         step = _pos(m, a + "interleave_moe_layer_step", g("interleave_moe_layer_step", required=False, default=1), 1, L)
         shared = 0
@@ -326,6 +344,12 @@ def gguf_names(cfg: dict) -> dict:
             m[p + f"mlp.{x}"] = b + f"ffn_{x}.weight"
             m[p + f"shared.{x}"] = b + f"ffn_{x}_shexp.weight"
         m[p + "shared.gate_logit"] = b + "ffn_gate_inp_shexp.weight"
+        if cfg["model_type"] == "gpt_oss":
+            m[p + "post_attention_norm"] = b + "post_attention_norm.weight"
+            m[p + "attn.sinks"] = b + "attn_sinks.weight"
+            m[p + "router_bias"] = b + "ffn_gate_inp.bias"
+            for x in ("gate", "up", "down"):
+                m[p + f"experts.{x}_bias"] = b + f"ffn_{x}_exps.bias"
     return m
 
 

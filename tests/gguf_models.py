@@ -117,6 +117,13 @@ CASES = {
     "ernie4_5_moe": ("ernie4_5_moe", dict(_COMMON, num_hidden_layers=3, hidden_size=64, intermediate_size=96,
                                           moe_intermediate_size=32, moe_num_experts=4, moe_k=2,
                                           moe_num_shared_experts=2, moe_layer_start_index=1)),
+    # gpt-oss: MXFP4 experts as OpenAI ships them (hf_models.pack_mxfp4), llama.cpp's converter repacks
+    # them; YaRN; even layers sliding (llama.cpp's pattern for the arch); llama.cpp's fixed alpha / limit
+    "gpt_oss": ("gpt_oss", dict(_COMMON, num_key_value_heads=1, hidden_size=64, intermediate_size=64, head_dim=16,
+                                num_local_experts=3, num_experts_per_tok=2, sliding_window=5,
+                                rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=8.0,
+                                                     beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                                     original_max_position_embeddings=32))),
 }
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "ernie4_5_moe")
 K_CASES = ("mixtral_k", "qwen2_moe_k", "qwen3_moe_k", "olmoe_k", "mixtral8_k")
@@ -129,7 +136,7 @@ def config_for(case: str, vocab_size: int, **overrides):
     model_type, kw = CASES[case]
     cls = {"mixtral": transformers.MixtralConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
            "qwen3_moe": transformers.Qwen3MoeConfig, "olmoe": transformers.OlmoeConfig,
-           "ernie4_5_moe": transformers.Ernie4_5_MoeConfig}[model_type]
+           "ernie4_5_moe": transformers.Ernie4_5_MoeConfig, "gpt_oss": transformers.GptOssConfig}[model_type]
     return cls(**{**kw, "vocab_size": vocab_size, "tie_word_embeddings": False, **overrides})
 
 

@@ -263,16 +263,21 @@ def mxfp4_checkpoint(tmp: str, case: str = "gpt_oss_mx") -> tuple:
     a CPU): the experts' gate_up_proj / down_proj as *_blocks and *_scales, quantization_config
     mxfp4. -> (its directory, the oracle: the same model with the experts dequantised in float32 by
     transformers' own convert_moe_packed_tensors, as a float32 checkpoint)."""
-    import json
-    import shutil
-    import torch
-    from safetensors.numpy import load_file, save_file
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
     src = os.path.join(tmp, f"hf_{case}_src")
     mx, oracle = os.path.join(tmp, f"hf_{case}_mxfp4"), os.path.join(tmp, f"hf_{case}_oracle")
     if os.path.exists(os.path.join(oracle, "config.json")):
         return mx, oracle
     build_hf(src, case)
+    return pack_mxfp4(src, mx, oracle)
+
+
+def pack_mxfp4(src: str, mx: str, oracle: str) -> tuple:
+    """mxfp4_checkpoint's work on a saved float checkpoint `src` (any tokenizer files are copied)."""
+    import json
+    import shutil
+    import torch
+    from safetensors.numpy import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
     t = load_file(os.path.join(src, "model.safetensors"))
     packed, deq = {}, {}
     for name, arr in t.items():

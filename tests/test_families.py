@@ -198,3 +198,34 @@ def test_inspect_shows_the_layer_plan_and_the_window_bound(model_cache, capsys):
     assert s["kv_bytes_per_token"] == per_pos * 1              # layer 1 is the only full one
     assert s["kv_window_bytes_per_sequence"] == per_pos * 2 * (math.ceil(W / 4) + 1) * 4
     assert f"{s['kv_window_bytes_per_sequence']} bytes per sequence" in out
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_gguf(tmp_path_factory):
+    """llama.cpp's converter on a gpt-oss checkpoint with OpenAI's MXFP4 experts (its own repacking to
+    ggml's MXFP4, f32 elsewhere), and the oracle: that checkpoint dequantised in float32."""
+    import gguf_models as gm
+    from hf_models import pack_mxfp4
+    d = tmp_path_factory.mktemp("gguf_oss")
+    src = gm.build("gpt_oss", d / "src")
+    mx, oracle = pack_mxfp4(src, str(d / "mx"), str(d / "oracle"))
+    path = gm.to_gguf(mx, str(d / "oss.gguf"), "f32")
+    return path, oracle
+
+
+def test_gpt_oss_gguf_in_mxfp4(backend_name, gpt_oss_gguf, tmp_path):
+    """A gpt-oss GGUF (arch gpt-oss: sinks, router and expert biases, YaRN from its metadata, the
+    window on the even layers, MXFP4 experts kept as stored) gives the float32-dequantised oracle's
+    logits within float32 tolerance."""
+    from colibri_edge.convert import convert
+    path, oracle = gpt_oss_gguf
+    cfg = convert(path, str(tmp_path / "col"), progress=False)
+    assert cfg["layer_types"] == ["sliding_attention", "full_attention"] and cfg["sliding_window"] == 5
+    assert cfg["rope_scaling"]["rope_type"] == "yarn" and cfg["rope_scaling"]["factor"] == 8.0
+    assert set(ModelDir(str(tmp_path / "col")).layer_formats.values()) == {("mxfp4",) * 3}
+    ids = np.random.default_rng(3).integers(0, 320, size=(2, 11))
+    want = hf_logits(oracle, ids)
+    opts = {"int8_activations": False} if "int8_activations" in backend_class(backend_name).OPTIONS else {}
+    with open_engine(str(tmp_path / "col"), backend_name, max_seq_len=64, **opts) as eng:
+        got = eng.infer(ids)
+    assert np.abs(got - want).max() / np.abs(want).max() < TOL
