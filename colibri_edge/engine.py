@@ -402,12 +402,13 @@ class Engine:
                                    ignore_eos=ignore_eos, **extra)[0]
 
     def chat(self, messages, **kw):
-        """Messages rendered with the model's chat template; returns the reply's text."""
+        """Messages rendered with the model's chat template; returns the reply's text (of a harmony
+        reply, gpt-oss's, the final channel's message: TextCodec.reply)."""
         if not isinstance(messages, (list, tuple)) or not messages or not isinstance(messages[0], dict):
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"messages={messages!r:.80}: expected a list of "
                                "{'role': str, 'content': str} (use generate() for a plain prompt)")
         ids = self.generate(messages, **kw)
-        return self.codec.decode(ids)
+        return self.codec.reply(ids)[0]
 
     def stream(self, prompt, max_new_tokens=32, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=None,
                ignore_eos=False, **extra):

@@ -254,7 +254,11 @@ def create_app(models: dict, api_key: str | None = None, cors: str | None = None
                 text = cut(full)
                 fr = finish(reason, full)
                 if chat:
-                    c = {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": fr,
+                    content, reasoning = codec.reply(toks)
+                    msg = {"role": "assistant", "content": text}
+                    if reasoning is not None or content != full:       # a harmony reply (gpt-oss), as vLLM
+                        msg = {"role": "assistant", "content": cut(content), "reasoning_content": reasoning}
+                    c = {"index": i, "message": msg, "finish_reason": fr,
                          "logprobs": {"content": lps} if logprobs else None}
                 else:
                     c = {"index": i, "text": (prompt if b.echo and isinstance(prompt, str) else "") + text,

@@ -6,6 +6,10 @@ import os
 from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, invalid_model
 
 
+HARMONY_CHANNEL, HARMONY_MESSAGE = "<|channel|>", "<|message|>"
+HARMONY_ENDS = ("<|return|>", "<|end|>", "<|call|>", "<|start|>")
+
+
 class TextCodec:
     def __init__(self, model_dir: str, tokenizer_config: dict):
         from tokenizers import Tokenizer
@@ -30,6 +34,29 @@ class TextCodec:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def reply(self, ids) -> tuple[str, str | None]:
+        """A chat reply's (content, reasoning). In OpenAI's harmony format (gpt-oss: the model writes
+        <|channel|>analysis<|message|>... <|end|><|start|>assistant<|channel|>final<|message|>...), the
+        content is the last final channel's message (up to <|return|>, <|end|> or <|call|>) and the
+        reasoning the analysis channels' text; a reply that never reached a final channel has empty
+        content. Any other reply is its decoded text, with no reasoning."""
+        raw = self.decode(ids, skip_special_tokens=False)
+        if HARMONY_CHANNEL not in raw:
+            return self.decode(ids), None
+        content, reasoning = "", []
+        for part in raw.split(HARMONY_CHANNEL)[1:]:
+            head, sep, body = part.partition(HARMONY_MESSAGE)
+            if not sep:
+                continue
+            for end in HARMONY_ENDS:
+                body = body.split(end, 1)[0]
+            channel = head.split()[0] if head.split() else ""
+            if channel == "final":
+                content = body
+            elif channel == "analysis":
+                reasoning.append(body)
+        return content, "".join(reasoning) or None
 
     def render_chat(self, messages, add_generation_prompt=True) -> str:
         """Render with the chat template of tokenizer_config.json, as transformers'

@@ -229,3 +229,65 @@ def test_gpt_oss_gguf_in_mxfp4(backend_name, gpt_oss_gguf, tmp_path):
     with open_engine(str(tmp_path / "col"), backend_name, max_seq_len=64, **opts) as eng:
         got = eng.infer(ids)
     assert np.abs(got - want).max() / np.abs(want).max() < TOL
+
+
+HARMONY_SPECIALS = ["<|startoftext|>", "<|endoftext|>", "<|start|>", "<|channel|>", "<|message|>", "<|end|>",
+                    "<|return|>", "<|call|>"]
+HARMONY_TEMPLATE = ("{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
+                    "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def harmony_model(tmp_path_factory):
+    """A tiny gpt-oss with a byte-level tokenizer holding harmony's special tokens, a harmony-shaped
+    chat template, and generation_config's end ids <|return|>, <|call|> (as gpt-oss ships them)."""
+    import json as _json
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    from hf_models import build_hf
+    from colibri_edge.convert import convert
+    d = tmp_path_factory.mktemp("harmony")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["the answer is four", "think hard about it", "hello world"] * 4,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=HARMONY_SPECIALS, show_progress=False,
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    ft = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|return|>", bos_token="<|startoftext|>")
+    ft.chat_template = HARMONY_TEMPLATE
+    hf = str(d / "hf")
+    build_hf(hf, "gpt_oss_k4", vocab_size=len(ft))
+    ft.save_pretrained(hf)
+    ends = [ft.convert_tokens_to_ids(t) for t in ("<|return|>", "<|call|>")]
+    _json.dump({"eos_token_id": ends, "bos_token_id": ft.convert_tokens_to_ids("<|startoftext|>")},
+               open(os.path.join(hf, "generation_config.json"), "w"))
+    convert(hf, str(d / "col"), progress=False)
+    return str(d / "col"), ft
+
+
+def test_harmony_reply_is_the_final_channel(harmony_model):
+    """chat()'s text of a harmony reply: the final channel's message; the analysis is the reasoning;
+    a reply cut off before its final channel has no content; other text is itself."""
+    col, ft = harmony_model
+    with Engine.open(col, backend="reference", max_seq_len=64) as eng:
+        codec = eng.codec
+        full = ("<|channel|>analysis<|message|>think hard<|end|><|start|>assistant<|channel|>final<|message|>"
+                "the answer is four<|return|>")
+        assert codec.reply(ft.encode(full, add_special_tokens=False)) == ("the answer is four", "think hard")
+        cut = "<|channel|>analysis<|message|>think hard about"
+        assert codec.reply(ft.encode(cut, add_special_tokens=False)) == ("", "think hard about")
+        assert codec.reply(ft.encode("hello world", add_special_tokens=False)) == ("hello world", None)
+
+
+@pytest.mark.parametrize("end", ["<|return|>", "<|call|>"])
+def test_harmony_end_tokens_stop_generation(harmony_model, end):
+    """<|return|> and <|call|> (generation_config's eos ids) end a reply: forced by a logit bias,
+    generation stops at the first one, and chat() then returns no text."""
+    col, ft = harmony_model
+    eid = ft.convert_tokens_to_ids(end)
+    with Engine.open(col, backend="reference", max_seq_len=64) as eng:
+        assert eid in eng.eos_token_ids
+        msgs = [{"role": "user", "content": "hello world"}]
+        assert eng.generate(msgs, max_new_tokens=8, logit_bias={eid: 100.0}) == [eid]
+        assert eng.generate(msgs, max_new_tokens=8) != [eid]
+        assert eng.chat(msgs, max_new_tokens=8, logit_bias={eid: 100.0}) == ""
