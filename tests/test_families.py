@@ -167,17 +167,30 @@ def test_gpt_oss_mxfp4_checkpoint(backend_name, out_dtype, model_cache):
     assert np.abs(got - want).max() / np.abs(want).max() < TOL
 
 
-def test_gpt_oss_through_the_slot_pool(backend_name, model_cache):
+@pytest.mark.parametrize("policy", ["lru", "prefetch"])
+def test_gpt_oss_through_the_slot_pool(backend_name, policy, model_cache):
     """Experts streamed through 2 slots (each backend's per-expert path, the biases indexed by the
-    expert id, not the slot): the same logits as with every expert resident."""
+    expert id, not the slot): the same logits and greedy tokens as with every expert resident; the
+    trace of a run replays to the engine's own hit / miss / prefetch counters (prefetch predicts
+    with the next layer's router and its bias)."""
+    from colibri_edge.simulate import replay
     _, col = convert_case(model_cache, "gpt_oss_k4")
     ids = np.random.default_rng(5).integers(0, FAMILY_CASES["gpt_oss_k4"][1]["vocab_size"], size=(2, 9))
+    prompt = [3, 9, 27, 81, 2, 6, 18]
     with open_engine(col, backend_name, max_seq_len=64) as eng:
-        want = eng.infer(ids)
-    with open_engine(col, backend_name, max_seq_len=64, expert_slots=2) as eng:
+        want, want_gen = eng.infer(ids), eng.generate(prompt, max_new_tokens=8, ignore_eos=True)
+    with open_engine(col, backend_name, max_seq_len=64, expert_slots=2, slot_policy=policy) as eng:
         assert eng.runner.slot_pool is not None
         got = eng.infer(ids)
+        assert eng.generate(prompt, max_new_tokens=8, ignore_eos=True) == want_gen
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
+    with open_engine(col, backend_name, max_seq_len=64, expert_slots=2, slot_policy=policy, max_batch=2) as eng:
+        tr = eng.trace([prompt, prompt[::-1]], max_new_tokens=5, ignore_eos=True)
+        counts = eng.slot_stats
+    assert tr.expert_ids.shape[2] == 4 and counts["misses"] > 0
+    sim = replay(tr, 2, policy)
+    for f in ("hits", "misses", "evictions", "prefetch_hits"):
+        assert sim[f] == counts[f], (f, sim, counts)
 
 
 def test_inspect_shows_the_layer_plan_and_the_window_bound(model_cache, capsys):
