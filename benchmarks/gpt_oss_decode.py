@@ -85,7 +85,7 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--backends", default="cpu")
     ap.add_argument("--busy", action="store_true", help="one core kept busy by a spinning process")
-    ap.add_argument("--dir", default=os.path.join(HERE, "results", "gpt_oss_model"))
+    ap.add_argument("--dir", default=os.path.expanduser("~/.cache/colibri/bench_gpt_oss"))
     a = ap.parse_args(argv)
     os.makedirs(a.dir, exist_ok=True)
     from colibri_edge.convert import convert

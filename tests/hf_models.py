@@ -249,7 +249,11 @@ E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6],
 def _openai_mxfp4(w: np.ndarray):
     """w [..., K] -> (blocks [..., K/32, 16] uint8, scales [..., K/32] uint8) in OpenAI's checkpoint
     layout: byte b holds values 2b (low nibble) and 2b+1 (high); value = E2M1[nibble] * 2^(e - 127),
-    e the smallest exponent whose block max fits in 6, each value to its nearest E2M1 code."""
+    e the smallest exponent whose block max fits in 6, each value to its nearest E2M1 code (a
+    stacked [E, ...] tensor one expert at a time: the search is 16 values wide)."""
+    if w.ndim == 3:
+        parts = [_openai_mxfp4(x) for x in w]
+        return np.stack([p[0] for p in parts]), np.stack([p[1] for p in parts])
     g = w.reshape(*w.shape[:-1], -1, 32).astype(np.float64)
     amax = np.abs(g).max(-1)
     e = np.clip(np.ceil(np.log2(np.maximum(amax, 1e-30) / 6.0)), -127, 127).astype(np.int64) + 127

@@ -113,7 +113,7 @@ class Backend(BackendBase):
         self.work = np.zeros((self.num_threads, 8), np.int64)   # the kernels' claim counters (kernels.claim)
         self.none = _readonly(np.zeros(0, np.float32))      # an absent bias or scales vector
         self._freqs = {}                                      # (theta, D) -> the rope table
-        self._act_bufs = (np.zeros((0, 0), np.float32),) * 3  # _grouped_ffn_act's rows
+        self._silu = (self.none, self.none, np.float32(0), np.float32(0))   # kernels.expert_act's SwiGLU
         self.no_tally = np.zeros(0, np.int32)
         self._qscratch = np.zeros((self.num_threads, 4, 0), np.float32)   # block formats' dequantised rows
         # block formats: activations quantised to int8 per 32, integer dots (qir.py); the
@@ -339,8 +339,6 @@ class Backend(BackendBase):
     def grouped_ffn(self, out, x, experts, plan, scratch, act=None):
         """Per active expert: gate/up + SwiGLU into scratch (its rows, packed [n, I]), then down into
         out's rows. Two parallel passes per expert, each reading that expert's weights once."""
-        if act is not None:
-            return self._grouped_ffn_act(out, x, experts, plan, scratch, act)
         self._use_threads()
         width = scratch.shape[1]
         flat = scratch.reshape(-1)         # scratch is C-contiguous: rows start.. hold act [n, I]
@@ -349,58 +347,30 @@ class Backend(BackendBase):
             start, n = int(plan.offsets[e]), int(plan.counts[e])
             ffn = experts[e]
             inter = ffn.gate.shape[0]
-            act = flat[start * width:start * width + n * inter].reshape(n, inter)
-            if ffn.gate.dtype in BLOCK and self.int8_activations:
-                self.q.qswiglu_gate_up_i8(act, x, plan.order, start, plan.top_k, ffn.gate.data, ffn.up.data,
-                                          self.work, *self._acts(x.shape[1], n))
-            elif ffn.gate.dtype in BLOCK:
-                self.q.qswiglu_gate_up(act, x, plan.order, start, plan.top_k, ffn.gate.data, ffn.up.data,
-                                       self.work, self._scratch(x.shape[1]))
-            else:
-                self.m.swiglu_gate_up(act, x, plan.order, start, plan.top_k, ffn.gate.data, ffn.up.data,
-                                      self._scales(ffn.gate), self._scales(ffn.up), self.work)
-            if ffn.down.dtype in BLOCK:
-                self._qmatmul(out[start:start + n], act, ffn.down.data, self.none)
-            else:
-                self.k.matmul(out[start:start + n], act, ffn.down.data, self._scales(ffn.down), self.none,
-                              self.work)
-
-    def _grouped_ffn_act(self, out, x, experts, plan, scratch, act):
-        """Experts with biases and another activation (gpt-oss): per expert its tokens gathered
-        (rows [n, H]), gate and up as two matmuls of any format (their biases added by the
-        activation), the activation into scratch, down with its bias. Not fused: gate and up are
-        still read once each per step, and every weight format takes the one path."""
-        self._use_threads()
-        width = scratch.shape[1]
-        flat = scratch.reshape(-1)
-        H = x.shape[1]
-        for e in plan.experts_to_run():
-            e = int(e)
-            start, n = int(plan.offsets[e]), int(plan.counts[e])
-            ffn = experts[e]
-            inter = ffn.gate.shape[0]
-            xs, g, u = self._act_rows(n, H, inter)
-            self.m.gather_rows(xs, x, plan.order, start, plan.top_k)
-            for dst, w in ((g, ffn.gate), (u, ffn.up)):
-                self.matmul(dst, xs, w)
             a = flat[start * width:start * width + n * inter].reshape(n, inter)
-            gb = self.none if act.gate_bias is None else act.gate_bias.data[e]
-            ub = self.none if act.up_bias is None else act.up_bias.data[e]
-            self.m.swiglu_oai(a, g, u, gb, ub, np.float32(act.alpha), np.float32(act.limit))
-            db = None if act.down_bias is None else Weight(act.down_bias.data[e], "float32", (H,))
-            self.matmul(out[start:start + n], a, ffn.down, db)
+            ep, db = self._epilogue(act, e)
+            if ffn.gate.dtype in BLOCK and self.int8_activations:
+                self.q.qswiglu_gate_up_i8(a, x, plan.order, start, plan.top_k, ffn.gate.data, ffn.up.data,
+                                          self.work, *self._acts(x.shape[1], n), ep)
+            elif ffn.gate.dtype in BLOCK:
+                self.q.qswiglu_gate_up(a, x, plan.order, start, plan.top_k, ffn.gate.data, ffn.up.data,
+                                       self.work, self._scratch(x.shape[1]), ep)
+            else:
+                self.m.swiglu_gate_up(a, x, plan.order, start, plan.top_k, ffn.gate.data, ffn.up.data,
+                                      self._scales(ffn.gate), self._scales(ffn.up), self.work, ep)
+            if ffn.down.dtype in BLOCK:
+                self._qmatmul(out[start:start + n], a, ffn.down.data, db)
+            else:
+                self.k.matmul(out[start:start + n], a, ffn.down.data, self._scales(ffn.down), db, self.work)
 
-    def _act_rows(self, n, H, inter):
-        """Views [n, H], [n, I], [n, I] of buffers kept for _grouped_ffn_act: grown at the first steps
-        (the largest expert group seen), then reused: the decode loop allocates nothing."""
-        xs, g, u = self._act_bufs
-        if xs.shape[0] < n or xs.shape[1] < H or g.shape[1] < inter:
-            rows = max(n, xs.shape[0], 8)
-            self._act_bufs = (np.zeros((rows, max(H, xs.shape[1])), np.float32),
-                              np.zeros((rows, max(inter, g.shape[1])), np.float32),
-                              np.zeros((rows, max(inter, g.shape[1])), np.float32))
-            xs, g, u = self._act_bufs
-        return xs[:n, :H], g[:n, :inter], u[:n, :inter]
+    def _epilogue(self, act, e):
+        """(ep, down bias) of expert e for the kernels: ep = (gate bias, up bias, alpha, limit) of
+        kernels.expert_act (alpha 0: SwiGLU, empty biases)."""
+        if act is None:
+            return self._silu, self.none
+        row = lambda w: self.none if w is None else w.data[e]          # noqa: E731
+        return (row(act.gate_bias), row(act.up_bias), np.float32(act.alpha), np.float32(act.limit)), \
+            row(act.down_bias)
 
     def _qmatmul(self, out, x, w, bias):
         """A block-format matmul: int8 activations unless turned off, else float32 (each for every row

@@ -351,6 +351,24 @@ def rmsnorm(out, x, weight, eps):
             out[r, d] = xr[d] * inv * widen(weight[d])
 
 
+@njit(error_model="numpy", inline="always")
+def expert_act(g, u, i, ep):
+    """The experts' activation of column i; ep = (gate_bias, up_bias, alpha, limit):
+        alpha == 0:  silu(g) * u = g / (1 + exp(-g)) * u                           (SwiGLU)
+        alpha > 0:   g' = min(g + gb[i], limit), u' = clamp(u + ub[i], -limit, limit)  (gpt-oss; empty
+                     biases = 0):  (u' + 1) * g' / (1 + exp(-alpha g'))"""
+    gb, ub, alpha, limit = ep
+    if alpha == F0:
+        return g / (F1 + np.exp(-g)) * u
+    if gb.shape[0]:
+        g += gb[i]
+    if ub.shape[0]:
+        u += ub[i]
+    g = min(g, limit)
+    u = min(max(u, -limit), limit)
+    return (u + F1) * (g / (F1 + np.exp(-alpha * g)))
+
+
 @njit(cache=True, error_model="numpy")
 def rope(out, x, positions, inv_freq):
     """Rotate-half rotary embedding, x/out [T,heads,D] (may alias), angle a = p * f_i in float32:

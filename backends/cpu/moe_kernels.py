@@ -5,19 +5,14 @@ import numpy as np
 from numba import njit, prange
 
 from .jitcache import drop_stale
-from .kernels import F0, F1, REDUCE, TILE4, claim, dot1, fdot4, fdot4x2, fdot4x4, reset_claims, scaled
+from .kernels import F0, F1, REDUCE, TILE4, claim, dot1, expert_act, fdot4, fdot4x2, fdot4x4, reset_claims, scaled
 
 
 @njit(error_model="numpy", inline="always")
-def silu_mul(g, u):
-    """silu(g) * u = g / (1 + exp(-g)) * u   (SwiGLU)"""
-    return g / (F1 + np.exp(-g)) * u
-
-
-@njit(error_model="numpy", inline="always")
-def store_swiglu(act, r, i, g, u, gate_scales, up_scales):
-    """act[r, i] = silu(g * gate_scales[i]) * (u * up_scales[i])   (empty scales = 1)"""
-    act[r, i] = silu_mul(scaled(g, gate_scales, i), scaled(u, up_scales, i))
+def store_swiglu(act, r, i, g, u, gate_scales, up_scales, ep):
+    """act[r, i] = silu(g * gate_scales[i]) * (u * up_scales[i])   (empty scales = 1), or ep's
+    clamped form with biases (kernels.expert_act)"""
+    act[r, i] = expert_act(scaled(g, gate_scales, i), scaled(u, up_scales, i), i, ep)
 
 
 @njit(cache=True, error_model="numpy")
@@ -101,7 +96,7 @@ def align(offsets, order, inverse, counts, active, ids, tally):
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=REDUCE, error_model="numpy")
-def swiglu_gate_up(act, x, order, start, top_k, gate, up, gate_scales, up_scales, work):
+def swiglu_gate_up(act, x, order, start, top_k, gate, up, gate_scales, up_scales, work, ep):
     """act[r,i] = silu(gate[i] . x[t_r] * gs[i]) * (up[i] . x[t_r] * us[i]),  t_r = order[start + r] // top_k
         gate, up: weight [I,H];  gs, us: their float32 row scales [I] (int8) or empty;
         x [T,H];  act [R,I];  silu(g) = g / (1 + exp(-g));  work: as in matmul
@@ -126,52 +121,29 @@ def swiglu_gate_up(act, x, order, start, top_k, gate, up, gate_scales, up_scales
                     xc, xd = x[order[start + r + 2] // top_k], x[order[start + r + 3] // top_k]
                     ga, gb, ua, ub, gc, gd, uc, ud, ge, gf, ue, uf, gg, gh, ug, uh = \
                         fdot4x4(g0, g1, u0, u1, xa, xb, xc, xd)
-                    store_swiglu(act, r, i, ga, ua, gate_scales, up_scales)
-                    store_swiglu(act, r, j, gb, ub, gate_scales, up_scales)
-                    store_swiglu(act, r + 1, i, gc, uc, gate_scales, up_scales)
-                    store_swiglu(act, r + 1, j, gd, ud, gate_scales, up_scales)
-                    store_swiglu(act, r + 2, i, ge, ue, gate_scales, up_scales)
-                    store_swiglu(act, r + 2, j, gf, uf, gate_scales, up_scales)
-                    store_swiglu(act, r + 3, i, gg, ug, gate_scales, up_scales)
-                    store_swiglu(act, r + 3, j, gh, uh, gate_scales, up_scales)
+                    store_swiglu(act, r, i, ga, ua, gate_scales, up_scales, ep)
+                    store_swiglu(act, r, j, gb, ub, gate_scales, up_scales, ep)
+                    store_swiglu(act, r + 1, i, gc, uc, gate_scales, up_scales, ep)
+                    store_swiglu(act, r + 1, j, gd, ud, gate_scales, up_scales, ep)
+                    store_swiglu(act, r + 2, i, ge, ue, gate_scales, up_scales, ep)
+                    store_swiglu(act, r + 2, j, gf, uf, gate_scales, up_scales, ep)
+                    store_swiglu(act, r + 3, i, gg, ug, gate_scales, up_scales, ep)
+                    store_swiglu(act, r + 3, j, gh, uh, gate_scales, up_scales, ep)
                 for r in range(r4, R - 1, 2):
                     xa, xb = x[order[start + r] // top_k], x[order[start + r + 1] // top_k]
                     ga, gb, ua, ub, gc, gd, uc, ud = fdot4x2(g0, g1, u0, u1, xa, xb)
-                    store_swiglu(act, r, i, ga, ua, gate_scales, up_scales)
-                    store_swiglu(act, r, j, gb, ub, gate_scales, up_scales)
-                    store_swiglu(act, r + 1, i, gc, uc, gate_scales, up_scales)
-                    store_swiglu(act, r + 1, j, gd, ud, gate_scales, up_scales)
+                    store_swiglu(act, r, i, ga, ua, gate_scales, up_scales, ep)
+                    store_swiglu(act, r, j, gb, ub, gate_scales, up_scales, ep)
+                    store_swiglu(act, r + 1, i, gc, uc, gate_scales, up_scales, ep)
+                    store_swiglu(act, r + 1, j, gd, ud, gate_scales, up_scales, ep)
                 if (R - r4) % 2:
                     ga, gb, ua, ub = fdot4(g0, g1, u0, u1, x[order[start + R - 1] // top_k])
-                    store_swiglu(act, R - 1, i, ga, ua, gate_scales, up_scales)
-                    store_swiglu(act, R - 1, j, gb, ub, gate_scales, up_scales)
+                    store_swiglu(act, R - 1, i, ga, ua, gate_scales, up_scales, ep)
+                    store_swiglu(act, R - 1, j, gb, ub, gate_scales, up_scales, ep)
             for i in range(lo + 2 * h, hi):
                 for r in range(R):
                     xr = x[order[start + r] // top_k]
-                    store_swiglu(act, r, i, dot1(gate, i, xr), dot1(up, i, xr), gate_scales, up_scales)
-
-
-@njit(cache=True, error_model="numpy")
-def gather_rows(out, x, order, start, top_k):
-    """out[r] = x[order[start + r] // top_k]   (an expert's tokens, in its plan order)"""
-    for r in range(out.shape[0]):
-        t = order[start + r] // top_k
-        for h in range(x.shape[1]):
-            out[r, h] = x[t, h]
-
-
-@njit(cache=True, error_model="numpy")
-def swiglu_oai(act, g, u, gate_bias, up_bias, alpha, limit):
-    """act[r,i] = (clamp(u[r,i] + ub[i], -limit, limit) + 1) * g' sigmoid(alpha g'),
-    g' = min(g[r,i] + gb[i], limit)   (gpt-oss; empty biases = 0)"""
-    R, I = act.shape
-    for r in range(R):
-        for i in range(I):
-            gv = g[r, i] + (gate_bias[i] if gate_bias.shape[0] else F0)
-            uv = u[r, i] + (up_bias[i] if up_bias.shape[0] else F0)
-            gv = min(gv, limit)
-            uv = min(max(uv, -limit), limit)
-            act[r, i] = (uv + F1) * (gv / (F1 + np.exp(-alpha * gv)))
+                    store_swiglu(act, r, i, dot1(gate, i, xr), dot1(up, i, xr), gate_scales, up_scales, ep)
 
 
 @njit(cache=True, error_model="numpy")
