@@ -117,8 +117,12 @@ CASES = {
     "ernie4_5_moe": ("ernie4_5_moe", dict(_COMMON, num_hidden_layers=3, hidden_size=64, intermediate_size=96,
                                           moe_intermediate_size=32, moe_num_experts=4, moe_k=2,
                                           moe_num_shared_experts=2, moe_layer_start_index=1)),
-    # gpt-oss: MXFP4 experts as OpenAI ships them (hf_models.pack_mxfp4), llama.cpp's converter repacks
-    # them; YaRN; even layers sliding (llama.cpp's pattern for the arch); llama.cpp's fixed alpha / limit
+}
+# Families with their own GGUF tests (test_families.py), kept out of CASES (whose fixture tests map a
+# file back to a checkpoint generically). gpt-oss: MXFP4 experts as OpenAI ships them
+# (hf_models.pack_mxfp4), llama.cpp's converter repacks them; YaRN; even layers sliding (llama.cpp's
+# pattern for the arch); llama.cpp's fixed alpha / limit
+FAMILY_CASES = {
     "gpt_oss": ("gpt_oss", dict(_COMMON, num_key_value_heads=1, hidden_size=64, intermediate_size=64, head_dim=16,
                                 num_local_experts=3, num_experts_per_tok=2, sliding_window=5,
                                 rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=8.0,
@@ -133,7 +137,7 @@ GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe
 
 def config_for(case: str, vocab_size: int, **overrides):
     import transformers
-    model_type, kw = CASES[case]
+    model_type, kw = {**CASES, **FAMILY_CASES}[case]
     cls = {"mixtral": transformers.MixtralConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
            "qwen3_moe": transformers.Qwen3MoeConfig, "olmoe": transformers.OlmoeConfig,
            "ernie4_5_moe": transformers.Ernie4_5_MoeConfig, "gpt_oss": transformers.GptOssConfig}[model_type]
