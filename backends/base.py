@@ -9,7 +9,7 @@ reshapes of contiguous buffers are views. Shapes below use
 
 Required -- abstract here; there is no per-op fallback, so the suite proves each backend whole:
     memory     alloc, to_device, view, upload_into, download
-    dense      embed, matmul, rmsnorm, rope, add
+    dense      embed, matmul, rmsnorm, rope, add, scale
     attention  kv_write, paged_attention
     MoE        route, align, grouped_ffn, combine
 Optional -- each has its default below, and the core never probes a backend with hasattr:
@@ -67,14 +67,16 @@ class FFN:
 
 @dataclass
 class Act:
-    """The routed experts' activation when it is not plain SwiGLU, and their biases (gpt-oss):
+    """An FFN's activation when it is not plain SwiGLU, and the experts' biases (gpt-oss):
         g = gate @ x + gate_bias[e],  u = up @ x + up_bias[e]
         swiglu_oai:  a = (clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g'),  g' = min(g, limit)
+        gelu_tanh:   a = gelu_tanh(g) * u,  gelu_tanh(g) = g/2 (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
+                     (GeGLU, Gemma's gelu_pytorch_tanh; alpha and limit unused)
         y = down @ a + down_bias[e]
     gate_bias, up_bias [E, I], down_bias [E, H]: float32 Weights (each may be None)."""
-    kind: str                   # "swiglu_oai"
-    alpha: float
-    limit: float
+    kind: str                   # "swiglu_oai" | "gelu_tanh"
+    alpha: float = 0.0
+    limit: float = 0.0
     gate_bias: Weight | None = None
     up_bias: Weight | None = None
     down_bias: Weight | None = None
@@ -289,6 +291,12 @@ class Backend:
         """out = a + b, or out = a + sigmoid(gate[T,1]) * b (Qwen2-MoE's gated shared expert)."""
         raise NotImplementedError
 
+    def scale(self, out, x, factor: float, cap: float = 0.0):
+        """out = factor * x, or with cap > 0 the soft-capped out = cap * tanh(factor * x / cap)
+        (Gemma's embedding scale and per-layer scalar; its final logit soft-capping). x, out [R, N]
+        contiguous float32, may alias; factor 0 with a finite x zeroes out."""
+        raise NotImplementedError
+
     # -- attention (required) ----------------------------------------------------------------
     def kv_write(self, K, V, k, v, slots):
         """K[slots[t]] = k[t]; V[slots[t]] = v[t].  K, V: one layer's cache [num_slots, Hkv, D];
@@ -308,11 +316,12 @@ class Backend:
 
     # -- MoE (required) ----------------------------------------------------------------------
     def route(self, out_ids, out_w, logits, k: int, mode: str, normalize: bool, choice_bias=None,
-              norm_min: float = 0.0):
+              norm_min: float = 0.0, expert_scale=None):
         """logits [T,E] (fp32) -> out_ids [T,k] int32, out_w [T,k] fp32.
         topk: p = softmax(logits); the k largest p (+ choice_bias [E], a float32 weight, when given:
         the choice only), ties to the lower expert id; w = their p, divided by max(their sum,
-        norm_min) if normalize. gated: k == E, every expert with weight p. (Model validation
+        norm_min) if normalize, then times expert_scale[id] (a float32 Weight [E], Gemma 4's
+        per_expert_scale) when given. gated: k == E, every expert with weight p. (Model validation
         guarantees mode and k; colibri_edge.routing.route is the reference.)"""
         raise NotImplementedError
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .backends.base import plan_buffers
+from .validate import geometry
 
 
 @dataclass(frozen=True)
@@ -50,18 +51,19 @@ def input_layout(lim: Limits) -> dict:
 def buffers(cfg: dict, lim: Limits) -> dict:
     """name -> (shape, dtype) of every arena buffer (step inputs included)."""
     R = lim.rows
-    H, hd, V = cfg["hidden_size"], cfg["head_dim"], cfg["vocab_size"]
-    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    H, V = cfg["hidden_size"], cfg["vocab_size"]
+    geo = {geometry(cfg, l) for l in cfg["layers"]}      # (Hq, Hkv, D) of each attention geometry
+    QW, KW = max(nh * hd for nh, _, hd in geo), max(nkv * hd for _, nkv, hd in geo)   # the widest
     E, k = max(cfg["experts_per_layer"], 1), fan(cfg)
     M = sum(1 for l in cfg["layers"] if l["type"] != "dense")
     types = {l["type"] for l in cfg["layers"]}          # the widest FFN the plan runs (sizes it does not use
-    inter = max([cfg["intermediate_size"]] * ("dense" in types) + [cfg["moe_intermediate_size"]] * (M > 0) +
+    inter = max([cfg["intermediate_size"]] * bool(types & {"dense", "moe_dense"}) + [cfg["moe_intermediate_size"]] * (M > 0) +
                 [cfg["shared_expert_intermediate_size"]] * ("moe_shared" in types) + [1])   # are never allocated)
     f32, i32 = np.float32, np.int32
     spec = {
         "x": ((R, H), f32), "h": ((R, H), f32), "o": ((R, H), f32),               # residual, normed, branch out
-        "q": ((R, nh, hd), f32), "k": ((R, nkv, hd), f32), "v": ((R, nkv, hd), f32),
-        "attn": ((R, nh, hd), f32),
+        "q": ((R, QW), f32), "k": ((R, KW), f32), "v": ((R, KW), f32), "attn": ((R, QW), f32),  # [T, heads, D]
+                                                                                # views per geometry
         "router": ((R, E), f32), "ids": ((R, k), i32), "w": ((R, k), f32),      # routing
         "gate_logit": ((R, 1), f32),                                            # shared expert's gate
         "y": ((R * k, H), f32), "scratch": ((R * k, inter), f32),               # expert outputs, gate/up act

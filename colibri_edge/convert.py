@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 
 import numpy as np
 from tqdm import tqdm
@@ -73,6 +74,18 @@ class SafetensorsIndex:
     def __contains__(self, name):
         return name in self.entries
 
+    def rebase(self, prefix: str, to: str, skip: tuple = ()) -> int:
+        """Tensors named prefix... are read as to... (a wrapped model's text weights); those under a
+        `skip` prefix are dropped (a vision tower the text model does not run). -> how many dropped."""
+        kept = {}
+        for n, e in self.entries.items():
+            if n.startswith(skip):
+                continue
+            kept[to + n[len(prefix):] if n.startswith(prefix) else n] = e
+        dropped = len(self.entries) - len(kept)
+        self.entries = kept
+        return dropped
+
     def dtype(self, name) -> str:
         return SAFETENSORS_DTYPES[self.entries[name][3]][1]
 
@@ -124,9 +137,131 @@ def _refuse(path, field, msg):
     raise invalid_model(path, field, f"{msg}; Colibri does not implement it and will not guess")
 
 
+def _eos_bos(hf: dict, gen: dict):
+    eos = _get(gen, "eos_token_id", default=None)
+    if eos is None:
+        eos = hf.get("eos_token_id")
+    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    return [e for e in eos if 0 <= e < hf["vocab_size"]], _get(gen, "bos_token_id", default=hf.get("bos_token_id"))
+
+
+GEMMA4_SKIPPED = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
+
+
+def _gemma4_config(hf: dict, gen: dict, path: str, dtype) -> dict:
+    """Gemma 4 (transformers' gemma4_text, or gemma4 with the text model under text_config), the layer
+    of modeling_gemma4.Gemma4TextDecoderLayer:
+        x += out_norm(attn(input_norm(x)))                      (sandwich norms)
+        m  = mlp.out_norm(mlp(pre_norm(x)))                     (GeGLU: gelu_tanh(gate) * up)
+        e  = experts.out_norm(experts(experts_norm(x)))         routed on router_norm(x): softmax, top-k,
+                                                                renormalised, times expert_scale[e]
+        x  = scalar * (x + ffn_out_norm(m + e))
+    Attention: q/k norms per head, v normed without a weight, softmax scale 1; sliding layers (window W,
+    head_dim, KV heads, default rope) and full layers (their own head dim and KV heads, keys reused as
+    values where attention_k_eq_v, proportional rope: frequencies over the whole head dim, the first
+    partial_rotary_factor of them rotating). Embeddings times sqrt(H) (rounded to the weights' type),
+    final logits soft-capped."""
+    mt = hf["model_type"]
+    if mt == "gemma4":
+        tc = hf.get("text_config")
+        if not isinstance(tc, dict):
+            raise invalid_model(path, "text_config", "missing (a gemma4 checkpoint nests its text model's config)")
+        hf = {**tc, "model_type": "gemma4_text"}
+    H, nh, L = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]
+    nkv = _get(hf, "num_key_value_heads", default=nh)
+    hd = _get(hf, "head_dim", default=H // nh)
+    if hf.get("hidden_size_per_layer_input"):
+        _refuse(path, "hidden_size_per_layer_input", f"per-layer input embeddings ({hf['hidden_size_per_layer_input']} "
+                "per layer: Gemma 4 E2B/E4B)")
+    if hf.get("num_kv_shared_layers"):
+        _refuse(path, "num_kv_shared_layers", f"layers that reuse another layer's KV cache "
+                f"({hf['num_kv_shared_layers']})")
+    if hf.get("use_bidirectional_attention") == "all":
+        _refuse(path, "use_bidirectional_attention", "bidirectional attention")
+    if hf.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        _refuse(path, "hidden_activation", f"activation {hf['hidden_activation']!r} (Gemma 4: gelu_pytorch_tanh)")
+    if hf.get("attn_logit_softcapping") is not None:
+        _refuse(path, "attn_logit_softcapping", "attention logit soft-capping")
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(L)]
+    types = list(types)
+    if len(types) != L or any(t not in ("sliding_attention", "full_attention") for t in types):
+        _refuse(path, "layer_types", f"layer types {types!r}")
+    types[-1] = "full_attention"                  # as transformers forces it
+    rope = hf.get("rope_parameters") or {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
+    per = {str(k): v for k, v in (hf.get("per_layer_config") or {}).items() if isinstance(v, dict)}
+    gd, gkv = hf.get("global_head_dim", 512), hf.get("num_global_key_value_heads")
+    k_eq_v = bool(hf.get("attention_k_eq_v", False))
+    layers, E = [], hf.get("num_experts") or 0
+    moe = bool(hf.get("enable_moe_block", False))
+    if moe and not E:
+        raise invalid_model(path, "num_experts", "missing (enable_moe_block is set)")
+    top_k = hf.get("top_k_experts") or 1
+    if moe and not 1 <= top_k <= E:
+        raise invalid_model(path, "top_k_experts", f"{top_k} is not in 1..{E}")
+    for i, t in enumerate(types):
+        rp = rope.get(t) or {}
+        rtype = rp.get("rope_type", "default")
+        entry = {"layer_id": i, "type": "moe_dense" if moe else "dense", "moe_expert_start": i * E if moe else 0,
+                 "moe_num_experts": E if moe else 0}
+        if t == "full_attention":
+            if per:        # as saved by transformers: each full layer's overrides
+                o = per.get(str(i)) or {}
+                entry["head_dim"], entry["num_key_value_heads"] = int(o.get("head_dim", hd)), int(o.get(
+                    "num_key_value_heads", nkv))
+            else:          # as Google's configs give it
+                entry["head_dim"] = int(gd)
+                kv = gkv if (k_eq_v or "attention_k_eq_v" not in hf) else None
+                entry["num_key_value_heads"] = int(kv if kv is not None else nkv)
+            entry["k_eq_v"] = k_eq_v
+        if rtype not in ("default", "proportional"):
+            _refuse(path, f"rope_parameters.{t}.rope_type", f"rope type {rtype!r}")
+        if rp.get("factor", 1.0) != 1.0:
+            _refuse(path, f"rope_parameters.{t}.factor", "scaled proportional rope")
+        partial = float(rp.get("partial_rotary_factor", 1.0))
+        if rtype == "default" and partial != 1.0:
+            _refuse(path, f"rope_parameters.{t}.partial_rotary_factor", "partial rotary embeddings")
+        entry["rope_theta"] = float(rp.get("rope_theta", 10_000.0))
+        if rtype == "proportional" and partial != 1.0:
+            entry["rope_partial"] = partial
+        layers.append(entry)
+    eos, bos = _eos_bos(hf, gen)
+    sw = int(hf.get("sliding_window", 512))
+    cap = hf.get("final_logit_softcapping")
+    cfg = {
+        "format_version": 1, "model_type": mt, "architectures": hf.get("architectures") or [],
+        "num_hidden_layers": L, "hidden_size": H, "intermediate_size": hf["intermediate_size"],
+        "moe_intermediate_size": hf.get("moe_intermediate_size") or hf["intermediate_size"],
+        "num_attention_heads": nh, "num_key_value_heads": nkv, "head_dim": hd, "vocab_size": hf["vocab_size"],
+        "max_position_embeddings": hf.get("max_position_embeddings", 131072),
+        "rope_theta": float((rope.get("sliding_attention") or {}).get("rope_theta", 10_000.0)),
+        "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", True)),
+        "experts_per_layer": E if moe else 0, "top_k": top_k if moe else 1, "router_dtype": "float32",
+        "router_mode": "topk", "norm_topk_prob": True, "shared_expert_intermediate_size": 0,
+        "shared_expert_gate": False, "attention_bias": bool(hf.get("attention_bias", False)),
+        "attention_out_bias": bool(hf.get("attention_bias", False)), "qk_norm": "per_head",
+        "eos_token_ids": eos, "bos_token_id": bos, "weight_dtype": dtype, "layers": layers,
+        "attention_scale": 1.0, "layer_types": types, "norm_layout": "sandwich", "ffn_act": "gelu_tanh",
+        "embed_scale": float(H) ** 0.5, "v_norm": True, "layer_scalar": True,
+    }
+    if "sliding_attention" in types:
+        cfg["sliding_window"] = sw
+    if moe:
+        cfg.update(expert_act="gelu_tanh", router_input_norm=True, expert_scale=True)
+    if cap is not None:
+        if not (np.isfinite(cap) and cap > 0):
+            raise invalid_model(path, "final_logit_softcapping", f"{cap} is not a positive finite number")
+        cfg["final_logit_softcap"] = float(cap)
+    return cfg
+
+
 def translate_config(hf: dict, gen: dict, path: str = "config.json", dtype: str | None = None) -> dict:
     """Hugging Face config.json (+ generation_config.json) -> Colibri config.json."""
     mt = hf.get("model_type")
+    if mt in ("gemma4", "gemma4_text"):
+        return _gemma4_config(hf, gen, path, dtype)
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ColibriError(COLIBRI_ERR_INVALID_MODEL_TYPE,
                            f"{path}: field 'model_type': {mt!r} is not supported; supported: "
@@ -242,12 +377,7 @@ def translate_config(hf: dict, gen: dict, path: str = "config.json", dtype: str 
         head_dim = H // nh
         bias = out_bias = bool(hf.get("attention_bias", False))
 
-    eos = _get(gen, "eos_token_id", default=None)
-    if eos is None:
-        eos = hf.get("eos_token_id")
-    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-    eos = [e for e in eos if 0 <= e < hf["vocab_size"]]
-    bos = _get(gen, "bos_token_id", default=hf.get("bos_token_id"))
+    eos, bos = _eos_bos(hf, gen)
 
     extra = {}
     if granite:
@@ -354,6 +484,18 @@ def _source_names(cfg: dict, src=None) -> dict:
             m[p + "experts.gate_bias"] = (gub, lambda a: a[:, 0::2].copy())
             m[p + "experts.up_bias"] = (gub, lambda a: a[:, 1::2].copy())
             m[p + "experts.down_bias"] = s + "mlp.experts.down_proj_bias"
+        if cfg.get("norm_layout") == "sandwich":     # Gemma 4
+            m[p + "attn.out_norm"] = s + "post_attention_layernorm.weight"
+            m[p + "post_attention_norm"] = s + "pre_feedforward_layernorm.weight"
+            m[p + "mlp.out_norm"] = s + "post_feedforward_layernorm_1.weight"
+            m[p + "ffn_out_norm"] = s + "post_feedforward_layernorm.weight"
+            m[p + "experts_norm"] = s + "pre_feedforward_layernorm_2.weight"
+            m[p + "experts_out_norm"] = s + "post_feedforward_layernorm_2.weight"
+            m[p + "router"] = s + "router.proj.weight"
+            rs = np.float32(cfg["hidden_size"] ** -0.5)       # the router's input: norm(x) * scale / sqrt(H)
+            m[p + "router_norm"] = (s + "router.scale", lambda a: (a * rs).astype(np.float32))
+            m[p + "expert_scale"] = s + "router.per_expert_scale"
+            m[p + "scalar"] = s + "layer_scalar"
         if cfg["model_type"] == "ernie4_5_moe":
             for x in ("gate", "up", "down"):
                 m[p + f"shared.{x}"] = s + f"mlp.shared_experts.{x}_proj.weight"
@@ -427,20 +569,21 @@ def _mxfp4_expert(src: SafetensorsIndex, cfg: dict, layer: int, j: int):
 def _expert_sources(src: SafetensorsIndex, cfg: dict, layer: int, j: int):
     """-> callables giving gate [I,H], up [I,H], down [H,I] in float32 for expert j of a layer."""
     s = f"model.layers.{layer}."
-    for moe in ("block_sparse_moe", "mlp"):
-        per = s + f"{moe}.experts.{j}."
+    for moe in ("block_sparse_moe", "mlp", ""):
+        moe = moe and moe + "."                          # "": Gemma 4's layers.N.experts
+        per = s + f"{moe}experts.{j}."
         if per + "w1.weight" in src:                      # Mixtral: w1 gate, w3 up, w2 down
             return (lambda: src.float32(per + "w1.weight"), lambda: src.float32(per + "w3.weight"),
                     lambda: src.float32(per + "w2.weight")), [per + n for n in ("w1.weight", "w3.weight", "w2.weight")]
         if per + "gate_proj.weight" in src:
             names = [per + f"{x}_proj.weight" for x in ("gate", "up", "down")]
             return tuple((lambda n=n: src.float32(n)) for n in names), names
-        if s + f"{moe}.input_linear.weight" in src:          # Granite: input_linear [E, 2I, H] = [gate; up]
+        if s + f"{moe}input_linear.weight" in src:          # Granite: input_linear [E, 2I, H] = [gate; up]
             I = cfg["moe_intermediate_size"]
-            gi, do = s + f"{moe}.input_linear.weight", s + f"{moe}.output_linear.weight"
+            gi, do = s + f"{moe}input_linear.weight", s + f"{moe}output_linear.weight"
             gu = lambda: src.float32(gi, j)
             return (lambda: gu()[:I].copy(), lambda: gu()[I:].copy(), lambda: src.float32(do, j)), [gi, do]
-        fused = s + f"{moe}.experts."
+        fused = s + f"{moe}experts."
         if cfg["model_type"] == "gpt_oss" and fused + "gate_up_proj" in src:
             # gpt-oss: x @ W, gate_up_proj [E, H, 2I] with gate and up interleaved, down_proj [E, I, H]
             gu = lambda: src.float32(fused + "gate_up_proj", j)
@@ -552,6 +695,11 @@ def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool 
     gen = json.load(open(gpath)) if os.path.exists(gpath) else {}
     cfg = translate_config(hf, gen, cpath, dtype)
     src = SafetensorsIndex(hf_dir)
+    if hf.get("model_type") == "gemma4":      # text weights under model.language_model, the towers skipped
+        dropped = src.rebase("model.language_model.", "model.", GEMMA4_SKIPPED)
+        if dropped and progress:
+            print(f"convert: {dropped} vision/audio tower tensors skipped (Colibri runs the text model)",
+                  file=sys.stderr)
     if cfg["weight_dtype"] is None:   # keep the checkpoint's precision
         cfg["weight_dtype"] = src.dtype("model.embed_tokens.weight") if "model.embed_tokens.weight" in src else "float32"
     names = _source_names(cfg, src)

@@ -75,24 +75,36 @@ def expert_blob_bytes(hidden: int, inter: int, fmts) -> int:
 def tensor_roles(cfg: dict) -> dict:
     """name -> (shape, role) of every non-expert tensor the config implies; role "weight" (a matrix in
     any weight format) or "float32" (norms, biases, the router and gates). Matrices are [out, in]."""
-    H, V, hd = cfg["hidden_size"], cfg["vocab_size"], cfg["head_dim"]
-    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    H, V = cfg["hidden_size"], cfg["vocab_size"]
     W, f32 = "weight", "float32"
     t = {"embed_tokens": ((V, H), W), "norm": ((H,), f32)}
     if not cfg["tie_word_embeddings"]:
         t["lm_head"] = ((V, H), W)
+    sandwich = cfg.get("norm_layout") == "sandwich"
     for layer in cfg["layers"]:
         p = f"layers.{layer['layer_id']}."
+        nh, nkv, hd = validate.geometry(cfg, layer)
         t[p + "input_norm"] = ((H,), f32)
         t[p + "post_attention_norm"] = ((H,), f32)
+        if sandwich:                             # Gemma 4: every branch normed on its way out too
+            t[p + "attn.out_norm"] = ((H,), f32)
+            t[p + "ffn_out_norm"] = ((H,), f32)
+            if layer["type"] == "moe_dense":
+                t[p + "mlp.out_norm"] = ((H,), f32)
+                t[p + "experts_norm"] = ((H,), f32)
+                t[p + "experts_out_norm"] = ((H,), f32)
+        if cfg.get("layer_scalar"):
+            t[p + "scalar"] = ((1,), f32)
         t[p + "attn.wq"] = ((nh * hd, H), W)
         t[p + "attn.wk"] = ((nkv * hd, H), W)
-        t[p + "attn.wv"] = ((nkv * hd, H), W)
+        if not layer.get("k_eq_v"):
+            t[p + "attn.wv"] = ((nkv * hd, H), W)
         t[p + "attn.wo"] = ((H, nh * hd), W)
         if cfg["attention_bias"]:
             t[p + "attn.bq"] = ((nh * hd,), f32)
             t[p + "attn.bk"] = ((nkv * hd,), f32)
-            t[p + "attn.bv"] = ((nkv * hd,), f32)
+            if not layer.get("k_eq_v"):
+                t[p + "attn.bv"] = ((nkv * hd,), f32)
         if cfg["attention_out_bias"]:
             t[p + "attn.bo"] = ((H,), f32)
         if cfg.get("attention_sinks"):
@@ -103,13 +115,17 @@ def tensor_roles(cfg: dict) -> dict:
         elif cfg["qk_norm"] == "full":
             t[p + "attn.q_norm"] = ((nh * hd,), f32)
             t[p + "attn.k_norm"] = ((nkv * hd,), f32)
-        if layer["type"] == "dense":
+        if layer["type"] in ("dense", "moe_dense"):
             inter = cfg["intermediate_size"]
             t[p + "mlp.gate"] = ((inter, H), W)
             t[p + "mlp.up"] = ((inter, H), W)
             t[p + "mlp.down"] = ((H, inter), W)
-        else:
+        if layer["type"] != "dense":
             t[p + "router"] = ((layer["moe_num_experts"], H), f32)
+            if cfg.get("router_input_norm"):
+                t[p + "router_norm"] = ((H,), f32)
+            if cfg.get("expert_scale"):
+                t[p + "expert_scale"] = ((layer["moe_num_experts"],), f32)
             if cfg.get("router_choice_bias"):
                 t[p + "router_choice_bias"] = ((layer["moe_num_experts"],), f32)
             if cfg.get("router_bias"):

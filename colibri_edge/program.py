@@ -3,14 +3,17 @@ each a mixer plus FFN parts, with every weight's shape in a comment.
 
     h  = rmsnorm(x) * input_norm;   x += mixer(h, state[seq])
     h  = rmsnorm(x) * post_norm;    x += sum of the FFN parts(h)
+    x *= scalar                                               (Gemma 4; 1 elsewhere)
 
-Mixers:    Attention        GQA over a paged KV pool (optional q/k/v/o biases, q/k norms, a sliding
-                            window, per-head sink logits, a rope frequency table)
-FFN parts: MoE              route (optionally a router bias, a choice-only bias and a renormalisation
-                            floor), align, the chosen experts' SwiGLU (or gpt-oss's clamped SwiGLU
-                            with expert biases), combine
+Mixers:    Attention        GQA over a paged KV pool (optional q/k/v/o biases, q/k/v norms, a sliding
+                            window, per-head sink logits, a rope frequency table, its own head geometry,
+                            an output norm)
+FFN parts: MoE              route (optionally a router bias, a choice-only bias, a renormalisation
+                            floor, per-expert scales, normed inputs), align, the chosen experts' SwiGLU
+                            (or gpt-oss's clamped SwiGLU with expert biases, or GeGLU), combine
            SharedExpert     an always-on expert, optionally behind a sigmoid gate (Qwen2-MoE)
-           DenseMLP         a plain SwiGLU MLP (dense layers)
+           DenseMLP         a plain SwiGLU (or GeGLU) MLP (dense layers)
+           ParallelFFN      Gemma 4: a dense GeGLU MLP and the experts side by side, sandwich-normed
 Each part's `forward(r, s)` runs its ops on the backend `r.be` over the step's arena views `s`
 (scheduler.StepViews) and adds its output into the residual s.x. The scheduler owns the order,
 the state and the hooks; a new kind is a new class here with its weights and its forward.
@@ -24,6 +27,7 @@ import numpy as np
 from . import rope
 from .backends.base import FFN, Act, Weight
 from .errors import ColibriError, COLIBRI_ERR_UNAVAILABLE
+from .validate import geometry
 
 
 @dataclass
@@ -50,22 +54,31 @@ class Attention:
     window: int = 0             # attends to the last `window` positions only (0: all)
     sinks: Weight | None = None  # [Hq] float32 sink logits (gpt-oss)
     inv_freq: np.ndarray | None = None  # [D/2] host float32 rope frequencies (None: theta's)
+    geo: tuple = ()             # (Hq, Hkv, D): which of the step's views (StepViews.geo) it runs in
+    v_norm: Weight | None = None  # [D] ones: v RMS-normed per head without a weight (Gemma 4)
+    out_norm: Weight | None = None  # [H]: the output normed before the residual add (sandwich norms)
 
     def forward(self, be, s):
-        """x += wo @ attention(rope(norm(q)), rope(norm(k)), v), the new k, v written to the cache."""
-        be.matmuls((s.q2, s.k2, s.v2), s.h, (self.wq, self.wk, self.wv), (self.bq, self.bk, self.bv))
+        """x += [out_norm] wo @ attention(rope(norm(q)), rope(norm(k)), [v_norm] v), the new k, v
+        written to the cache. Keys reused as values (Gemma 4's k_eq_v) are wv = wk, one Weight."""
+        g = s.geo[self.geo]
+        be.matmuls((g.q2, g.k2, g.v2), s.h, (self.wq, self.wk, self.wv), (self.bq, self.bk, self.bv))
         if self.qk_norm == "per_head":
-            be.rmsnorm(s.q_heads, s.q_heads, self.q_norm, self.eps)
-            be.rmsnorm(s.k_heads, s.k_heads, self.k_norm, self.eps)
+            be.rmsnorm(g.q_heads, g.q_heads, self.q_norm, self.eps)
+            be.rmsnorm(g.k_heads, g.k_heads, self.k_norm, self.eps)
         elif self.qk_norm == "full":
-            be.rmsnorm(s.q2, s.q2, self.q_norm, self.eps)
-            be.rmsnorm(s.k2, s.k2, self.k_norm, self.eps)
-        be.rope(s.q, s.q, s.pos, self.rope_theta, self.inv_freq)
-        be.rope(s.k, s.k, s.pos, self.rope_theta, self.inv_freq)
-        be.kv_write(self.K, self.V, s.k, s.v, s.slots[self.pool])
-        be.paged_attention(s.attn, s.q, self.K, self.V, s.tables[self.pool], s.seq, s.pos, self.block_size,
+            be.rmsnorm(g.q2, g.q2, self.q_norm, self.eps)
+            be.rmsnorm(g.k2, g.k2, self.k_norm, self.eps)
+        if self.v_norm is not None:
+            be.rmsnorm(g.v_heads, g.v_heads, self.v_norm, self.eps)
+        be.rope(g.q, g.q, s.pos, self.rope_theta, self.inv_freq)
+        be.rope(g.k, g.k, s.pos, self.rope_theta, self.inv_freq)
+        be.kv_write(self.K, self.V, g.k, g.v, s.slots[self.pool])
+        be.paged_attention(g.attn, g.q, self.K, self.V, s.tables[self.pool], s.seq, s.pos, self.block_size,
                            self.scale, self.window, self.sinks)
-        be.matmul(s.o, s.attn2, self.wo, self.bo)
+        be.matmul(s.o, g.attn2, self.wo, self.bo)
+        if self.out_norm is not None:
+            be.rmsnorm(s.o, s.o, self.out_norm, self.eps)
         be.add(s.x, s.x, s.o)
 
 
@@ -91,23 +104,37 @@ class MoE:
     router_bias: Weight | None = None   # [E] float32 added to the router logits (gpt-oss)
     act: Act | None = None      # the experts' activation and biases when not plain SwiGLU
     next_router_bias: Weight | None = None
+    expert_scale: Weight | None = None  # [E] float32 on the chosen weights (Gemma 4's per_expert_scale)
+    norms: tuple | None = None  # Gemma 4: (router_norm, experts_norm, out_norm) [H] each, eps (below)
+    eps: float = 0.0
 
     @property
     def num_experts(self) -> int:
         return len(self.experts)
 
     def forward(self, r, s):
-        """x += sum_j w[t,j] * expert_{ids[t,j]}(h[t])"""
+        """x += sum_j w[t,j] * expert_{ids[t,j]}(h[t]); with norms (Gemma 4, inside ParallelFFN):
+        h = out_norm(sum_j w[t,j] expert_{ids[t,j]}(experts_norm(x))), routed on router_norm(x)."""
         be = r.be
+        if self.norms is not None:
+            be.rmsnorm(s.h, s.x, self.norms[0], self.eps)
         be.matmul(s.router, s.h, self.router, self.router_bias)
-        be.route(s.ids, s.w, s.router, self.top_k, self.mode, self.normalize, self.choice_bias, self.norm_min)
+        be.route(s.ids, s.w, s.router, self.top_k, self.mode, self.normalize, self.choice_bias, self.norm_min,
+                 self.expert_scale)
         plan = be.align(r.plan_bufs, s.ids, s.T, len(self.experts), self.top_k, self.tally)
         prefetch = r.on_route(self, s) if r.hooks else None
+        if self.norms is not None:
+            be.rmsnorm(s.h, s.x, self.norms[1], self.eps)
         if r.slot_pool is None:
             be.grouped_ffn(s.y, s.h, self.experts, plan, s.scratch, self.act)
         else:
             r.slot_pool.run_layer(self, plan, s, prefetch)
-        be.combine(s.x, s.y, s.w, plan)
+        if self.norms is None:
+            be.combine(s.x, s.y, s.w, plan)
+        else:                                   # h is free once the experts have read it
+            be.scale(s.h, s.h, 0.0)
+            be.combine(s.h, s.y, s.w, plan)
+            be.rmsnorm(s.h, s.h, self.norms[2], self.eps)
 
 
 @dataclass
@@ -132,8 +159,9 @@ class SharedExpert:
 
 @dataclass
 class DenseMLP:
-    """A plain SwiGLU MLP: x += down @ (silu(gate @ h) * (up @ h))."""
+    """A plain SwiGLU MLP: x += down @ (silu(gate @ h) * (up @ h)) (or GeGLU, act)."""
     ffn: FFN                    # gate/up [I,H], down [H,I]
+    act: Act | None = None
     _one: list = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -141,8 +169,39 @@ class DenseMLP:
 
     def forward(self, r, s):
         be = r.be
-        be.grouped_ffn(s.y_dense, s.h, self._one, r.dense_plan(s), s.scratch_dense)
+        be.grouped_ffn(s.y_dense, s.h, self._one, r.dense_plan(s), s.scratch_dense, self.act)
         be.add(s.x, s.x, s.y_dense)
+
+
+@dataclass
+class ParallelFFN:
+    """Gemma 4's FFN stage, sandwich-normed: a dense GeGLU MLP on h = pre_norm(x) (the layer's
+    post_norm) and, when the layer has experts, the routed experts beside it on the same residual:
+        m = mlp_out_norm(mlp(h));  e = the MoE part's normed output (MoE.norms)
+        x += out_norm(m + e)
+    Without experts (a dense Gemma layer) m = mlp(h)."""
+    mlp: FFN                    # gate/up [I,H], down [H,I]
+    act: Act | None             # GeGLU (None: SwiGLU)
+    out_norm: Weight            # [H]
+    eps: float
+    moe: MoE | None = None
+    mlp_out_norm: Weight | None = None  # [H], with experts
+    _one: list = field(default=None, repr=False)
+
+    def __post_init__(self):
+        self._one = [self.mlp]
+
+    def forward(self, r, s):
+        be = r.be
+        be.grouped_ffn(s.y_dense, s.h, self._one, r.dense_plan(s), s.scratch_dense, self.act)
+        if self.moe is None:
+            be.rmsnorm(s.o, s.y_dense, self.out_norm, self.eps)
+        else:
+            be.rmsnorm(s.o, s.y_dense, self.mlp_out_norm, self.eps)
+            self.moe.forward(r, s)              # its output in s.h
+            be.add(s.o, s.o, s.h)
+            be.rmsnorm(s.o, s.o, self.out_norm, self.eps)
+        be.add(s.x, s.x, s.o)
 
 
 @dataclass
@@ -152,6 +211,7 @@ class Layer:
     mixer: Attention
     post_norm: Weight           # [H]
     ffns: tuple                 # FFN parts, run in order, each adding into the residual
+    scalar: float = 1.0         # x *= scalar after the layer (Gemma 4's layer_scalar)
 
 
 @dataclass
@@ -161,10 +221,13 @@ class Program:
     final_norm: Weight          # [H]
     lm_head: Weight             # [V, H] (the embedding itself when tied)
     eps: float                  # rms_norm_eps
+    embed_scale: float = 1.0    # x = embed_scale * embed[tok] (Gemma: sqrt(H))
+    softcap: float = 0.0        # logits = cap tanh(logits / cap) (Gemma's final_logit_softcapping; 0: none)
 
     @property
     def moe(self) -> list:
-        return [p for l in self.layers for p in l.ffns if isinstance(p, MoE)]
+        return [m for l in self.layers for p in l.ffns
+                for m in ((p,) if isinstance(p, MoE) else (p.moe,) if isinstance(p, ParallelFFN) and p.moe else ())]
 
 
 def build(model, be, pools, resident: bool) -> Program:
@@ -183,44 +246,86 @@ def build(model, be, pools, resident: bool) -> Program:
         return FFN(w(prefix + ".gate"), w(prefix + ".up"), w(prefix + ".down"))
 
     H, I = cfg["hidden_size"], cfg["moe_intermediate_size"]
-    eps, hd = cfg["rms_norm_eps"], cfg["head_dim"]
+    eps = cfg["rms_norm_eps"]
     k = max(cfg["experts_per_layer"], 1) if cfg["router_mode"] == "gated" else cfg["top_k"]
     pool_of = {l: i for i, p in enumerate(pools) for l in p.layers}
-    inv_freq, attn_factor = rope.of_config(cfg)
-    act_kind = cfg.get("expert_act", "silu")
-    if act_kind not in be.ffn_activations:
-        raise ColibriError(COLIBRI_ERR_UNAVAILABLE,
-                           f"the {cfg['model_type']} experts' activation {act_kind!r} with expert biases is not "
-                           f"implemented on the {be.name} backend (it runs {', '.join(be.ffn_activations)}); "
-                           "open the engine with backend='cpu' (or 'reference')")
+    act_kind, ffn_kind = cfg.get("expert_act", "silu"), cfg.get("ffn_act", "silu")
+    for kind in {act_kind, ffn_kind}:
+        if kind not in be.ffn_activations:
+            raise ColibriError(COLIBRI_ERR_UNAVAILABLE,
+                               f"the {cfg['model_type']} FFN activation {kind!r} is not implemented on the {be.name} "
+                               f"backend (it runs {', '.join(be.ffn_activations)}); open the engine with "
+                               "backend='cpu' (or 'reference')")
+    sandwich = cfg.get("norm_layout") == "sandwich"
+    ffn_act = None if ffn_kind == "silu" else Act(ffn_kind)
+    tables, ones = {}, {}
+
+    def rope_of(spec, hd):
+        """The layer's rope: (theta, table or None): YaRN's, or proportional rope's (the first
+        rope_partial of the D/2 frequencies theta^(-2i/D), the rest 0: those dims do not rotate)."""
+        theta = spec.get("rope_theta", cfg["rope_theta"])
+        key = (theta, hd, spec.get("rope_partial"))
+        if key not in tables:                   # one array per kind: device backends keep copies by identity
+            if spec.get("rope_partial") is not None:
+                f, _ = rope.inv_freq(theta, hd)
+                f[int(spec["rope_partial"] * hd // 2):] = 0.0
+                tables[key] = (f, 1.0)
+            elif cfg.get("rope_scaling"):
+                tables[key] = rope.inv_freq(theta, hd, cfg["rope_scaling"])
+            else:
+                tables[key] = (None, 1.0)
+        return theta, *tables[key]
+
+    def ones_of(n):
+        if n not in ones:
+            ones[n] = be.upload(np.ones(n, np.float32))
+        return ones[n]
+
     layers, moe_index = [], 0
     for spec in cfg["layers"]:
         i, p = spec["layer_id"], f"layers.{spec['layer_id']}."
-        mixer = Attention(w(p + "attn.wq"), w(p + "attn.wk"), w(p + "attn.wv"), w(p + "attn.wo"),
-                          w(p + "attn.bq"), w(p + "attn.bk"), w(p + "attn.bv"), w(p + "attn.bo"),
-                          w(p + "attn.q_norm"), w(p + "attn.k_norm"), cfg["qk_norm"], cfg["rope_theta"],
+        nh, nkv, hd = geometry(cfg, spec)
+        theta, inv_freq, attn_factor = rope_of(spec, hd)
+        wk = w(p + "attn.wk")
+        mixer = Attention(w(p + "attn.wq"), wk, wk if spec.get("k_eq_v") else w(p + "attn.wv"), w(p + "attn.wo"),
+                          w(p + "attn.bq"), w(p + "attn.bk"),
+                          w(p + "attn.bk") if spec.get("k_eq_v") else w(p + "attn.bv"), w(p + "attn.bo"),
+                          w(p + "attn.q_norm"), w(p + "attn.k_norm"), cfg["qk_norm"], theta,
                           cfg.get("attention_scale", hd ** -0.5) * attn_factor ** 2, eps, pool_of[i],
                           pools[pool_of[i]].block_size, window=pools[pool_of[i]].window, sinks=w(p + "attn.sinks"),
-                          inv_freq=inv_freq)
-        if spec["type"] == "dense":
-            parts = (DenseMLP(ffn(p + "mlp")),)
-        else:
+                          inv_freq=inv_freq, geo=(nh, nkv, hd), v_norm=ones_of(hd) if cfg.get("v_norm") else None,
+                          out_norm=w(p + "attn.out_norm"))
+        moe = None
+        if spec["type"] != "dense":
             fm = model.layer_formats[i]
             E = spec["moe_num_experts"]
             experts = be.upload_experts((model.expert_blob(i, j) for j in range(E)), H, I, fm) if resident \
                 else [None] * E
             act = None if act_kind == "silu" else \
-                Act(act_kind, cfg["swiglu_alpha"], cfg["swiglu_limit"], w(p + "experts.gate_bias"),
+                Act(act_kind, cfg.get("swiglu_alpha", 0.0), cfg.get("swiglu_limit", 0.0), w(p + "experts.gate_bias"),
                     w(p + "experts.up_bias"), w(p + "experts.down_bias"))
-            parts = (MoE(i, moe_index, w(p + "router"), experts, k, cfg["router_mode"], cfg["norm_topk_prob"],
-                         H, I, fm, w(p + "router_choice_bias"), cfg.get("router_norm_min", 0.0),
-                         router_bias=w(p + "router_bias"), act=act),)
+            norms = (w(p + "router_norm"), w(p + "experts_norm"), w(p + "experts_out_norm")) \
+                if spec["type"] == "moe_dense" else None
+            moe = MoE(i, moe_index, w(p + "router"), experts, k, cfg["router_mode"], cfg["norm_topk_prob"],
+                      H, I, fm, w(p + "router_choice_bias"), cfg.get("router_norm_min", 0.0),
+                      router_bias=w(p + "router_bias"), act=act, expert_scale=w(p + "expert_scale"), norms=norms,
+                      eps=eps)
             moe_index += 1
+        if sandwich:
+            parts = (ParallelFFN(ffn(p + "mlp"), ffn_act, w(p + "ffn_out_norm"), eps, moe,
+                                 w(p + "mlp.out_norm")),)
+        elif spec["type"] == "dense":
+            parts = (DenseMLP(ffn(p + "mlp"), ffn_act),)
+        else:
+            parts = (moe,)
             if spec["type"] == "moe_shared":
                 parts += (SharedExpert(ffn(p + "shared"), w(p + "shared.gate_logit")),)
-        layers.append(Layer(i, w(p + "input_norm"), mixer, w(p + "post_attention_norm"), parts))
+        scalar = float(np.asarray(model.raw_tensor(p + "scalar"), np.float32).reshape(-1)[0]) \
+            if model.has(p + "scalar") else 1.0
+        layers.append(Layer(i, w(p + "input_norm"), mixer, w(p + "post_attention_norm"), parts, scalar))
     embed = w("embed_tokens")
-    prog = Program(embed, layers, w("norm"), embed if cfg["tie_word_embeddings"] else w("lm_head"), eps)
+    prog = Program(embed, layers, w("norm"), embed if cfg["tie_word_embeddings"] else w("lm_head"), eps,
+                   float(cfg.get("embed_scale", 1.0)), float(cfg.get("final_logit_softcap", 0.0)))
     moe = prog.moe
     for a, b in zip(moe, moe[1:]):
         a.next_layer, a.next_router, a.next_choice_bias = b.layer, b.router, b.choice_bias

@@ -53,12 +53,3 @@ def inv_freq(theta: float, D: int, scaling: dict | None = None) -> tuple[np.ndar
     keep = (np.float32(1) - ramp).astype(np.float32)                 # the extrapolated share
     extra, inter = np.float32(1) / pos, np.float32(1) / (np.float32(factor) * pos)
     return (inter * (np.float32(1) - keep) + extra * keep).astype(np.float32), af
-
-
-def of_config(cfg: dict) -> tuple[np.ndarray | None, float]:
-    """The model's table (None when it is the default one, which every backend computes) and the
-    factor its scores take."""
-    sc = cfg.get("rope_scaling")
-    if not sc:
-        return None, 1.0
-    return inv_freq(cfg["rope_theta"], cfg["head_dim"], sc)

@@ -29,13 +29,14 @@ def topk_lower_id(p: np.ndarray, k: int):
 
 
 def route(logits: np.ndarray, k: int, mode: str = "topk", normalize: bool = True, choice_bias=None,
-          norm_min: float = 0.0):
+          norm_min: float = 0.0, expert_scale=None):
     """logits [T,E] -> (ids [T,k] int32, weights [T,k] fp32). The router always runs in fp32.
         p = softmax(logits)
         ids = the k largest of p + choice_bias (choice_bias [E]: the choice only, ERNIE-4.5's
               e_score_correction_bias; none: p itself), ties to the lower expert id
         w = p[ids], divided by max(sum of those p, norm_min) when normalize (norm_min: ERNIE's
-              moe_norm_min floor; 0 for every other family)
+              moe_norm_min floor; 0 for every other family), then times expert_scale[ids] when
+              given (expert_scale [E]: Gemma 4's per_expert_scale)
     gated: k == E, every expert with weight p."""
     p = softmax(logits.astype(np.float32))
     if mode == "gated":
@@ -48,6 +49,8 @@ def route(logits: np.ndarray, k: int, mode: str = "topk", normalize: bool = True
         w = np.take_along_axis(p, ids, axis=-1)
     if normalize:
         w = w / np.maximum(w.sum(axis=-1, keepdims=True), np.float32(norm_min))
+    if expert_scale is not None:
+        w = w * np.asarray(expert_scale, np.float32).reshape(-1)[ids]
     return ids, w.astype(np.float32)
 
 

@@ -25,6 +25,7 @@ from .modeldir import ModelDir
 from .hooks import RoutingHook  # noqa: F401  (re-exported: the hook interface)
 from .slots import likely_experts
 from .state import States, attention_pools
+from .validate import geometry
 
 
 def layout(cfg: dict, max_rows: int, max_batch: int, max_seq_len: int, num_kv_blocks: int, block_size: int):
@@ -34,17 +35,30 @@ def layout(cfg: dict, max_rows: int, max_batch: int, max_seq_len: int, num_kv_bl
     return arena.Limits(max_rows, max_batch, -(-max_seq_len // block_size), len(states.paged)), states
 
 
+class AttnViews:
+    """q, k, v, attn of one attention geometry (Hq, Hkv, D) over a step of T tokens: the first
+    T * heads * D values of the arena's (widest-geometry) buffers, as [T, heads, D], [T, heads * D]
+    and [T * heads, D] (per-head norms)."""
+
+    def __init__(self, a: dict, T: int, geo: tuple):
+        nh, nkv, hd = geo
+
+        def cut(buf, heads):
+            return buf.reshape(-1)[:T * heads * hd].reshape(T, heads, hd)
+        self.q, self.k, self.v, self.attn = cut(a["q"], nh), cut(a["k"], nkv), cut(a["v"], nkv), cut(a["attn"], nh)
+        self.q2, self.k2, self.v2 = self.q.reshape(T, nh * hd), self.k.reshape(T, nkv * hd), self.v.reshape(T, nkv * hd)
+        self.q_heads, self.k_heads = self.q.reshape(T * nh, hd), self.k.reshape(T * nkv, hd)
+        self.v_heads = self.v.reshape(T * nkv, hd)
+        self.attn2 = self.attn.reshape(T, nh * hd)
+
+
 class StepViews:
     """The arena's buffers cut to a step of T tokens and `nrows` logit rows: made once per shape."""
 
     def __init__(self, a: dict, inputs: dict, cfg: dict, k: int, pools: int, T: int, nrows: int):
-        nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
         self.T, self.nrows = T, nrows
         self.x, self.h, self.o = a["x"][:T], a["h"][:T], a["o"][:T]
-        self.q, self.k, self.v, self.attn = a["q"][:T], a["k"][:T], a["v"][:T], a["attn"][:T]
-        self.q2, self.k2, self.v2 = self.q.reshape(T, nh * hd), self.k.reshape(T, nkv * hd), self.v.reshape(T, nkv * hd)
-        self.q_heads, self.k_heads = self.q.reshape(T * nh, hd), self.k.reshape(T * nkv, hd)
-        self.attn2 = self.attn.reshape(T, nh * hd)
+        self.geo = {g: AttnViews(a, T, g) for g in {geometry(cfg, l) for l in cfg["layers"]}}
         self.tok, self.pos, self.seq = inputs["tok"][:T], inputs["pos"][:T], inputs["seq"][:T]
         self.slots = [inputs[f"slots{p}"][:T] for p in range(pools)]
         self.tables = [inputs[f"tables{p}"] for p in range(pools)]
@@ -87,8 +101,9 @@ class Runner:
                 from .slots import SlotPool
                 self.slot_pool = SlotPool(backend, model, expert_slots, slot_policy)
             backend.prepare(model.formats, max([cfg["hidden_size"], cfg["moe_intermediate_size"],
-                                                 cfg["intermediate_size"], cfg["shared_expert_intermediate_size"],
-                                                 cfg["num_attention_heads"] * cfg["head_dim"]]), max_rows)
+                                                 cfg["intermediate_size"], cfg["shared_expert_intermediate_size"]] +
+                                                [nh * hd for nh, _, hd in {geometry(cfg, l) for l in cfg["layers"]}]),
+                            max_rows)
             self.program = program.build(model, backend, self.states.paged, resident=self.slot_pool is None)
             self._alloc()
         except MemoryError:                 # what the check could not see (another process took it)
@@ -273,15 +288,21 @@ class Runner:
         eps = prog.eps
         s.dense_plan = None
         be.embed(s.x, prog.embed, s.tok)
+        if prog.embed_scale != 1.0:
+            be.scale(s.x, s.x, prog.embed_scale)
         for layer in prog.layers:
             be.rmsnorm(s.h, s.x, layer.input_norm, eps)
             layer.mixer.forward(be, s)
             be.rmsnorm(s.h, s.x, layer.post_norm, eps)
             for part in layer.ffns:
                 part.forward(self, s)
+            if layer.scalar != 1.0:
+                be.scale(s.x, s.x, layer.scalar)
         be.embed(s.sel, s.x, s.rows)            # gather the rows whose logits are wanted
         be.rmsnorm(s.sel, s.sel, prog.final_norm, eps)
         be.matmul(s.logits, s.sel, prog.lm_head)
+        if prog.softcap:
+            be.scale(s.logits, s.logits, 1.0, prog.softcap)
 
     def dense_plan(self, s: StepViews):
         """The plan that sends every token to expert 0: how shared experts and dense MLPs run."""

@@ -262,14 +262,20 @@ class States:
 def attention_pools(cfg: dict, num_blocks: int, block_size: int) -> list:
     """The pools a model's layer plan needs: a paged KV cache of K and V [Hkv, D] per position for
     the full-attention layers (first: the engine's `pool`), and one for the sliding-window layers
-    (config layer_types, sliding_window) when there are any. Each has num_blocks blocks: a window
-    pool's sequences hold at most ceil(W / B) + 1 of them between steps."""
+    (config layer_types, sliding_window) when there are any; layers of another attention geometry
+    (Gemma 4's full layers: their own head_dim and KV heads) get a pool of their own. Each has
+    num_blocks blocks: a window pool's sequences hold at most ceil(W / B) + 1 of them between steps."""
+    from .validate import geometry
     types = cfg.get("layer_types") or ["full_attention"] * len(cfg["layers"])
-    per = (cfg["num_key_value_heads"], cfg["head_dim"])
-    full = [l["layer_id"] for l in cfg["layers"] if types[l["layer_id"]] == "full_attention"]
-    slide = [l["layer_id"] for l in cfg["layers"] if types[l["layer_id"]] == "sliding_attention"]
-    pools = [PagedPool("KV cache", full, num_blocks, block_size, per)] if full else []
-    if slide:
-        W = cfg["sliding_window"]
-        pools.append(PagedPool(f"KV cache (window {W})", slide, num_blocks, block_size, per, window=W))
+    groups = {}                                     # (window, per-token shape) -> layers, full layers first
+    for full in (True, False):
+        for l in cfg["layers"]:
+            if (types[l["layer_id"]] == "full_attention") == full:
+                _, nkv, hd = geometry(cfg, l)
+                groups.setdefault((0 if full else cfg["sliding_window"], (nkv, hd)), []).append(l["layer_id"])
+    pools = []
+    for (W, per), layers in groups.items():
+        name = "KV cache" + (f" (window {W})" if W else "") + (f" [{per[0]}x{per[1]}]" if pools and
+                                                            any(p.window == W for p in pools) else "")
+        pools.append(PagedPool(name, layers, num_blocks, block_size, per, window=W))
     return pools

@@ -26,8 +26,19 @@ from .errors import ColibriError, COLIBRI_ERR_INVALID_MODEL_TYPE, invalid_model
 FORMAT_VERSION = 2            # written; 1 (one weight type for the directory) is still read
 READ_VERSIONS = (1, 2)
 SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared",
-                         "ernie4_5_moe", "gpt_oss")
-LAYER_TYPES = ("dense", "moe", "moe_shared")
+                         "ernie4_5_moe", "gpt_oss", "gemma4_text", "gemma4")
+LAYER_TYPES = ("dense", "moe", "moe_shared", "moe_dense")   # moe_dense: experts beside a dense MLP (Gemma 4)
+LAYER_FIELDS = ("layer_id", "type", "moe_expert_start", "moe_num_experts")
+# a layer's own attention geometry and rope where it differs from the config's (Gemma 4's full layers):
+# head_dim, num_key_value_heads, rope_theta, rope_partial (proportional rope: the first rope_partial of
+# the head's D/2 frequencies, theta^(-2i/D), rotate; the rest do not), k_eq_v (keys reused as values)
+LAYER_OPTIONAL = ("head_dim", "num_key_value_heads", "rope_theta", "rope_partial", "k_eq_v")
+
+
+def geometry(cfg: dict, layer: dict) -> tuple:
+    """(query heads, KV heads, head_dim) of a layer's attention."""
+    return cfg["num_attention_heads"], layer.get("num_key_value_heads", cfg["num_key_value_heads"]), \
+        layer.get("head_dim", cfg["head_dim"])
 ROUTER_MODES = ("topk", "gated")
 QK_NORMS = ("none", "per_head", "full")
 WEIGHT_TYPES = dtypes.WEIGHT_DTYPES
@@ -181,7 +192,14 @@ CONFIG_FIELDS = (
     "attention_bias", "attention_out_bias", "qk_norm", "eos_token_ids", "bos_token_id", "weight_dtype", "layers",
     "attention_scale", "folded_multipliers", "router_choice_bias", "router_norm_min", "rope_pairs",
     "layer_types", "sliding_window", "attention_sinks", "rope_scaling", "router_bias", "expert_bias", "expert_act",
-    "swiglu_alpha", "swiglu_limit")
+    "swiglu_alpha", "swiglu_limit", "norm_layout", "ffn_act", "embed_scale", "final_logit_softcap", "v_norm",
+    "layer_scalar", "router_input_norm", "expert_scale")
+# Gemma 4: norm_layout "sandwich" (layers.N.attn.out_norm after attention; the FFN stage's parts each
+# normed in and out: mlp.out_norm, experts_norm / experts_out_norm, their sum by ffn_out_norm); ffn_act
+# the dense MLP's activation (silu or gelu_tanh); embed_scale multiplies the embeddings;
+# final_logit_softcap: logits = cap tanh(logits / cap); v_norm: values RMS-normed per head (no weight);
+# layer_scalar: layers.N.scalar [1] multiplies the residual after the layer; router_input_norm: the
+# router reads norm(x) * layers.N.router_norm [H]; expert_scale: layers.N.expert_scale [E] on the weights
 # attention_scale: the softmax scale when it is not 1/sqrt(head_dim) (Granite's attention_multiplier);
 # folded_multipliers: what the converter multiplied into the weights (Granite), kept for inspection;
 # router_choice_bias: every MoE layer has a router_choice_bias [E] added to p for the choice only, and
@@ -194,9 +212,10 @@ CONFIG_FIELDS = (
 # (gpt-oss's clamped SwiGLU, with swiglu_alpha and swiglu_limit)
 OPTIONAL = ("architectures", "bos_token_id", "attention_scale", "folded_multipliers", "router_choice_bias",
             "router_norm_min", "rope_pairs", "layer_types", "sliding_window", "attention_sinks", "rope_scaling",
-            "router_bias", "expert_bias", "expert_act", "swiglu_alpha", "swiglu_limit")
+            "router_bias", "expert_bias", "expert_act", "swiglu_alpha", "swiglu_limit", "norm_layout", "ffn_act",
+            "embed_scale", "final_logit_softcap", "v_norm", "layer_scalar", "router_input_norm", "expert_scale")
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
-EXPERT_ACTS = ("silu", "swiglu_oai")
+EXPERT_ACTS = ("silu", "swiglu_oai", "gelu_tanh")
 FOLDED = ("embedding_multiplier", "residual_multiplier", "logits_scaling")
 
 
@@ -275,7 +294,8 @@ def config(cfg, path: str = "config.json") -> dict:
         for k in ("layer_id", "type", "moe_expert_start", "moe_num_experts"):
             if k not in layer:
                 raise invalid_model(path, f"{f}.{k}", "missing")
-        _known(path, f"{f}.", layer, ("layer_id", "type", "moe_expert_start", "moe_num_experts"))
+        _known(path, f"{f}.", layer, LAYER_FIELDS + LAYER_OPTIONAL)
+        _layer_attention(path, f, cfg, layer)
         if _int(path, f"{f}.layer_id", layer["layer_id"], 0, MAX_LAYERS) != i:
             raise invalid_model(path, f"{f}.layer_id", f"expected {i}, got {layer['layer_id']}")
         kind = _enum(path, f"{f}.type", layer["type"], LAYER_TYPES)
@@ -296,7 +316,30 @@ def config(cfg, path: str = "config.json") -> dict:
             next_expert += n
         if kind == "moe_shared" and cfg["shared_expert_intermediate_size"] < 1:
             raise invalid_model(path, "shared_expert_intermediate_size", "must be positive with moe_shared layers")
+        if kind == "moe_dense" and cfg["intermediate_size"] < 1:
+            raise invalid_model(path, "intermediate_size", "must be positive with moe_dense layers")
+        if kind == "moe_dense" and cfg.get("norm_layout") != "sandwich":
+            raise invalid_model(path, f"{f}.type", "moe_dense layers need norm_layout 'sandwich' (Gemma 4)")
     return cfg
+
+
+def _layer_attention(path, f, cfg, layer):
+    """A layer's own head_dim / KV heads / rope (LAYER_OPTIONAL)."""
+    nh = cfg["num_attention_heads"]
+    if "head_dim" in layer:
+        hd = _int(path, f"{f}.head_dim", layer["head_dim"], 2, 1 << 12)
+        if hd % 2:
+            raise invalid_model(path, f"{f}.head_dim", f"{hd} is odd; rotary embeddings need an even head_dim")
+    if "num_key_value_heads" in layer:
+        nkv = _int(path, f"{f}.num_key_value_heads", layer["num_key_value_heads"], 1, MAX_HEADS)
+        if nh % nkv:
+            raise invalid_model(path, f"{f}.num_key_value_heads", f"{nkv} does not divide num_attention_heads={nh}")
+    if "rope_theta" in layer:
+        _num(path, f"{f}.rope_theta", layer["rope_theta"], 1.0, 1e12, lo_open=True)
+    if "rope_partial" in layer:
+        _num(path, f"{f}.rope_partial", layer["rope_partial"], 0.0, 1.0)
+    if "k_eq_v" in layer:
+        _bool(path, f"{f}.k_eq_v", layer["k_eq_v"])
 
 
 def _attention_fields(path, cfg, L):
@@ -313,6 +356,16 @@ def _attention_fields(path, cfg, L):
     if "sliding_window" in cfg:
         _int(path, "sliding_window", cfg["sliding_window"], 1, MAX_POSITIONS)
     for f in ("attention_sinks", "router_bias", "expert_bias"):
+        if f in cfg:
+            _bool(path, f, cfg[f])
+    _enum(path, "ffn_act", cfg.get("ffn_act", "silu"), ("silu", "gelu_tanh"))
+    if "norm_layout" in cfg:
+        _enum(path, "norm_layout", cfg["norm_layout"], ("pre", "sandwich"))
+    if "embed_scale" in cfg:
+        _num(path, "embed_scale", cfg["embed_scale"], 0.0, 1e6, lo_open=True)
+    if "final_logit_softcap" in cfg:
+        _num(path, "final_logit_softcap", cfg["final_logit_softcap"], 0.0, 1e6, lo_open=True)
+    for f in ("v_norm", "layer_scalar", "router_input_norm", "expert_scale"):
         if f in cfg:
             _bool(path, f, cfg[f])
     act = _enum(path, "expert_act", cfg.get("expert_act", "silu"), EXPERT_ACTS)
@@ -374,7 +427,7 @@ def expert_record(path: str, i: int, rec, v1: bool = False) -> tuple:
     _bool(path, f"{f}.has_residual", rec["has_residual"])
     if rec["has_residual"]:
         raise invalid_model(path, f"{f}.has_residual", "residual experts are not implemented")
-    _enum(path, f"{f}.activation_fn", rec["activation_fn"], ("swiglu", "swiglu_oai"))
+    _enum(path, f"{f}.activation_fn", rec["activation_fn"], ("swiglu", "swiglu_oai", "gelu_tanh"))
     if v1:
         return (_enum(path, f"{f}.dtype", rec["dtype"], ("float32", "float16", "bfloat16", "int8")),) * 3
     fm = _obj(path, f"{f}.formats", rec["formats"])

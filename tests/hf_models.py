@@ -84,7 +84,28 @@ FAMILY_CASES = {
     "gpt_oss_mx": ("gpt_oss", dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=1, head_dim=16, num_local_experts=3, num_experts_per_tok=2,
                                    vocab_size=71, max_position_embeddings=256, sliding_window=5)),
+    # Gemma 4 (26B-A4B's layer): sliding layers (head_dim 16, 2 KV heads, window 6 < the prompts) and full
+    # layers (head_dim 32, 1 KV head, keys as values, proportional rope), a dense GeGLU MLP beside top-2
+    # of 5 experts, soft-capped logits; the wrapped checkpoint (gemma4: a vision tower, the text model under
+    # model.language_model) with top-4, a window of 40 (longer than the prompts), k and v projections
+    "gemma4": ("gemma4_text", dict(vocab_size=97, hidden_size=64, intermediate_size=48, moe_intermediate_size=32,
+                                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+                                   hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=5,
+                                   top_k_experts=2, sliding_window=6, final_logit_softcapping=4.0,
+                                   max_position_embeddings=256,
+                                   layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                                "full_attention"])),
+    "gemma4_vl": ("gemma4", dict(vocab_size=89, hidden_size=48, intermediate_size=40, moe_intermediate_size=24,
+                                 num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=3, head_dim=8,
+                                 global_head_dim=16, num_global_key_value_heads=2, attention_k_eq_v=False,
+                                 hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=6,
+                                 top_k_experts=4, sliding_window=40, final_logit_softcapping=30.0,
+                                 max_position_embeddings=256,
+                                 layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
 }
+GEMMA4_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=2, head_dim=16)
 MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "ernie4_5_moe")
 
 
@@ -94,7 +115,10 @@ def config_for(model_type: str, **overrides):
            "qwen3_moe": transformers.Qwen3MoeConfig, "olmoe": transformers.OlmoeConfig,
            "granitemoe": transformers.GraniteMoeConfig,
            "granitemoeshared": transformers.GraniteMoeSharedConfig,
-           "ernie4_5_moe": transformers.Ernie4_5_MoeConfig, "gpt_oss": transformers.GptOssConfig}[model_type]
+           "ernie4_5_moe": transformers.Ernie4_5_MoeConfig, "gpt_oss": transformers.GptOssConfig,
+           "gemma4_text": transformers.Gemma4TextConfig,
+           "gemma4": lambda **kw: transformers.Gemma4Config(text_config=kw, vision_config=GEMMA4_VISION,
+                                                            audio_config=None)}[model_type]
     return cls(**overrides)
 
 
@@ -104,10 +128,15 @@ def randomize(model, cfg):
     import torch
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.ndim == 1:            # norms and biases
-                p.copy_(1.0 + 0.2 * torch.randn_like(p) if name.endswith("norm.weight") else 0.3 * torch.randn_like(p))
+            if p.ndim == 1:            # norms (Gemma's numbered ones, its router scales) and biases
+                norm = name.endswith("norm.weight") or "layernorm" in name or name.endswith(("router.scale",
+                                                                                             "per_expert_scale"))
+                p.copy_(1.0 + 0.2 * torch.randn_like(p) if norm else 0.3 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):      # Gemma 4's per-layer output scale (a saved buffer)
+                b.copy_(0.6 + 0.8 * torch.rand_like(b))
         if "lm_head" in dict(model.named_parameters()) and not cfg.tie_word_embeddings:
             model.lm_head.weight.mul_(3.0)
 

@@ -444,3 +444,89 @@ def test_results_do_not_depend_on_queues(rng):
         ran += 1
     if not ran:
         pytest.skip("no backend with queues or streams here")
+
+
+@pytest.mark.parametrize("T", [1, 6, 70])
+def test_scale_and_softcap(kernel_backend, T, rng):
+    """scale: out = factor x (Gemma's embedding scale and layer scalar), in place too; with a cap, the
+    soft-capped cap tanh(factor x / cap) (final logit soft-capping), values far past the cap saturating;
+    factor 0 zeroes a finite buffer."""
+    ref, be = backend(kernel_backend)
+    N = 37
+    x = (rng.standard_normal((T, N)) * 20).astype(np.float32)
+    x[0, :3] = [500.0, -500.0, 0.0]
+    for factor, cap in ((1.7, 0.0), (0.5, 0.0), (1.0, 30.0), (2.5, 7.0)):
+        want = np.zeros_like(x)
+        ref.scale(want, x, factor, cap)
+        if cap:
+            np.testing.assert_allclose(want, cap * np.tanh(factor * x.astype(np.float64) / cap), rtol=1e-5, atol=1e-5)
+            assert np.abs(want).max() <= cap and np.abs(want[0, :2]).min() > 0.999 * cap
+        else:
+            np.testing.assert_array_equal(want, x * np.float32(factor))
+        out = be.alloc((T, N))
+        be.scale(out, dev(be, x), factor, cap)
+        close(be.download(out), want, 1e-6)
+        xb = dev(be, x)
+        be.scale(xb, xb, factor, cap)
+        close(be.download(xb), want, 1e-6)
+    xb = dev(be, x)
+    be.scale(xb, xb, 0.0)
+    assert not be.download(xb).any()
+
+
+def test_route_expert_scale(kernel_backend, rng):
+    """Gemma 4's router: softmax, top-k, renormalised, then each weight times its expert's scale
+    (per_expert_scale); the choice is unchanged by the scale. E under a SIMD row and over a warp."""
+    ref, be = backend(kernel_backend)
+    for T, E, k in ((9, 7, 2), (5, 128, 8), (3, 300, 1)):
+        logits = rng.standard_normal((T, E)).astype(np.float32)
+        es = (0.5 + rng.random(E)).astype(np.float32)
+        rid, rw = np.zeros((T, k), np.int32), np.zeros((T, k), np.float32)
+        ref.route(rid, rw, logits, k, "topk", True, None, 0.0, ref.upload(es))
+        pid, pw = np.zeros((T, k), np.int32), np.zeros((T, k), np.float32)
+        ref.route(pid, pw, logits, k, "topk", True)
+        np.testing.assert_array_equal(rid, pid)
+        np.testing.assert_allclose(rw, pw * es[pid], rtol=1e-6)
+        bid, bw = be.alloc((T, k), np.int32), be.alloc((T, k))
+        be.route(bid, bw, dev(be, logits), k, "topk", True, None, 0.0, be.upload(es))
+        np.testing.assert_array_equal(be.download(bid), rid)
+        close(be.download(bw), rw, 1e-6)
+
+
+@pytest.mark.parametrize("T,k,E,H,I", [(1, 1, 5, 29, 23), (1, 2, 7, 64, 48), (13, 3, 7, 29, 23), (70, 2, 4, 40, 24)])
+def test_grouped_ffn_gelu_tanh(kernel_backend, T, k, E, H, I, rng):
+    """GeGLU experts (Gemma: gelu_tanh(gate) * up) through grouped_ffn for every weight type, with and
+    without expert biases, and the 1-expert plan a dense MLP runs through."""
+    from colibri_edge.backends.base import Act
+    ref, be = backend(kernel_backend)
+    assert "gelu_tanh" in be.ffn_activations
+    logits = rng.standard_normal((T, E)).astype(np.float32)
+    rid, rw = np.zeros((T, k), np.int32), np.zeros((T, k), np.float32)
+    ref.route(rid, rw, logits, k, "topk", True)
+    rplan = ref.align(None, rid, T, E, k)
+    for wd in be.weight_dtypes:
+        Hw, Iw = fit(wd, H), fit(wd, I)
+        mats = [[stored(2 * rng.standard_normal(s).astype(np.float32) / np.sqrt(s[1]), wd)
+                 for s in [(Iw, Hw), (Iw, Hw), (Hw, Iw)]] for _ in range(E)]
+        x = rng.standard_normal((T, Hw)).astype(np.float32)
+        biases = [rng.standard_normal(s).astype(np.float32) for s in [(E, Iw), (E, Iw), (E, Hw)]]
+        for with_bias in (False, True):
+            ra, ba = (Act("gelu_tanh", 0.0, 0.0, *([b.upload(v) for v in biases] if with_bias else [])) for b in (ref, be))
+            rex = [FFN(*(upload(ref, m, wd) for m in ms)) for ms in mats]
+            bex = [FFN(*(upload(be, m, wd) for m in ms)) for ms in mats]
+            y = np.zeros((T * k, Hw), np.float32)
+            ref.grouped_ffn(y, as_seen(be, wd, x), rex, rplan, np.zeros((T * k, Iw), np.float32), ra)
+            bplan = be.align(plan_bufs(be, T * k, E), dev(be, rid), T, E, k)
+            by, act = be.alloc((T * k, Hw)), be.alloc((T * k, Iw))
+            be.grouped_ffn(by, dev(be, x), bex, bplan, act, ba)
+            tol = 2e-2 if int8_path(be, wd) else TOL.get(wd, 1e-5)   # int8 activations quantise x and the act
+            close(be.download(by), y, tol)
+        # the dense MLP's plan: every token to expert 0
+        zeros = np.zeros((T, 1), np.int32)
+        rp = ref.align(None, zeros, T, 1, 1)
+        y = np.zeros((T, Hw), np.float32)
+        ref.grouped_ffn(y, as_seen(be, wd, x), rex[:1], rp, np.zeros((T, Iw), np.float32), Act("gelu_tanh"))
+        bp = be.align(plan_bufs(be, T, 1), dev(be, zeros), T, 1, 1)
+        by, act = be.alloc((T, Hw)), be.alloc((T, Iw))
+        be.grouped_ffn(by, dev(be, x), bex[:1], bp, act, Act("gelu_tanh"))
+        close(be.download(by), y, 2e-2 if int8_path(be, wd) else TOL.get(wd, 1e-5))

@@ -5,6 +5,8 @@ weights widened at use (so the memmap stays lazy: an expert never routed to is n
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from colibri_edge.dtypes import WEIGHT_DTYPES, storage_dtype, widen
@@ -43,6 +45,25 @@ def swiglu_oai(g, u, act, e):
     g = np.minimum(g, lim)
     u = np.clip(u, -lim, lim)
     return (u + np.float32(1)) * (g / (np.float32(1) + np.exp(-alpha * g)))
+
+
+def gelu_tanh(g):
+    """Gemma's gelu_pytorch_tanh: g/2 (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), float32."""
+    c = np.float32(math.sqrt(2.0 / math.pi))
+    return np.float32(0.5) * g * (np.float32(1) + np.tanh(c * (g + np.float32(0.044715) * g * g * g)))
+
+
+def activation(g, u, act, e):
+    """The FFN's activation of expert e (base.Act): SwiGLU when act is None."""
+    if act is None:
+        return g / (np.float32(1) + np.exp(-g)) * u              # SwiGLU: silu(gate) * up
+    if act.kind == "gelu_tanh":
+        if act.gate_bias is not None:
+            g = g + _f32(act.gate_bias)[e]
+        if act.up_bias is not None:
+            u = u + _f32(act.up_bias)[e]
+        return gelu_tanh(g) * u
+    return swiglu_oai(g, u, act, e)
 
 
 class Backend(BackendBase):
@@ -104,6 +125,12 @@ class Backend(BackendBase):
         else:
             out[...] = a + b / (1.0 + np.exp(-gate))
 
+    def scale(self, out, x, factor, cap=0.0):
+        if cap > 0:
+            out[...] = np.float32(cap) * np.tanh(x * np.float32(factor) / np.float32(cap))
+        else:
+            out[...] = x * np.float32(factor)
+
     # attention
     def kv_write(self, K, V, k, v, slots):
         K[slots] = k
@@ -126,8 +153,9 @@ class Backend(BackendBase):
             out[t] = np.einsum("hn,nhd->hd", p, v)
 
     # MoE
-    def route(self, out_ids, out_w, logits, k, mode, normalize, choice_bias=None, norm_min=0.0):
-        ids, w = routing.route(logits, k, mode, normalize, None if choice_bias is None else choice_bias.data, norm_min)
+    def route(self, out_ids, out_w, logits, k, mode, normalize, choice_bias=None, norm_min=0.0, expert_scale=None):
+        ids, w = routing.route(logits, k, mode, normalize, None if choice_bias is None else choice_bias.data, norm_min,
+                               None if expert_scale is None else expert_scale.data)
         out_ids[...] = ids
         out_w[...] = w
 
@@ -138,7 +166,7 @@ class Backend(BackendBase):
             tally += counts.astype(tally.dtype)
         return Plan(offsets, order, inverse, counts, num_tokens, top_k, num_experts=num_experts)
 
-    ffn_activations = ("silu", "swiglu_oai")
+    ffn_activations = ("silu", "swiglu_oai", "gelu_tanh")
 
     def grouped_ffn(self, out, x, experts, plan, scratch, act=None):
         k = plan.top_k
@@ -150,10 +178,7 @@ class Backend(BackendBase):
             g, u = np.empty((b - a, ffn.gate.shape[0]), np.float32), np.empty((b - a, ffn.up.shape[0]), np.float32)
             _rows_matmul(g, xs, _f32(ffn.gate))
             _rows_matmul(u, xs, _f32(ffn.up))
-            if act is None:
-                a_ = g / (1.0 + np.exp(-g)) * u                  # SwiGLU: silu(gate) * up
-            else:
-                a_ = swiglu_oai(g, u, act, e)
+            a_ = activation(g, u, act, e)
             _rows_matmul(out[a:b], a_, _f32(ffn.down))
             if act is not None and act.down_bias is not None:
                 out[a:b] += _f32(act.down_bias)[e]
