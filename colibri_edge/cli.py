@@ -48,17 +48,31 @@ def _cmd_inspect(a):
     if cfg.get("rope_scaling"):
         rs = cfg["rope_scaling"]
         print(f"  rope: YaRN x{rs['factor']:g} over an original context of {rs['original_max_position_embeddings']}")
-    if cfg.get("expert_act", "silu") != "silu":
+    if cfg.get("expert_act", "silu") == "swiglu_oai":
         print(f"  experts: {cfg['expert_act']} (alpha {cfg['swiglu_alpha']:g}, limit {cfg['swiglu_limit']:g})"
               f"{', with biases' if cfg.get('expert_bias') else ''}{'; router with a bias' if cfg.get('router_bias') else ''}")
+    elif cfg.get("expert_act", "silu") != "silu":
+        print(f"  experts: {cfg['expert_act']}" + ("; router input normed and scaled, weights times a per-expert scale"
+                                                   if cfg.get("router_input_norm") else ""))
+    if cfg.get("norm_layout") == "sandwich":
+        print(f"  sandwich norms (attention and FFN outputs normed before the residual); dense MLP "
+              f"{cfg.get('ffn_act', 'silu')}; embeddings x{cfg.get('embed_scale', 1.0):g}"
+              + (f"; per-layer scalars" if cfg.get("layer_scalar") else "")
+              + (f"; logits soft-capped at {cfg['final_logit_softcap']:g}" if cfg.get("final_logit_softcap") else ""))
     types = cfg.get("layer_types") or ["full_attention"] * len(cfg["layers"])
     sinks = " with sinks" if cfg.get("attention_sinks") else ""
     print("  layer plan (mixer + ffn):")
     for l in cfg["layers"]:
-        ffn = {"dense": "dense MLP", "moe": "routed experts", "moe_shared": "routed + shared experts"}[l["type"]]
+        ffn = {"dense": "dense MLP", "moe": "routed experts", "moe_shared": "routed + shared experts",
+               "moe_dense": "dense MLP + routed experts"}[l["type"]]
         extra = "" if l["type"] == "dense" else f" {l['moe_expert_start']}..{l['moe_expert_start'] + l['moe_num_experts'] - 1}"
         mixer = f"sliding-window attention ({cfg['sliding_window']}){sinks}" \
             if types[l["layer_id"]] == "sliding_attention" else f"attention{sinks}"
+        if "head_dim" in l or "num_key_value_heads" in l:
+            from .validate import geometry
+            _, nkv, hd = geometry(cfg, l)
+            mixer += f" [{nkv} kv x {hd}{', keys as values' if l.get('k_eq_v') else ''}" + \
+                (f", rope theta {l['rope_theta']:g} on {l['rope_partial']:g} of the dims" if "rope_partial" in l else "") + "]"
         print(f"    {l['layer_id']:3d} {mixer} + {ffn}{extra}")
     print(f"  experts: {s['num_experts']} x {human(s['bytes_per_expert'])} (bytes per expert: {s['bytes_per_expert']})"
           f" = {human(s['expert_bytes'])}")

@@ -1,0 +1,158 @@
+"""Gemma 4 (the 26B-A4B MoE layer, issue 16) against transformers on tiny random checkpoints, on every
+backend: sandwich norms, a dense GeGLU MLP beside the normed experts, the router's own input norm and
+per-expert scales, sliding layers and full layers of another head geometry (keys reused as values,
+proportional rope), v norm, layer scalars, the embedding scale and soft-capped logits; the wrapped
+checkpoint (gemma4: a vision tower beside the text model) too."""
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from colibri_edge import Engine, ColibriError, COLIBRI_ERR_INVALID_MODEL
+from colibri_edge.convert import translate_config
+from colibri_edge.modeldir import ModelDir
+from conftest import fp32
+from test_parity import ExpertIds
+from test_families import Held
+from hf_models import FAMILY_CASES, config_for, convert_case, hf_greedy
+
+TOL = 1e-4
+CASES = ["gemma4", "gemma4_vl"]
+
+
+def open_engine(col, name, **kw):
+    return Engine.open(col, backend=name, **fp32(name), **kw)
+
+
+def hf_logits_and_choices(hf, ids):
+    """transformers' float32 logits and every layer's router choice ([tokens, k] per layer) with the
+    margin between the k-th and (k+1)-th router probability (ties make a choice arbitrary)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, attn_implementation="eager").eval()
+    inner = model.model.language_model if hasattr(model.model, "language_model") else model.model
+    seen = {}
+
+    def hook(i):
+        def f(mod, inp, out):
+            probs, _, idx = out
+            k = mod.config.top_k_experts
+            top = torch.topk(probs, min(k + 1, probs.shape[-1]), dim=-1).values
+            margin = top[:, k - 1] - top[:, k] if k < probs.shape[-1] else torch.full((probs.shape[0],), np.inf)
+            seen[i] = (idx.numpy().copy(), margin.numpy().copy())
+        return f
+    for i, layer in enumerate(inner.layers):
+        layer.router.register_forward_hook(hook(i))
+    with torch.no_grad():
+        logits = model(torch.as_tensor(np.asarray(ids), dtype=torch.long)).logits.float().numpy()
+    return logits, seen
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_gemma4_logits_and_routing_match_transformers(backend_name, case, model_cache):
+    """Logits of a batch, a single prompt and ragged prompts within 1e-4 of max |logit| (the soft cap
+    biting: max |logit| is near it), and each token's experts equal to transformers' router choice
+    wherever the k-th and (k+1)-th probabilities are not within 1e-6."""
+    hf, col = convert_case(model_cache, case)
+    V = FAMILY_CASES[case][1]["vocab_size"]
+    batch = np.random.default_rng(11).integers(0, V, size=(3, 13))
+    want, choices = hf_logits_and_choices(hf, batch)
+    assert np.abs(want).max() > 1.0
+    with open_engine(col, backend_name, max_seq_len=64) as eng:
+        ids = ExpertIds(eng)
+        got = eng.infer(batch)
+        eng.runner.hooks.clear()
+        single = eng.infer(batch[1])
+        ragged = eng.infer([batch[0][:5], batch[2]])
+    scale = np.abs(want).max()
+    assert np.abs(got - want).max() / scale < TOL
+    assert np.abs(single[0] - want[1]).max() / scale < TOL
+    assert np.abs(ragged[0] - hf_logits_and_choices(hf, batch[:1, :5])[0][0]).max() / scale < TOL
+    assert np.abs(ragged[1] - want[2]).max() / scale < TOL
+    compared = 0
+    mine = ids.by_layer()
+    for layer, (hf_idx, margin) in choices.items():
+        for t in np.flatnonzero(margin > 1e-6):
+            assert sorted(mine[layer][t]) == sorted(hf_idx[t]), (layer, t)
+            compared += 1
+    assert compared > 0.9 * sum(len(m) for _, m in choices.values())
+
+
+@pytest.mark.parametrize("block", [1, 7, 16])
+def test_gemma4_greedy_matches_transformers(backend_name, block, model_cache):
+    """32 greedy tokens after a prompt longer than the sliding window (6), token for token, and every
+    block of both pools (two head geometries) returned at the end."""
+    hf, col = convert_case(model_cache, "gemma4")
+    prompt = [5, 17, 3, 42, 8, 11, 29, 60, 2, 71]
+    key = os.path.join(model_cache, "greedy_gemma4.json")
+    if not os.path.exists(key):
+        json.dump(hf_greedy(hf, prompt, 32), open(key, "w"))
+    with open_engine(col, backend_name, kv_block_size=block, max_seq_len=128,
+                     kv_cache_tokens=40 * block + 128) as eng:
+        got = eng.generate(prompt, max_new_tokens=32, ignore_eos=True)
+        assert all(p.free_blocks == p.num_blocks for p in eng.runner.states.paged)
+    assert got == json.load(open(key))
+
+
+def test_gemma4_through_the_slot_pool(backend_name, model_cache):
+    """Experts streamed through 2 slots (the per-expert path with GeGLU and the expert scales indexed
+    by expert id): the same logits and greedy tokens as with every expert resident."""
+    _, col = convert_case(model_cache, "gemma4_vl")
+    ids = np.random.default_rng(5).integers(0, FAMILY_CASES["gemma4_vl"][1]["vocab_size"], size=(2, 9))
+    prompt = [3, 9, 27, 81, 2, 6, 18]
+    with open_engine(col, backend_name, max_seq_len=64) as eng:
+        want, want_gen = eng.infer(ids), eng.generate(prompt, max_new_tokens=8, ignore_eos=True)
+    with open_engine(col, backend_name, max_seq_len=64, expert_slots=4) as eng:
+        got = eng.infer(ids)
+        assert eng.generate(prompt, max_new_tokens=8, ignore_eos=True) == want_gen
+        assert eng.slot_stats["misses"] > 0
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
+
+
+@pytest.mark.parametrize("block", [1, 4])
+def test_gemma4_pools_per_geometry_and_the_window(block, model_cache, capsys):
+    """The full layers (head_dim 32, 1 KV head) and the sliding layers (16, 2) keep pools of their
+    own shapes; `colibri inspect` prints the KV bytes per token the engine allocates (K and V of the
+    full layers, 2 x 4 x 1 x 32 x 2 layers) and the window layers' per-sequence bound; generating 20x
+    the window, the sliding pool holds at most ceil(W / B) + 1 blocks of the sequence."""
+    from colibri_edge.cli import main
+    from colibri_edge.planning import summary
+    _, col = convert_case(model_cache, "gemma4")
+    cfg = ModelDir(col).config
+    W = cfg["sliding_window"]
+    with open_engine(col, "reference", kv_block_size=block, max_seq_len=160, max_batch=1,
+                     kv_cache_tokens=160) as eng:
+        full, window = eng.runner.states.paged
+        assert (full.window, full.per_token, full.layers) == (0, (1, 32), (1, 3))
+        assert (window.window, window.per_token, window.layers) == (W, (2, 16), (0, 2))
+        assert eng.runner.state_storage[(0, 1, "v")].shape[1:] == (1, 32)
+        held = Held(eng.runner)
+        eng.generate([5, 17, 3], max_new_tokens=20 * W, ignore_eos=True)
+        for cached, (f, w), (used_f, used_w) in held.after[1:]:
+            assert w <= math.ceil(W / block) + 1 and used_w == w
+            assert f == used_f == math.ceil(cached / block)
+    s = summary(ModelDir(col), 64, block_size=block)
+    assert s["kv_bytes_per_token"] == 2 * 4 * 1 * 32 * 2 == full.bytes_per_token()
+    assert s["kv_window_bytes_per_sequence"] == 2 * 4 * 2 * 16 * 2 * (math.ceil(W / block) + 1) * block
+    main(["inspect", col, "--block-size", str(block)])
+    out = capsys.readouterr().out
+    assert f"{s['kv_window_bytes_per_sequence']} bytes per sequence" in out and "gelu_tanh" in out
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("hidden_size_per_layer_input", 16, "per-layer input embeddings"),
+    ("num_kv_shared_layers", 2, "reuse another layer's KV cache"),
+    ("hidden_activation", "gelu", "activation"),
+    ("use_bidirectional_attention", "all", "bidirectional"),
+])
+def test_gemma4_refuses_what_it_does_not_implement(field, value, says):
+    """Per-layer input embeddings (E2B/E4B), shared KV layers, another activation, bidirectional
+    attention: refused by name at conversion, never computed wrongly."""
+    hf = config_for("gemma4_text", **FAMILY_CASES["gemma4"][1]).to_dict()
+    translate_config(hf, {}, dtype="float32")                  # the case itself converts
+    hf[field] = value
+    with pytest.raises(ColibriError) as e:
+        translate_config(hf, {}, dtype="float32")
+    assert e.value.code == COLIBRI_ERR_INVALID_MODEL and field in e.value.message and says in e.value.message
