@@ -45,9 +45,9 @@ from . import validate
 from .modeldir import ALIGN, ModelWriter, check_disk, tensor_roles
 
 ARCHS = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
-         "ernie4_5-moe": "ernie4_5_moe", "gpt-oss": "gpt_oss"}
+         "ernie4_5-moe": "ernie4_5_moe", "gpt-oss": "gpt_oss", "gemma4": "gemma4_text"}
 NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "ernie4_5-moe": True,
-             "gpt-oss": True}
+             "gpt-oss": True, "gemma4": True}
 # archs whose q/k rows the file holds with adjacent rope pairs (llama.cpp's rope type NORM): un-permuted
 # to the half-split layout every backend runs (`llama`: the converter permuted them; `ernie4_5-moe`:
 # Hugging Face's own layout, kept)
@@ -209,6 +209,8 @@ def hf_config(m: GGUFModel) -> tuple[dict, str]:
         raise ColibriError(COLIBRI_ERR_INVALID_MODEL_TYPE,
                            f"{m.path}: field 'general.architecture': {arch!r} is not supported; supported: "
                            f"{', '.join(ARCHS)} (llama with experts: Mixtral)")
+    if arch == "gemma4":
+        return _gemma4_config(m), arch
     a = arch + "."
     g = lambda k, kind=int, **kw: m.get(a + k, kind, **kw)            # noqa: E731
     L = _pos(m, a + "block_count", g("block_count"), 1, validate.MAX_LAYERS)
@@ -322,6 +324,76 @@ def hf_config(m: GGUFModel) -> tuple[dict, str]:
     return hf, arch
 
 
+def _gemma4_config(m: GGUFModel) -> dict:
+    """llama.cpp's gemma4 metadata -> a gemma4_text config (convert._gemma4_config's input): per-layer
+    KV heads (an array), sliding-layer and full-layer head dims (key_length_swa / key_length), the
+    window pattern, both rope bases, the full layers' proportional rope from rope_freqs (1 where a
+    frequency rotates, 1e30 where llama.cpp stops it), soft-capping, per-layer embeddings and shared
+    KV layers (refused by name in translation when present)."""
+    a = "gemma4."
+    g = lambda k, kind=int, **kw: m.get(a + k, kind, **kw)            # noqa: E731
+    L = _pos(m, a + "block_count", g("block_count"), 1, validate.MAX_LAYERS)
+    H = _pos(m, a + "embedding_length", g("embedding_length"))
+    nh = _pos(m, a + "attention.head_count", g("attention.head_count"), 1, validate.MAX_HEADS)
+    kv = g("attention.head_count_kv", list)
+    kv = [int(x) for x in kv] if isinstance(kv, list) else [int(kv)] * L
+    swa = g("attention.sliding_window_pattern", list, required=False, default=[False] * L)
+    if len(kv) != L or len(swa) != L:
+        raise invalid_model(m.path, a + "attention.head_count_kv", f"{len(kv)} / {len(swa)} entries for {L} layers")
+    hd_full = _pos(m, a + "attention.key_length", g("attention.key_length"))
+    hd_swa = _pos(m, a + "attention.key_length_swa", g("attention.key_length_swa", required=False, default=hd_full))
+    for k, want in (("attention.value_length", hd_full), ("attention.value_length_swa", hd_swa),
+                    ("rope.dimension_count", hd_full), ("rope.dimension_count_swa", hd_swa)):
+        v = g(k, required=False, default=want)
+        if v != want:
+            raise invalid_model(m.path, a + k, f"{v}, expected {want}: value dims unlike key dims, or partial rope "
+                                "on the sliding layers, are not implemented")
+    sw_kv = {kv[i] for i in range(L) if swa[i]}
+    full_kv = {kv[i] for i in range(L) if not swa[i]}
+    if len(sw_kv) > 1 or len(full_kv) != 1:
+        raise invalid_model(m.path, a + "attention.head_count_kv", f"{kv}: one KV head count per layer kind expected")
+    E = _pos(m, a + "expert_count", g("expert_count", required=False, default=0), 0, validate.MAX_EXPERTS)
+    if E == 0:
+        raise ColibriError(COLIBRI_ERR_INVALID_MODEL_TYPE, f"{m.path}: field '{a}expert_count': a dense gemma4 model "
+                           "(no experts); Colibri runs mixture-of-experts models")
+    partial = 1.0
+    if "rope_freqs.weight" in m.tensors:
+        ff = np.asarray(m.tensor("rope_freqs.weight").data, np.float32).reshape(-1)
+        rot = int(np.sum(ff == 1.0))
+        if ff.size != hd_full // 2 or not np.all((ff == 1.0) | (ff >= 1e29)) or np.any(ff[:rot] != 1.0):
+            raise invalid_model(m.path, "rope_freqs.weight", "frequency factors other than llama.cpp's proportional "
+                                "rope (1 for the rotated dims first, 1e30 for the rest) are not implemented")
+        partial = rot / (hd_full // 2)
+    ctx = _pos(m, a + "context_length", g("context_length", required=False, default=131072), 1, validate.MAX_POSITIONS)
+    eps = g("attention.layer_norm_rms_epsilon", float)
+    V = int(m.tensor("token_embd.weight").shape[1]) if "token_embd.weight" in m.tensors else None
+    if V is None:
+        raise invalid_model(m.path, "token_embd.weight", "missing tensor")
+    full = [i for i in range(L) if not swa[i]]
+    k_eq_v = all(f"blk.{i}.attn_v.weight" not in m.tensors for i in full)
+    cap = g("final_logit_softcapping", float, required=False)
+    return {
+        "model_type": "gemma4_text", "architectures": [], "num_hidden_layers": L, "hidden_size": H,
+        "intermediate_size": _pos(m, a + "feed_forward_length", g("feed_forward_length")),
+        "moe_intermediate_size": _pos(m, a + "expert_feed_forward_length", g("expert_feed_forward_length")),
+        "num_attention_heads": nh, "num_key_value_heads": sw_kv.pop() if sw_kv else full_kv.copy().pop(),
+        "head_dim": hd_swa, "vocab_size": V, "max_position_embeddings": ctx, "rms_norm_eps": eps,
+        "tie_word_embeddings": "output.weight" not in m.tensors, "enable_moe_block": True, "num_experts": E,
+        "top_k_experts": _pos(m, a + "expert_used_count", g("expert_used_count"), 1, E),
+        "sliding_window": g("attention.sliding_window", required=False, default=ctx),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in swa],
+        "per_layer_config": {str(i): {"head_dim": hd_full, "num_key_value_heads": kv[i]} for i in full},
+        "attention_k_eq_v": k_eq_v, "final_logit_softcapping": cap,
+        "hidden_size_per_layer_input": g("embedding_length_per_layer_input", required=False, default=0),
+        "num_kv_shared_layers": g("attention.shared_kv_layers", required=False, default=0),
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default",
+                                  "rope_theta": g("rope.freq_base_swa", float, required=False, default=10000.0)},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": partial,
+                               "rope_theta": g("rope.freq_base", float, required=False, default=1e6)}},
+    }
+
+
 # ----------------------------------------------------------------------------------------------
 # tensors
 
@@ -344,6 +416,11 @@ def gguf_names(cfg: dict) -> dict:
             m[p + f"mlp.{x}"] = b + f"ffn_{x}.weight"
             m[p + f"shared.{x}"] = b + f"ffn_{x}_shexp.weight"
         m[p + "shared.gate_logit"] = b + "ffn_gate_inp_shexp.weight"
+        if cfg["model_type"] == "gemma4_text":
+            m.update({p + "attn.out_norm": b + "post_attention_norm.weight", p + "mlp.out_norm": b + "post_ffw_norm_1.weight",
+                      p + "ffn_out_norm": b + "post_ffw_norm.weight", p + "experts_norm": b + "pre_ffw_norm_2.weight",
+                      p + "experts_out_norm": b + "post_ffw_norm_2.weight", p + "router_norm": b + "ffn_gate_inp.scale",
+                      p + "expert_scale": b + "ffn_down_exps.scale", p + "scalar": b + "layer_output_scale.weight"})
         if cfg["model_type"] == "gpt_oss":
             m[p + "post_attention_norm"] = b + "post_attention_norm.weight"
             m[p + "attn.sinks"] = b + "attn_sinks.weight"
@@ -513,6 +590,8 @@ def convert_gguf(path: str, out_dir: str, progress: bool = True) -> dict:
             shape, role = roles[what]
             data, fmt = tz.stored(names[what], shape, float32=role == "float32")
             part = what.split(".", 2)[-1]
+            if part == "router_norm":           # the router reads norm(x) * scale / sqrt(H) (Gemma 4)
+                data = (data * np.float32(H ** -0.5)).astype(np.float32)
             if permuted and part in heads:
                 data = unpermute(data, heads[part])
             w.add_tensor(what, data, fmt, shape=shape)
@@ -520,6 +599,8 @@ def convert_gguf(path: str, out_dir: str, progress: bool = True) -> dict:
             mats, fmts = _expert_matrices(tz, what, E, H, I)
             for j in range(E):
                 w.add_expert(what, j, *(x[j] for x in mats), fmts, hidden=H, inter=I)
+    if arch == "gemma4":
+        tz.used.add("rope_freqs.weight")        # read into the full layers' rope (hf_config)
     leftover = sorted(set(m.tensors) - tz.used)
     if leftover:
         w.finish()

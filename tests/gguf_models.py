@@ -174,6 +174,25 @@ def to_gguf(hf_dir, out_path, outtype: str = "f32", pre: str = "gpt-2"):
     return llamacpp_convert.convert(hf_dir, out_path, outtype=outtype, pre=pre)
 
 
+def build_spm_tokenizer(out_dir, vocab_size: int = 330):
+    """A SentencePiece-style BPE (byte fallback, '▁' for spaces, <0xNN> byte tokens, Gemma's special
+    tokens) as llama.cpp's LlamaHfVocab reads it (Gemma 4's converter). Returns the fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials + [f"<0x{i:02X}>" for i in range(256)],
+                                  show_progress=False)
+    tok.train_from_iterator([c.replace(" ", "\u2581") for c in CORPUS] * 8, trainer)
+    ft = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                 unk_token="<unk>", additional_special_tokens=["<start_of_turn>", "<end_of_turn>"])
+    os.makedirs(out_dir, exist_ok=True)
+    ft.save_pretrained(out_dir)
+    return ft
+
+
 # ------------------------------------------------------------------------------------------------
 # requantize
 

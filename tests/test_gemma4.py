@@ -156,3 +156,49 @@ def test_gemma4_refuses_what_it_does_not_implement(field, value, says):
     with pytest.raises(ColibriError) as e:
         translate_config(hf, {}, dtype="float32")
     assert e.value.code == COLIBRI_ERR_INVALID_MODEL and field in e.value.message and says in e.value.message
+
+
+@pytest.fixture(scope="module")
+def gemma4_gguf(tmp_path_factory):
+    """llama.cpp's converter (arch gemma4) on the tiny Gemma 4 with a SentencePiece-style tokenizer,
+    float32: the checkpoint itself is the oracle of the file."""
+    import torch
+    import gguf_models as gm
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from hf_models import randomize
+    d = tmp_path_factory.mktemp("gguf_gemma4")
+    hf = str(d / "hf")
+    ft = gm.build_spm_tokenizer(hf)
+    ids = {t: ft.convert_tokens_to_ids(t) for t in ("<pad>", "<eos>", "<bos>", "<end_of_turn>")}
+    cfg = config_for("gemma4_text", **{**FAMILY_CASES["gemma4"][1], "vocab_size": len(ft), "bos_token_id": ids["<bos>"],
+                                       "eos_token_id": ids["<eos>"], "pad_token_id": ids["<pad>"]})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+    randomize(model, cfg)
+    model.generation_config = GenerationConfig(bos_token_id=ids["<bos>"], pad_token_id=ids["<pad>"],
+                                               eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]])
+    model.save_pretrained(hf)
+    return gm.to_gguf(hf, str(d / "gemma4.gguf"), "f32"), hf, ft
+
+
+def test_gemma4_gguf(backend_name, gemma4_gguf, tmp_path):
+    """A Gemma 4 GGUF (arch gemma4: per-layer KV heads, key_length / key_length_swa, the window
+    pattern, both rope bases, rope_freqs' proportional rope, the router's scale and per-expert scale,
+    layer output scales, soft-capping) gives the checkpoint's logits within float32 tolerance; its
+    embedded vocabulary encodes as the checkpoint's tokenizer does (with the BOS the file asks for),
+    and generation ends at <eos> / <end_of_turn>."""
+    from colibri_edge.convert import convert
+    path, hf, ft = gemma4_gguf
+    col = str(tmp_path / "col")
+    cfg = convert(path, col, progress=False)
+    assert cfg["model_type"] == "gemma4_text" and cfg["layer_types"] == FAMILY_CASES["gemma4"][1]["layer_types"]
+    assert cfg["layers"][1]["head_dim"] == 32 and cfg["layers"][1]["k_eq_v"] and cfg["layers"][1]["rope_partial"] == 0.25
+    ids = np.random.default_rng(3).integers(0, len(ft), size=(2, 11))
+    from hf_models import hf_logits
+    want = hf_logits(hf, ids)
+    with open_engine(col, backend_name, max_seq_len=64) as eng:
+        got = eng.infer(ids)
+        text = "hello world, the quick brown fox"
+        assert eng.codec.encode(text) == [ft.convert_tokens_to_ids("<bos>")] + ft.encode(text)   # add_bos_token
+        assert {ft.convert_tokens_to_ids("<eos>"), ft.convert_tokens_to_ids("<end_of_turn>")} <= set(eng.eos_token_ids)
+    assert np.abs(got - want).max() / np.abs(want).max() < TOL

@@ -2,7 +2,8 @@
 Device, programs, launches, memory and queues are the runtime's (runtime.py).
 
 The MoE layer runs on the device: router logits, top-k (ties to the lower expert id), align (a
-deterministic counting sort in one work-group), each chosen expert's SwiGLU over its rows,
+deterministic counting sort in one work-group), each chosen expert's gated FFN over its rows (SwiGLU,
+gpt-oss's clamped SwiGLU or GeGLU, by an activation-kind code: moe.cl expert_act),
 combine. COLIBRI_NUM_STREAMS (`num_streams`) command queues: independent experts of a layer go
 round-robin to the queues (run_parts), so results never depend on the number of queues.
 """
@@ -141,6 +142,9 @@ class Backend(OpenCLRuntime):
             if got is None or got[0] is not inv_freq:
                 got = self._inv_freq[id(inv_freq)] = (inv_freq, self.to_device(np.asarray(inv_freq, np.float32),
                                                                                "float32"))
+            if np.size(got[0]) != D // 2:
+                raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"rope: an inv_freq table of {np.size(got[0])} "
+                                   f"frequencies for head_dim {D} (needs {D // 2})")
             table = got[1]
         self._launch(k, g, l, out, x, positions, table, T, heads, D)
 
@@ -150,6 +154,14 @@ class Backend(OpenCLRuntime):
         k = self._kernel("dense.cl", "add")
         L = self._local(k, 128)
         self._launch(k, (n,), (L,), out, a, b, self._dummy if gate is None else gate, gate is not None, n, H)
+
+    def scale(self, out, x, factor, cap=0.0):
+        n = x.size
+        if out.size != n:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"scale shapes out {out.shape}, x {x.shape} do not agree")
+        k = self._kernel("dense.cl", "scale")
+        L = self._local(k, 128)
+        self._launch(k, (n,), (L,), out, x, n, float(factor), float(cap) if cap and cap > 0 else 0.0)
 
     # -- attention ---------------------------------------------------------------------------------
     def kv_write(self, K, V, k, v, slots):
@@ -163,8 +175,18 @@ class Backend(OpenCLRuntime):
                         sinks=None):
         T, Hq, D = q.shape
         Hkv = K.shape[1]
+        if K.shape[2] != D or Hkv < 1 or Hq % Hkv:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"paged_attention: q {q.shape} and a KV cache "
+                               f"{K.shape} do not agree")
         k = self._kernel("attention.cl", "paged_attention")
         C = self._local(k, 64, pow2=True)
+        # local memory per work-group: q and the accumulator [D] and two chunk rows [C], sized by each
+        # call's own head_dim (no compile-time maximum; sliding and full layers may differ)
+        while C > 1 and 8 * (D + C) > self.local_mem:
+            C //= 2
+        if 8 * (D + C) > self.local_mem:
+            raise ColibriError(COLIBRI_ERR_UNAVAILABLE, f"paged_attention: head_dim {D} needs {8 * (D + C)} bytes "
+                               f"of local memory, the OpenCL device has {self.local_mem}")
         lm = self.cl.LocalMemory
         ldb = block_tables.shape[1]
         self._launch(k, (C * Hq, T), (C, 1), out, q, K, V, block_tables, ldb, seq_index, positions,
@@ -172,12 +194,13 @@ class Backend(OpenCLRuntime):
                      sinks is not None, lm(4 * D), lm(4 * D), lm(4 * C), lm(4 * C))
 
     # -- MoE ---------------------------------------------------------------------------------------
-    def route(self, out_ids, out_w, logits, k, mode, normalize, choice_bias=None, norm_min=0.0):
+    def route(self, out_ids, out_w, logits, k, mode, normalize, choice_bias=None, norm_min=0.0, expert_scale=None):
         T, E = logits.shape
         kk = self._kernel("moe.cl", "route")
         L = self._local(kk, 64)
         self._launch(kk, (T,), (L,), out_ids, out_w, logits, self._dummy if choice_bias is None else choice_bias.data,
-                     T, E, k, mode == "gated", bool(normalize), choice_bias is not None, float(norm_min))
+                     self._dummy if expert_scale is None else expert_scale.data, T, E, k, mode == "gated",
+                     bool(normalize), choice_bias is not None, float(norm_min), expert_scale is not None)
 
     def align(self, bufs, ids, num_tokens, num_experts, top_k, tally=None):
         """The plan on the device, cut into blocks of ROWS_PER_ITEM rows (moe.cl align): the grouped
@@ -266,14 +289,22 @@ class Backend(OpenCLRuntime):
         self._tables[key] = (tuple(experts), res)
         return res
 
-    ffn_activations = ("silu", "swiglu_oai")
+    ffn_activations = ("silu", "swiglu_oai", "gelu_tanh")
+    ACT_KINDS = {"silu": 0, "swiglu_oai": 1, "gelu_tanh": 2}     # moe.cl ACT_SILU, ACT_SWIGLU_OAI, ACT_GELU_TANH
 
     def grouped_ffn(self, out, x, experts, plan, scratch, act=None):
         spec = act
         T, H = x.shape
-        has_bias = spec is not None and spec.gate_bias is not None and spec.up_bias is not None
+        kind = self.ACT_KINDS.get("silu" if spec is None else spec.kind)
+        if kind is None:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"the opencl backend runs the expert activations "
+                               f"{', '.join(self.ffn_activations)}, not {spec.kind!r}")
         alpha, limit = (float(spec.alpha), float(spec.limit)) if spec is not None else (0.0, 0.0)
-        gbias, ubias = (spec.gate_bias.data, spec.up_bias.data) if has_bias else (self._dummy, self._dummy)
+        # has_bias: bit 0 the gate's bias, bit 1 the up projection's (either may be absent)
+        gb_w, ub_w = (None, None) if spec is None else (spec.gate_bias, spec.up_bias)
+        has_bias = (gb_w is not None) | (ub_w is not None) << 1
+        gbias = self._dummy if gb_w is None else gb_w.data
+        ubias = self._dummy if ub_w is None else ub_w.data
         dbias = spec.down_bias if spec is not None and spec.down_bias is not None else None
         topk = plan.top_k
         lda = scratch.shape[1]
@@ -292,7 +323,7 @@ class Backend(OpenCLRuntime):
             k = self._kernel("moe.cl", "ffn_gate_up_grouped", gd)
             g, l = self._2d(k, I, plan.max_blocks)
             self._launch(k, g, l, scratch, lda, xin, plan.order, plan.blocks, plan.nblocks, tab, gb, ub, gsb, usb,
-                         topk, H, I, gbias, ubias, has_bias, alpha, limit)
+                         topk, H, I, gbias, ubias, has_bias, kind, alpha, limit)
             if self._act8(dd):
                 act, ld = self._quantized(scratch, lda, T * topk, I, "act")
                 dd += ACT8
@@ -326,8 +357,8 @@ class Backend(OpenCLRuntime):
                 g, l = self._2d(k, I, -(-n // ROWS_PER_ITEM))
                 self._launch(k, g, l, scratch, lda, xin, plan.order, row0, n, topk, ffn.gate.data,
                              self._scales(ffn.gate), ffn.up.data, self._scales(ffn.up), H, I,
-                             gbias[e] if has_bias else gbias, ubias[e] if has_bias else ubias, has_bias, alpha, limit,
-                             queue=queue)
+                             gbias[e] if has_bias & 1 else gbias, ubias[e] if has_bias & 2 else ubias, has_bias, kind,
+                             alpha, limit, queue=queue)
                 # down: out[row0 + r] = down @ act[row0 + r]   (a matmul over the expert's rows; int8
                 # activations: the expert's own rows of the "act" buffer, so parts never share one)
                 act = scratch[row0:row0 + n]

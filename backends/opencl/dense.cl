@@ -1,4 +1,4 @@
-/* Dense kernels: embed (row gather), matmul / GEMV, rmsnorm, rope, add.
+/* Dense kernels: embed (row gather), matmul / GEMV, rmsnorm, rope, add, scale.
  * Built per matrix type: float32, half (WF16=1), bfloat16 (WBF16=1), int8 (WI8=1), q8_0 and q4_0
  * (WQ8_0=1, WQ4_0=1: row n at WROW(w, n, K)); see common.cl.
  * Every matrix argument w comes with wscale, its int8 row scales [N] (any buffer, unread, otherwise). */
@@ -179,6 +179,19 @@ __kernel void add(ARG(float, out), CARG(float, a), CARG(float, b), CARG(float, g
         out[i] = a[i] + b[i] / (1.0f + exp(-gate[i / H]));
     else
         out[i] = a[i] + b[i];
+}
+
+/* out[i] = factor * x[i]                          (cap == 0: Gemma's embedding scale, layer scalar)
+ * out[i] = cap * tanh(factor * x[i] / cap)        (cap > 0: soft-capping of the final logits)
+ * out, x: n contiguous floats (any [R, N]); in place (out == x) is safe. global (n) */
+__kernel void scale(ARG(float, out), CARG(float, x), const int n, const float factor, const float cap)
+{
+    const int i = get_global_id(0);
+    if (i >= n)
+        return;
+    BIND(float, out); CBIND(float, x);
+    const float v = x[i] * factor;
+    out[i] = cap > 0.0f ? cap * tanh(v / cap) : v;
 }
 
 /* out[i] = 0 for i < n, any 4-byte element type (arena and KV cache zero-fill: a kernel rather than

@@ -1,20 +1,24 @@
-/* The MoE layer as a small program: route, align (group tokens by expert), grouped SwiGLU, combine.
+/* The MoE layer as a small program: route, align (group tokens by expert), grouped gated FFN (SwiGLU,
+ * gpt-oss's clamped SwiGLU or GeGLU: expert_act), combine.
  * Built per matrix type like dense.cl (only ffn_gate_up reads matrices here). */
 
 /* Router, fp32. p = softmax(logits[t, :]) = exp(x - max) / sum exp(x - max)
  *   topk  (gated == 0): out_ids[t, :] = the k largest scores s = p (+ choice_bias[e] when
  *                       has_bias: the choice only), descending, ties to the lower expert id;
- *                       out_w = their p, divided by max(their sum, norm_min) when normalize
+ *                       out_w = their p, divided by max(their sum, norm_min) when normalize,
+ *                       then times expert_scale[id] when has_scale (Gemma 4's per_expert_scale)
  *   gated (gated == 1): k == E, out_ids[t, j] = j, out_w[t, j] = p_j
- * logits [T,E]; choice_bias [E]; out_ids [T,k] int; out_w [T,k]. One work-item per token. global (T) */
+ * logits [T,E]; choice_bias, expert_scale [E]; out_ids [T,k] int; out_w [T,k]. One work-item per token.
+ * global (T) */
 __kernel void route(ARG(int, out_ids), ARG(float, out_w), CARG(float, logits), CARG(float, choice_bias),
-                    const int T, const int E, const int k, const int gated, const int normalize,
-                    const int has_bias, const float norm_min)
+                    CARG(float, expert_scale), const int T, const int E, const int k, const int gated,
+                    const int normalize, const int has_bias, const float norm_min, const int has_scale)
 {
     const int t = get_global_id(0);
     if (t >= T)
         return;
     BIND(int, out_ids); BIND(float, out_w); CBIND(float, logits); CBIND(float, choice_bias);
+    CBIND(float, expert_scale);
     __global const float* x = logits + (size_t)t * E;
     float m = x[0];
     for (int e = 1; e < E; ++e)
@@ -56,6 +60,9 @@ __kernel void route(ARG(int, out_ids), ARG(float, out_w), CARG(float, logits), C
     if (normalize)
         for (int j = 0; j < k; ++j)
             out_w[(size_t)t * k + j] /= fmax(wsum, norm_min);
+    if (has_scale)
+        for (int j = 0; j < k; ++j)
+            out_w[(size_t)t * k + j] *= expert_scale[out_ids[(size_t)t * k + j]];
 }
 
 /* align: counting sort of the N = T*k assignments a = t*k + j by expert ids[a] (stable), then the
@@ -120,40 +127,53 @@ __kernel void align(ARG(int, offsets), ARG(int, order), ARG(int, inverse), ARG(i
     }
 }
 
-/* The experts' activation: SwiGLU (alpha == 0) or gpt-oss's clamped one (alpha > 0),
- *   g' = min(g, limit), u' = clamp(u, -limit, limit):   (u' + 1) * g' / (1 + exp(-alpha g'))
+/* The experts' activation, by kind (backend.py ACT_KINDS):
+ *   ACT_SILU       SwiGLU:             g / (1 + exp(-g)) * u
+ *   ACT_SWIGLU_OAI gpt-oss's clamped:  (u' + 1) * g' / (1 + exp(-alpha g')),  g' = min(g, limit),
+ *                                      u' = clamp(u, -limit, limit)
+ *   ACT_GELU_TANH  GeGLU (Gemma):      gelu_tanh(g) * u,
+ *                                      gelu_tanh(g) = g/2 (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
  * g and u arrive with their biases added (gpt-oss's experts have them; others pass none). */
-inline float4 expert_act4(float4 g, float4 u, const float alpha, const float limit)
+#define ACT_SILU 0
+#define ACT_SWIGLU_OAI 1
+#define ACT_GELU_TANH 2
+#define GELU_C 0.7978845608028654f          /* sqrt(2/pi) */
+
+inline float4 expert_act4(float4 g, float4 u, const int kind, const float alpha, const float limit)
 {
-    if (alpha == 0.0f)
+    if (kind == ACT_GELU_TANH)
+        return 0.5f * g * (1.0f + tanh(GELU_C * (g + 0.044715f * g * g * g))) * u;
+    if (kind != ACT_SWIGLU_OAI)
         return g / (1.0f + exp(-g)) * u;
     g = fmin(g, (float4)(limit));
     u = clamp(u, (float4)(-limit), (float4)(limit));
     return (u + 1.0f) * (g / (1.0f + exp(-alpha * g)));
 }
 
-inline float expert_act(float g, float u, const float alpha, const float limit)
+inline float expert_act(float g, float u, const int kind, const float alpha, const float limit)
 {
-    if (alpha == 0.0f)
+    if (kind == ACT_GELU_TANH)
+        return 0.5f * g * (1.0f + tanh(GELU_C * (g + 0.044715f * g * g * g))) * u;
+    if (kind != ACT_SWIGLU_OAI)
         return g / (1.0f + exp(-g)) * u;
     g = fmin(g, limit);
     u = clamp(u, -limit, limit);
     return (u + 1.0f) * (g / (1.0f + exp(-alpha * g)));
 }
 
-/* One expert's SwiGLU first half over its rows r < n of the plan (sorted rows row0 + r):
+/* One expert's gated FFN first half over its rows r < n of the plan (sorted rows row0 + r):
  *   tok(r) = order[row0 + r] / topk
- *   act[row0 + r, i] = silu(g) * u,  g = gate[i] . x[tok(r)],  u = up[i] . x[tok(r)]  (int8: times the
- *                      rows' scales gscale[i], uscale[i]),
- *   silu(g) = g / (1 + exp(-g)); with has_bias, g + gbias[i] and u + ubias[i] (the expert's rows of
- *   the layer's bias tables, offset by the host) through expert_act
+ *   act[row0 + r, i] = expert_act(g, u),  g = gate[i] . x[tok(r)],  u = up[i] . x[tok(r)]  (int8: times
+ *                      the rows' scales gscale[i], uscale[i]), of activation kind `kind` (ACT_*);
+ *   g + gbias[i] when bit 0 of has_bias, u + ubias[i] when bit 1 (the expert's rows of the layer's
+ *   bias tables, offset by the host)
  * act: the scratch [T*k, lda] (first I columns used); x [T,H]; gate, up [I,H] (storage type).
  * ROWS_PER_ITEM (4: the float4 lanes of dotw4) rows per work-item, clamped; each gate/up row is
  * read once per four tokens. global (I, ceil(n / ROWS_PER_ITEM)) */
 __kernel void ffn_gate_up(ARG(float, act), const int lda, CARG(float, x), CARG(int, order), const int row0,
                           const int n, const int topk, CARG(WTYPE, gate), CARG(float, gscale), CARG(WTYPE, up),
                           CARG(float, uscale), const int H, const int I, CARG(float, gbias), CARG(float, ubias),
-                          const int has_bias, const float alpha, const float limit)
+                          const int has_bias, const int kind, const float alpha, const float limit)
 {
     const int i = get_global_id(0), r0 = ROWS_PER_ITEM * get_global_id(1);
     if (i >= I || r0 >= n)
@@ -166,9 +186,9 @@ __kernel void ffn_gate_up(ARG(float, act), const int lda, CARG(float, x), CARG(i
     __global const float* x1 = x + (size_t)(ord[r1] / topk) * XLD(H);
     __global const float* x2 = x + (size_t)(ord[r2] / topk) * XLD(H);
     __global const float* x3 = x + (size_t)(ord[r3] / topk) * XLD(H);
-    const float4 g = dotw4(WROW(gate, i, H), x0, x1, x2, x3, H) * WSCALE(gscale, i) + (has_bias ? gbias[i] : 0.0f);
-    const float4 u = dotw4(WROW(up, i, H), x0, x1, x2, x3, H) * WSCALE(uscale, i) + (has_bias ? ubias[i] : 0.0f);
-    const float4 a = expert_act4(g, u, alpha, limit);
+    const float4 g = dotw4(WROW(gate, i, H), x0, x1, x2, x3, H) * WSCALE(gscale, i) + ((has_bias & 1) ? gbias[i] : 0.0f);
+    const float4 u = dotw4(WROW(up, i, H), x0, x1, x2, x3, H) * WSCALE(uscale, i) + ((has_bias & 2) ? ubias[i] : 0.0f);
+    const float4 a = expert_act4(g, u, kind, alpha, limit);
     __global float* out = act + (size_t)(row0 + r0) * lda + i;
     out[0] = a.x;
     if (r0 + 1 < n) out[(size_t)lda] = a.y;
@@ -187,15 +207,16 @@ __kernel void ffn_gate_up(ARG(float, act), const int lda, CARG(float, x), CARG(i
 #define EXPERT_MAT(base, e, m) ((__global const WTYPE*)((base) + tab[6 * (e) + (m)]))
 #define EXPERT_SCALES(base, e, m) ((__global const float*)((base) + tab[6 * (e) + 3 + (m)]))
 
-/* act[r, i] = silu(gate_e[i] . x[tok(r)]) * (up_e[i] . x[tok(r)])  for the rows r of block b (expert e),
- * tok(r) = order[r] / topk; with has_bias, + gbias[e, i] / ubias[e, i] ([E, I]) through expert_act.
+/* act[r, i] = expert_act(gate_e[i] . x[tok(r)], up_e[i] . x[tok(r)])  (kind: ACT_*) for the rows r of
+ * block b (expert e), tok(r) = order[r] / topk; + gbias[e, i] when bit 0 of has_bias, + ubias[e, i] when
+ * bit 1 ([E, I]).
  * global (I, max_blocks) */
 __kernel void ffn_gate_up_grouped(ARG(float, act), const int lda, CARG(float, x), CARG(int, order),
                                   CARG(int, blocks), CARG(int, nblocks), CARG(uint, tab),
                                   __global const uchar* gbase, __global const uchar* ubase,
                                   __global const uchar* gsbase, __global const uchar* usbase,
                                   const int topk, const int H, const int I, CARG(float, gbias), CARG(float, ubias),
-                                  const int has_bias, const float alpha, const float limit)
+                                  const int has_bias, const int kind, const float alpha, const float limit)
 {
     const int i = get_global_id(0), b = get_global_id(1);
     BIND(float, act); CBIND(float, x); CBIND(int, order); CBIND(int, blocks); CBIND(int, nblocks); CBIND(uint, tab);
@@ -208,11 +229,12 @@ __kernel void ffn_gate_up_grouped(ARG(float, act), const int lda, CARG(float, x)
     const float gs = WSCALE(EXPERT_SCALES(gsbase, e, 0), i), us = WSCALE(EXPERT_SCALES(usbase, e, 1), i);
     __global const int* ord = order + r0;
     __global float* out = act + (size_t)r0 * lda + i;
-    const float gb = has_bias ? gbias[(size_t)e * I + i] : 0.0f, ub = has_bias ? ubias[(size_t)e * I + i] : 0.0f;
+    const float gb = (has_bias & 1) ? gbias[(size_t)e * I + i] : 0.0f;
+    const float ub = (has_bias & 2) ? ubias[(size_t)e * I + i] : 0.0f;
     if (n == 1) {
         __global const float* x0 = x + (size_t)(ord[0] / topk) * XLD(H);
         const float g = dotw(grow, x0, H) * gs + gb, u = dotw(urow, x0, H) * us + ub;
-        out[0] = expert_act(g, u, alpha, limit);
+        out[0] = expert_act(g, u, kind, alpha, limit);
         return;
     }
     const int r1 = min(1, n - 1), r2 = min(2, n - 1), r3 = min(3, n - 1);
@@ -222,7 +244,7 @@ __kernel void ffn_gate_up_grouped(ARG(float, act), const int lda, CARG(float, x)
     __global const float* x3 = x + (size_t)(ord[r3] / topk) * XLD(H);
     const float4 g = dotw4(grow, x0, x1, x2, x3, H) * gs + gb;
     const float4 u = dotw4(urow, x0, x1, x2, x3, H) * us + ub;
-    const float4 a = expert_act4(g, u, alpha, limit);
+    const float4 a = expert_act4(g, u, kind, alpha, limit);
     out[0] = a.x;
     if (n > 1) out[(size_t)lda] = a.y;
     if (n > 2) out[(size_t)2 * lda] = a.z;

@@ -3,9 +3,9 @@ The ops (backend.py) sit on top of it; nothing here knows what a layer is.
 
 Kernels live in the .cl files beside this module (OpenCL C 1.2, built with -cl-std=CL1.2):
     common.cl     macros shared by all (buffer+offset arguments, half loads, dot products)
-    dense.cl      embed, matmul1/matmul4 (GEMV / 4-token blocks), rmsnorm, rope, add, zero
+    dense.cl      embed, matmul1/matmul4 (GEMV / 4-token blocks), rmsnorm, rope, add, scale, zero
     attention.cl  kv_write, paged_attention
-    moe.cl        route, align, ffn_gate_up, combine
+    moe.cl        route, align, ffn_gate_up (+ _grouped, ffn_down_grouped; activation by kind), combine
 dense.cl and moe.cl are built per weight type (float32; WF16=1: half read with vload_half; WBF16=1:
 bfloat16 widened in-register; WI8=1: int8 widened, each row's float32 scale applied to its sum;
 WQ8_0=1 ... WQ6_K=1, WMXFP4=1: ggml's blocks decoded in registers chunk by chunk of 32 weights), and, for half weights on a device that reports cl_khr_fp16 (unless
@@ -224,6 +224,7 @@ class OpenCLRuntime(BackendBase):
         self.int8_activations = bool(int8_activations)
         self.idot = idot_kind(dev.extensions)
         self.max_wg = int(dev.max_work_group_size)
+        self.local_mem = int(dev.local_mem_size)         # bytes of local memory per work-group
         self._kernels, self._wg = {}, {}
         for name, opts in build_variants(self.fp16_device, disable_fp16):
             if name not in WEIGHT_PROGRAMS:     # the weight programs: per format, in prepare() or when first used

@@ -25,9 +25,9 @@ import tempfile
 from colibri_edge.backends.opencl import runtime as ocl
 
 KERNELS = {
-    "dense.cl": ["embed", "matmul1", "matmul4", "rmsnorm", "rope", "add", "zero"],
+    "dense.cl": ["embed", "matmul1", "matmul4", "rmsnorm", "rope", "add", "scale", "zero"],
     "attention.cl": ["kv_write", "paged_attention"],
-    "moe.cl": ["route", "align", "ffn_gate_up", "combine"],
+    "moe.cl": ["route", "align", "ffn_gate_up", "ffn_gate_up_grouped", "ffn_down_grouped", "combine"],
 }
 
 
