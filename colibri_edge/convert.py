@@ -13,7 +13,7 @@ import sys
 import numpy as np
 from tqdm import tqdm
 
-from .dtypes import MIXES, WEIGHT_DTYPES, block_of, fits, nbytes, widen
+from .dtypes import MIXES, WEIGHT_DTYPES, block_of, fits, narrow, nbytes, widen
 from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_MODEL_TYPE, invalid_model
 from .gguf_import import unpermute
 from .modeldir import ALIGN, SUPPORTED_MODEL_TYPES, ModelWriter, check_disk, expected_tensors, expert_blob_bytes
@@ -702,6 +702,10 @@ def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool 
                   file=sys.stderr)
     if cfg["weight_dtype"] is None:   # keep the checkpoint's precision
         cfg["weight_dtype"] = src.dtype("model.embed_tokens.weight") if "model.embed_tokens.weight" in src else "float32"
+    emb = "model.embed_tokens.weight"
+    if cfg.get("embed_scale") and emb in src and src.dtype(emb) in ("bfloat16", "float16"):
+        # transformers multiplies by the scale cast to the embedding's type (Gemma's ScaledWordEmbedding)
+        cfg["embed_scale"] = float(widen(narrow(np.float32([cfg["embed_scale"]]), src.dtype(emb)), src.dtype(emb))[0])
     names = _source_names(cfg, src)
     fold = _fold_factors(cfg)
     perm = row_permutations(cfg)

@@ -312,3 +312,31 @@ def test_out_of_memory_names_the_numbers(base):
     m = ei.value.message
     assert ei.value.code == COLIBRI_ERR_OUT_OF_MEMORY and "KV cache (kv_cache_tokens)" in m and "leaves" in m
     assert "smaller" in m and any(u in m for u in ("TiB", "GiB"))
+
+
+def _first_layer(**kw):
+    return lambda c: c["layers"][0].update(kw)
+
+
+@pytest.mark.parametrize("edit,field,words", [
+    (lambda c: c.update(ffn_act="relu"), "ffn_act", "is not one of"),
+    (lambda c: c.update(norm_layout="post"), "norm_layout", "is not one of"),
+    (lambda c: c.update(embed_scale=-1.0), "embed_scale", "out of range"),
+    (lambda c: c.update(final_logit_softcap=0.0), "final_logit_softcap", "out of range"),
+    (lambda c: c.update(v_norm="yes"), "v_norm", "true or false"),
+    (_first_layer(head_dim=7), "layers[0].head_dim", "odd"),
+    (_first_layer(num_key_value_heads=3), "layers[0].num_key_value_heads", "does not divide"),
+    (_first_layer(rope_partial=1.5), "layers[0].rope_partial", "out of range"),
+    (_first_layer(k_eq_v=1), "layers[0].k_eq_v", "true or false"),
+    (_first_layer(window=4), "layers[0].window", "not a field"),
+    (lambda c: [l.update(type="moe_dense") for l in c["layers"] if l["type"] != "dense"], ".type", "sandwich"),
+    (lambda c: c.update(layer_scalar=True), "layers.0.scalar", "missing"),
+    (lambda c: c.update(norm_layout="sandwich"), "layers.0.attn.out_norm", "missing"),
+    (_first_layer(head_dim=16), "layers.0.attn.wq", ""),
+])
+def test_gemma4_fields_are_checked(model, edit, field, words):
+    """Gemma 4's fields (the layout, the activations, scales, a layer's own attention geometry and
+    rope) are typed and ranged, and a config that implies tensors the directory lacks (or of another
+    shape) is refused naming the tensor."""
+    _edit(model, "config.json", edit)
+    _refused(model, field, words)
