@@ -308,6 +308,16 @@ class Backend(BackendBase):
         else:
             self.k.gated_add(out, a, b, gate)
 
+    def scale(self, out, x, factor, cap=0.0):
+        """NumPy's ufuncs in place (SIMD tanh: 0.15 ms on a 262144-wide logit row against 3.9 ms for a
+        scalar Numba loop), in the reference's order, allocating nothing."""
+        np.multiply(x, np.float32(factor), out=out)
+        if cap > 0:
+            c = np.float32(cap)
+            np.divide(out, c, out=out)
+            np.tanh(out, out=out)
+            np.multiply(out, c, out=out)
+
     # -- attention ---------------------------------------------------------------------------
     def kv_write(self, K, V, k, v, slots):
         self.k.kv_write(K, V, k, v, slots)
@@ -319,9 +329,10 @@ class Backend(BackendBase):
                                int(window), self.none if sinks is None else sinks.data)
 
     # -- MoE ---------------------------------------------------------------------------------
-    def route(self, out_ids, out_w, logits, k, mode, normalize, choice_bias=None, norm_min=0.0):
+    def route(self, out_ids, out_w, logits, k, mode, normalize, choice_bias=None, norm_min=0.0, expert_scale=None):
         self.m.route(out_ids, out_w, logits, mode == "gated", bool(normalize),
-                     self.none if choice_bias is None else choice_bias.data, np.float32(norm_min))
+                     self.none if choice_bias is None else choice_bias.data, np.float32(norm_min),
+                     self.none if expert_scale is None else expert_scale.data)
 
     def align(self, bufs, ids, num_tokens, num_experts, top_k, tally=None):
         A, E = num_tokens * top_k, num_experts
@@ -334,7 +345,7 @@ class Backend(BackendBase):
                                 self.no_tally if tally is None else tally)
         return Plan(offsets, order, inverse, counts, num_tokens, top_k, active[:n_active], num_experts=E)
 
-    ffn_activations = ("silu", "swiglu_oai")
+    ffn_activations = ("silu", "swiglu_oai", "gelu_tanh")
 
     def grouped_ffn(self, out, x, experts, plan, scratch, act=None):
         """Per active expert: gate/up + SwiGLU into scratch (its rows, packed [n, I]), then down into
@@ -365,12 +376,12 @@ class Backend(BackendBase):
 
     def _epilogue(self, act, e):
         """(ep, down bias) of expert e for the kernels: ep = (gate bias, up bias, alpha, limit) of
-        kernels.expert_act (alpha 0: SwiGLU, empty biases)."""
+        kernels.expert_act (alpha 0: SwiGLU, empty biases; alpha -1: gelu_tanh; gpt-oss's alpha > 0)."""
         if act is None:
             return self._silu, self.none
         row = lambda w: self.none if w is None else w.data[e]          # noqa: E731
-        return (row(act.gate_bias), row(act.up_bias), np.float32(act.alpha), np.float32(act.limit)), \
-            row(act.down_bias)
+        alpha = np.float32(-1) if act.kind == "gelu_tanh" else np.float32(act.alpha)
+        return (row(act.gate_bias), row(act.up_bias), alpha, np.float32(act.limit)), row(act.down_bias)
 
     def _qmatmul(self, out, x, w, bias):
         """A block-format matmul: int8 activations unless turned off, else float32 (each for every row

@@ -351,12 +351,20 @@ def rmsnorm(out, x, weight, eps):
             out[r, d] = xr[d] * inv * widen(weight[d])
 
 
+GELU_C = np.float32(np.sqrt(2.0 / np.pi))     # gelu_tanh's constants, as the reference rounds them
+GELU_A = np.float32(0.044715)
+F05 = np.float32(0.5)
+
+
 @njit(error_model="numpy")
 def expert_act(g, u, i, ep):
-    """The experts' activation of column i; ep = (gate_bias, up_bias, alpha, limit):
+    """The experts' activation of column i; ep = (gate_bias, up_bias, alpha, limit), empty biases = 0:
         alpha == 0:  silu(g) * u = g / (1 + exp(-g)) * u                           (SwiGLU)
-        alpha > 0:   g' = min(g + gb[i], limit), u' = clamp(u + ub[i], -limit, limit)  (gpt-oss; empty
-                     biases = 0):  (u' + 1) * g' / (1 + exp(-alpha g'))
+        alpha < 0:   g' = g + gb[i], u' = u + ub[i]:  gelu_tanh(g') * u'           (GeGLU; limit unused)
+                     gelu_tanh(g) = g/2 (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
+        alpha > 0:   g' = min(g + gb[i], limit), u' = clamp(u + ub[i], -limit, limit)  (gpt-oss):
+                     (u' + 1) * g' / (1 + exp(-alpha g'))
+    The sign of alpha encodes the kind, so every kernel keeps one signature (one compile) for all.
     A call, not inlined by Numba: inlined at its ~20 sites it tripled the kernels' compile time."""
     gb, ub, alpha, limit = ep
     if alpha == F0:
@@ -365,6 +373,8 @@ def expert_act(g, u, i, ep):
         g += gb[i]
     if ub.shape[0]:
         u += ub[i]
+    if alpha < F0:
+        return F05 * g * (F1 + np.tanh(GELU_C * (g + GELU_A * g * g * g))) * u
     g = min(g, limit)
     u = min(max(u, -limit), limit)
     return (u + F1) * (g / (F1 + np.exp(-alpha * g)))

@@ -16,11 +16,12 @@ def store_swiglu(act, r, i, g, u, gate_scales, up_scales, ep):
 
 
 @njit(cache=True, error_model="numpy")
-def route(out_ids, out_w, logits, gated, normalize, choice_bias, norm_min):
+def route(out_ids, out_w, logits, gated, normalize, choice_bias, norm_min, expert_scale):
     """logits [T,E] -> out_ids [T,k] int32, out_w [T,k] float32; p = softmax(logits[t]) in float32.
     topk:  the k largest, ties to the lower expert id; w = p (/ max(sum of the k p, norm_min) when
-           normalize). Without a choice bias ranked by logit (softmax is monotone); with one
-           (choice_bias [E], non-empty) by p + choice_bias. Selection by repeated arg-max with a
+           normalize), then * expert_scale[id] (expert_scale [E], non-empty: Gemma 4). Without a
+           choice bias ranked by logit (softmax is monotone); with one (choice_bias [E], non-empty)
+           by p + choice_bias. Selection by repeated arg-max with a
            strict >, so an equal later expert never displaces an earlier one.
     gated: k == E, ids = 0..E-1, w = p."""
     T, E = logits.shape
@@ -57,6 +58,9 @@ def route(out_ids, out_w, logits, gated, normalize, choice_bias, norm_min):
             chosen = max(chosen, norm_min)
             for j in range(k):
                 out_w[t, j] /= chosen
+        if expert_scale.shape[0]:
+            for j in range(k):
+                out_w[t, j] *= expert_scale[out_ids[t, j]]
 
 
 @njit(cache=True)
