@@ -35,6 +35,12 @@ class Trace:
     predicted_weights: np.ndarray | None = None
 
     def save(self, path):
+        """To exactly `path` (a file object: NumPy would append .npz to a name that lacks it, and
+        `colibri trace --out t` would then say it wrote a file that `simulate --trace t` cannot find)."""
+        with open(path, "wb") as f:
+            self._save(f)
+
+    def _save(self, path):
         np.savez_compressed(path, expert_ids=self.expert_ids, weights=self.weights, seq_ids=self.seq_ids,
                             positions=self.positions, step_ids=self.step_ids, layer_ids=self.layer_ids,
                             predicted_ids=self.predicted_ids, meta=np.array(json.dumps(self.meta)),

@@ -166,6 +166,10 @@ def test_cli_trace_simulate_stats(model_cache, tmp_path):
     assert r.returncode == 0 and (tmp_path / "s.png").stat().st_size > 1000, r.stderr
     r = run("stats", str(tmp_path / "t.npz"), "--plot", str(tmp_path / "h.png"))
     assert r.returncode == 0 and "imbalance" in r.stdout and (tmp_path / "h.png").exists(), r.stderr
+    r = run("trace", "--model", col, "--prompts", str(tmp_path / "p.txt"), "--ids", "--out",
+            str(tmp_path / "bare"), "--backend", "reference")          # a name without .npz: written as named
+    assert r.returncode == 0 and f"wrote {tmp_path / 'bare'}:" in r.stdout and (tmp_path / "bare").is_file()
+    assert run("simulate", "--trace", str(tmp_path / "bare"), "--slots", "5").returncode == 0
     for device in ("mali-g78-phone", "jetson-orin", "a100-pcie4"):
         r = run("simulate", "--trace", str(tmp_path / "t.npz"), "--slots", "4", "--device", device, "--json")
         assert r.returncode == 0 and json.loads(r.stdout)["fits"] is True
