@@ -190,7 +190,10 @@ def _gemma4_config(hf: dict, gen: dict, path: str, dtype) -> dict:
     rope = hf.get("rope_parameters") or {
         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
-    per = {str(k): v for k, v in (hf.get("per_layer_config") or {}).items() if isinstance(v, dict)}
+    per = {}                                      # layer -> overrides; transformers may zero-pad the keys ("05")
+    for key, v in (hf.get("per_layer_config") or {}).items():
+        if isinstance(v, dict) and str(key).isdigit():
+            per[int(key)] = v
     gd, gkv = hf.get("global_head_dim", 512), hf.get("num_global_key_value_heads")
     k_eq_v = bool(hf.get("attention_k_eq_v", False))
     layers, E = [], hf.get("num_experts") or 0
@@ -207,7 +210,7 @@ def _gemma4_config(hf: dict, gen: dict, path: str, dtype) -> dict:
                  "moe_num_experts": E if moe else 0}
         if t == "full_attention":
             if per:        # as saved by transformers: each full layer's overrides
-                o = per.get(str(i)) or {}
+                o = per.get(i) or {}
                 entry["head_dim"], entry["num_key_value_heads"] = int(o.get("head_dim", hd)), int(o.get(
                     "num_key_value_heads", nkv))
             else:          # as Google's configs give it

@@ -202,3 +202,28 @@ def test_gemma4_gguf(backend_name, gemma4_gguf, tmp_path):
         assert eng.codec.encode(text) == [ft.convert_tokens_to_ids("<bos>")] + ft.encode(text)   # add_bos_token
         assert {ft.convert_tokens_to_ids("<eos>"), ft.convert_tokens_to_ids("<end_of_turn>")} <= set(eng.eos_token_ids)
     assert np.abs(got - want).max() / np.abs(want).max() < TOL
+
+
+def test_gemma4_full_size_layer_plan():
+    """transformers' own Gemma 4 config (30 layers, 5 sliding to 1 full, window 512; it saves its
+    per-layer overrides under zero-padded keys, "05"): every full layer at the global head dim 512, one
+    pool each for the full and the window layers, and the KV bytes `inspect` reports against a Mixtral
+    of the same hidden size, layers and heads (fp32 cache): 81920 against 245760 bytes per token."""
+    import transformers
+    from colibri_edge.planning import kv_full_bytes_per_token, kv_window_bytes
+    from colibri_edge.state import attention_pools
+    hf = transformers.Gemma4TextConfig(hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=128,
+                                       top_k_experts=8, moe_intermediate_size=704).to_dict()
+    assert "05" in hf["per_layer_config"]
+    c = translate_config(hf, {}, dtype="bfloat16")
+    full = [l["layer_id"] for l in c["layers"] if c["layer_types"][l["layer_id"]] == "full_attention"]
+    assert full == [5, 11, 17, 23, 29] and all(c["layers"][i]["head_dim"] == 512 for i in full)
+    pools = attention_pools(c, 4, 16)
+    assert [(p.layers, p.per_token, p.window) for p in pools] == [
+        (tuple(full), (4, 512), 0), (tuple(i for i in range(30) if i not in full), (4, 256), 512)]
+    assert kv_full_bytes_per_token(c) == 5 * 2 * 4 * 512 * 4 == 81920
+    assert kv_window_bytes(c, 16) == 25 * 2 * 4 * 256 * 4 * (512 // 16 + 1) * 16
+    mixtral = translate_config(transformers.MixtralConfig(hidden_size=2304, num_hidden_layers=30, num_attention_heads=8,
+                                                          num_key_value_heads=4, head_dim=256).to_dict(), {},
+                               dtype="bfloat16")
+    assert kv_full_bytes_per_token(mixtral) == 30 * 2 * 4 * 256 * 4 == 245760
