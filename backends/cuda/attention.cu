@@ -3,7 +3,7 @@
 #include "colibri_common.cuh"
 
 #define ATT_WARPS 4        // warps per (token, head) CTA, each walking every 4th key
-// ATT_MAX_DPL (head_dim <= 32 * ATT_MAX_DPL) comes from sources.py DEFINES
+// ATT_MAX_DPL (head_dim <= 32 * ATT_MAX_DPL = 512) comes from sources.py DEFINES
 
 // K[slots[t]] = k[t], V[slots[t]] = v[t];  k, v [T, Hkv*D] = [T, W]
 // grid ceil(T*W/256), block 256
@@ -24,24 +24,25 @@ extern "C" __global__ void kv_write(float* K, float* V, const float* k, const fl
 //   out[t,h] = sum_j softmax_j(scale * q[t,h] . K[slot(j)]) V[slot(j)]
 //   sinks [Hq] (or null): a logit per head in the denominator only -- warp 0's online softmax
 //   starts from m = sinks[h], l = 1, the others from -inf, 0
-// q, out [T,Hq,D]; tables [S, tstride] int32.
+// q, out [T,Hq,D]; tables [S, tstride] int32. Every shape is the call's own: one engine may hold
+// layers of different head_dim and KV heads (Gemma 4: sliding 256, full 512), up to 32 * ATT_MAX_DPL.
 // grid (Hq, T), block 32*ATT_WARPS. Each warp keeps an online softmax (running max m, sum l,
-// accumulator acc[D]) over its keys; lanes split D; the warps' partial results merge at the end.
-extern "C" __global__ void paged_attention(float* out, const float* q, const float* K, const float* V,
-                                           const int* tables, const int* seq_index, const int* positions,
-                                           int T, int Hq, int Hkv, int D, int B, int tstride, float scale,
-                                           int window, const float* sinks) {
-    __shared__ float sm_m[ATT_WARPS], sm_l[ATT_WARPS];
-    __shared__ float sm_acc[ATT_WARPS][32 * ATT_MAX_DPL];
+// accumulator acc[D]) over its keys; lanes split D (DPL values each: the smallest of 2, 4, 8,
+// ATT_MAX_DPL that covers D, chosen per launch); the warps' partial results merge at the end.
+static_assert(ATT_MAX_DPL >= 8, "ATT_MAX_DPL: paged_attention instantiates DPL 2, 4, 8 and ATT_MAX_DPL");
+template <int DPL>
+CE_DEV void attend(float* sm_m, float* sm_l, float (*sm_acc)[32 * ATT_MAX_DPL], float* out, const float* q,
+                   const float* K, const float* V, const int* tables, const int* seq_index, const int* positions,
+                   int Hq, int Hkv, int D, int B, int tstride, float scale, int window, const float* sinks) {
     const int h = blockIdx.x, t = blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int kvh = h / (Hq / Hkv);
     const int n = positions[t] + 1;
     const int* table = tables + (size_t)seq_index[t] * tstride;
     const float* qv = q + ((size_t)t * Hq + h) * D;
-    float qr[ATT_MAX_DPL], acc[ATT_MAX_DPL];
+    float qr[DPL], acc[DPL];
 #pragma unroll
-    for (int i = 0; i < ATT_MAX_DPL; ++i) {
+    for (int i = 0; i < DPL; ++i) {
         const int d = lane + 32 * i;
         qr[i] = d < D ? qv[d] : 0.f;
         acc[i] = 0.f;
@@ -53,7 +54,7 @@ extern "C" __global__ void paged_attention(float* out, const float* q, const flo
         const size_t base = ((size_t)table[j / B] * B + j % B) * Hkv * D + (size_t)kvh * D;
         float dot = 0.f;
 #pragma unroll
-        for (int i = 0; i < ATT_MAX_DPL; ++i) {
+        for (int i = 0; i < DPL; ++i) {
             const int d = lane + 32 * i;
             if (d < D) dot += qr[i] * K[base + d];
         }
@@ -62,7 +63,7 @@ extern "C" __global__ void paged_attention(float* out, const float* q, const flo
         const float corr = expf(m - mn), p = expf(s - mn);
         l = l * corr + p;
 #pragma unroll
-        for (int i = 0; i < ATT_MAX_DPL; ++i) {
+        for (int i = 0; i < DPL; ++i) {
             const int d = lane + 32 * i;
             acc[i] = acc[i] * corr + (d < D ? p * V[base + d] : 0.f);
         }
@@ -70,7 +71,7 @@ extern "C" __global__ void paged_attention(float* out, const float* q, const flo
     }
     if (lane == 0) { sm_m[warp] = m; sm_l[warp] = l; }
 #pragma unroll
-    for (int i = 0; i < ATT_MAX_DPL; ++i) sm_acc[warp][lane + 32 * i] = acc[i];
+    for (int i = 0; i < DPL; ++i) sm_acc[warp][lane + 32 * i] = acc[i];
     __syncthreads();
     float M = sm_m[0];
     for (int w = 1; w < ATT_WARPS; ++w) M = fmaxf(M, sm_m[w]);   // warp 0 saw key lo (or a sink): M is finite
@@ -85,4 +86,23 @@ extern "C" __global__ void paged_attention(float* out, const float* q, const flo
         for (int w = 0; w < ATT_WARPS; ++w) a += sm_acc[w][d] * f[w];
         o[d] = a / L;
     }
+}
+extern "C" __global__ void paged_attention(float* out, const float* q, const float* K, const float* V,
+                                           const int* tables, const int* seq_index, const int* positions,
+                                           int T, int Hq, int Hkv, int D, int B, int tstride, float scale,
+                                           int window, const float* sinks) {
+    __shared__ float sm_m[ATT_WARPS], sm_l[ATT_WARPS];
+    __shared__ float sm_acc[ATT_WARPS][32 * ATT_MAX_DPL];
+    if (D <= 64)                                     // D is uniform: the whole CTA takes one branch
+        attend<2>(sm_m, sm_l, sm_acc, out, q, K, V, tables, seq_index, positions, Hq, Hkv, D, B, tstride, scale,
+                  window, sinks);
+    else if (D <= 128)
+        attend<4>(sm_m, sm_l, sm_acc, out, q, K, V, tables, seq_index, positions, Hq, Hkv, D, B, tstride, scale,
+                  window, sinks);
+    else if (D <= 256)
+        attend<8>(sm_m, sm_l, sm_acc, out, q, K, V, tables, seq_index, positions, Hq, Hkv, D, B, tstride, scale,
+                  window, sinks);
+    else
+        attend<ATT_MAX_DPL>(sm_m, sm_l, sm_acc, out, q, K, V, tables, seq_index, positions, Hq, Hkv, D, B, tstride,
+                            scale, window, sinks);
 }

@@ -2,10 +2,12 @@
 only for prefill-sized GEMMs. Device, memory, streams and graphs are the runtime's (runtime.py).
 
 The MoE layer never leaves the device:
-    route    moe_route     fp32 softmax + top-k per token (ties to the lower expert id)
+    route    moe_route     fp32 softmax + top-k per token (ties to the lower expert id), renormalised,
+                           times the experts' scales (Gemma 4) when given
     align    moe_align     counting sort of the T*k assignments by expert, cut into blocks of BM rows;
                            adds the step's counts into the engine's per-expert tally
-    ffn      moe_gate_up_* / moe_down_*   one CTA per (block, column tile), weights read once per block
+    ffn      moe_gate_up_* / moe_down_*   one CTA per (block, column tile), weights read once per block;
+                           the activation (SwiGLU, gpt-oss's, GeGLU) is a kind code of the MODE 1 epilogue
     combine  moe_combine   weighted sum back into the residual
 The grouped kernels are launched with a grid sized by an upper bound on the block count, so no
 host copy of the plan is needed to launch them; the counts stay on the device (Plan.fetch_counts
@@ -104,12 +106,15 @@ class Backend(CudaRuntime):
         T, heads, D = x.shape
         n = T * heads * (D // 2)
         table = _NULL
-        if inv_freq is not None:         # a model's table (YaRN): uploaded once, kept by identity
-            got = self._freq_tables.get(id(inv_freq))
+        if inv_freq is not None:         # a model's table (YaRN, partial rotary): uploaded once, kept by identity,
+            got = self._freq_tables.get(id(inv_freq))     # one per table (Gemma 4: one per head_dim)
             if got is None or got[0] is not inv_freq:
                 got = self._freq_tables[id(inv_freq)] = (inv_freq, self.to_device(np.asarray(inv_freq, np.float32),
                                                                                   "float32"))
             table = got[1]
+            if table.size < D // 2:
+                raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"rope: an inv_freq table of {table.size} for "
+                                   f"head_dim {D} (needs {D // 2})")
         self._launch("rope", (cdiv(n, 256),), (256,),
                      (out, x, positions, _i32(T), _i32(heads), _i32(D), _f32(theta), table))
 
@@ -119,11 +124,23 @@ class Backend(CudaRuntime):
         T = out.size // H
         self._launch("add", (cdiv(T * H, 256),), (256,), (out, a, b, _NULL if gate is None else gate, _i32(T), _i32(H)))
 
+    @guarded
+    def scale(self, out, x, factor, cap=0.0):
+        n = x.size
+        if out.size != n or not (x.flags.c_contiguous and out.flags.c_contiguous):
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"scale: out {out.shape} and x {x.shape} must be "
+                               "contiguous buffers of one size")
+        if n:
+            self._launch("scale", (cdiv(n, 256),), (256,), (out, x, np.int64(n), _f32(factor), _f32(cap)))
+
     # -- attention ---------------------------------------------------------------------------
     @guarded
     def kv_write(self, K, V, k, v, slots):
         T = k.shape[0]
         W = K.shape[1] * K.shape[2]
+        if k.size != T * W or v.size != T * W or V.shape != K.shape:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"kv_write: k {k.shape} / v {v.shape} do not match "
+                               f"the cache's [slots, Hkv, D] = {K.shape} / {V.shape}")
         self._launch("kv_write", (cdiv(T * W, 256),), (256,), (K, V, k, v, slots, _i32(T), _i32(W)))
 
     @guarded
@@ -131,9 +148,9 @@ class Backend(CudaRuntime):
                         sinks=None):
         T, Hq, D = q.shape
         Hkv = K.shape[1]
-        if D > sources.MAX_HEAD_DIM or Hq % Hkv:
+        if D > sources.MAX_HEAD_DIM or Hq % Hkv or K.shape[2] != D or V.shape != K.shape:
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"paged_attention: head_dim {D} (max "
-                               f"{sources.MAX_HEAD_DIM}) / heads {Hq} over {Hkv} KV heads")
+                               f"{sources.MAX_HEAD_DIM}) / heads {Hq} over {Hkv} KV heads, cache {K.shape}")
         self._launch("paged_attention", (Hq, T), (128,),
                      (out, q, K, V, block_tables, seq_index, positions, _i32(T), _i32(Hq), _i32(Hkv), _i32(D),
                       _i32(block_size), _i32(block_tables.shape[1]), _f32(scale), _i32(window),
@@ -141,14 +158,15 @@ class Backend(CudaRuntime):
 
     # -- MoE ---------------------------------------------------------------------------------
     @guarded
-    def route(self, out_ids, out_w, logits, k, mode, normalize, choice_bias=None, norm_min=0.0):
+    def route(self, out_ids, out_w, logits, k, mode, normalize, choice_bias=None, norm_min=0.0, expert_scale=None):
         T, E = logits.shape
         if E > sources.MAX_ROUTE_EXPERTS:
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT,
                                f"route: {E} experts (the CUDA router takes {sources.MAX_ROUTE_EXPERTS})")
         self._launch("moe_route", (cdiv(T, 4),), (128,),
                      (out_ids, out_w, logits, _NULL if choice_bias is None else choice_bias.data, _i32(T), _i32(E),
-                      _i32(k), _i32(mode == "gated"), _i32(bool(normalize)), np.float32(norm_min)))
+                      _i32(k), _i32(mode == "gated"), _i32(bool(normalize)), np.float32(norm_min),
+                      _NULL if expert_scale is None else expert_scale.data))
 
     @staticmethod
     def block_rows_for(assignments, num_experts):
@@ -233,11 +251,15 @@ class Backend(CudaRuntime):
         m.set(h, stream=self._s)
         return m
 
-    ffn_activations = ("silu", "swiglu_oai")
+    ffn_activations = tuple(sources.ACT_KINDS)      # silu, swiglu_oai, gelu_tanh: expert_act's kind codes
 
     @guarded
     def grouped_ffn(self, out, x, experts, plan, scratch, act=None):
         spec = act
+        kind = sources.ACT_KINDS["silu"] if spec is None else sources.ACT_KINDS.get(spec.kind)
+        if kind is None:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"grouped_ffn: activation {spec.kind!r} (the CUDA "
+                               f"backend runs {', '.join(self.ffn_activations)})")
         _, tab, wd, H, I, partial = self._expert_table(experts)
         T, k = plan.num_tokens, plan.top_k
         A = T * k
@@ -259,7 +281,7 @@ class Backend(CudaRuntime):
 
         def b(w):
             return _NULL if spec is None or w is None else w.data
-        epi = (b(spec and spec.gate_bias), b(spec and spec.up_bias), _f32(spec.alpha if spec else 0.0),
+        epi = (b(spec and spec.gate_bias), b(spec and spec.up_bias), _i32(kind), _f32(spec.alpha if spec else 0.0),
                _f32(spec.limit if spec else 0.0))
 
         def run(p, stream):

@@ -13,7 +13,8 @@
 // Constants the host needs too are defined once, in sources.py DEFINES, and passed as -D options
 // to NVRTC, to nvcc (toolchains/cuda) and to the emulator's g++: a build without them stops here.
 #if !defined(SK_ROWS) || !defined(SK_WARPS) || !defined(TBM) || !defined(TBN) || !defined(ATT_MAX_DPL) || \
-    !defined(ROUTE_MAXJ) || !defined(ALIGN_THREADS) || !defined(ALIGN_EPT)
+    !defined(ROUTE_MAXJ) || !defined(ALIGN_THREADS) || !defined(ALIGN_EPT) || !defined(ACT_SILU) ||         \
+    !defined(ACT_SWIGLU_OAI) || !defined(ACT_GELU_TANH)
 #error "build with the -D options of backends/cuda/sources.py (python3 backends/cuda/sources.py --defines)"
 #endif
 
@@ -52,10 +53,21 @@ CE_DEV float neg_inf() { return __int_as_float(0xff800000); }
 // silu(g) * u, written as the reference writes it: g / (1 + exp(-g)) * u
 CE_DEV float swiglu(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
-// the experts' activation of a MODE 1 tile: SwiGLU (alpha == 0), or gpt-oss's clamped one,
-//   g' = min(g, limit), u' = clamp(u, -limit, limit):  (u' + 1) * g' / (1 + exp(-alpha g'))
-CE_DEV float expert_act(float g, float u, float alpha, float limit) {
-    if (alpha == 0.f) return swiglu(g, u);
+// GeGLU's gate activation (Gemma's gelu_pytorch_tanh), in the reference's order of fp32 operations:
+//   0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
+CE_DEV float gelu_tanh(float g) {
+    return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+}
+
+// the FFN activation of a MODE 1 tile, by kind (the ACT_* codes of sources.py DEFINES, base.Act.kind):
+//   ACT_SILU        SwiGLU: silu(g) * u                                            (alpha, limit unused)
+//   ACT_SWIGLU_OAI  gpt-oss's clamped one, g' = min(g, limit), u' = clamp(u, -limit, limit):
+//                   (u' + 1) * g' / (1 + exp(-alpha g'))
+//   ACT_GELU_TANH   GeGLU: gelu_tanh(g) * u                                        (alpha, limit unused)
+// g and u already include the expert's biases, when it has them
+CE_DEV float expert_act(int kind, float g, float u, float alpha, float limit) {
+    if (kind == ACT_GELU_TANH) return gelu_tanh(g) * u;
+    if (kind != ACT_SWIGLU_OAI) return swiglu(g, u);
     g = fminf(g, limit);
     u = fminf(fmaxf(u, -limit), limit);
     return (u + 1.0f) * (g / (1.0f + expf(-alpha * g)));

@@ -3,9 +3,10 @@
 // Both compute, for a run of rows r < nrows of one weight matrix (one expert), and a range of
 // output columns:
 //     MODE 0 (plain)  : out[row0 + r, c] = (A[arow(r)] . W0[c]) * S0[c]  (+ bias[c])
-//     MODE 1 (SwiGLU) : out[row0 + r, c] = silu((A[arow(r)] . W0[c]) * S0[c]) * ((A[arow(r)] . W1[c]) * S1[c])
-//                       or, with alpha > 0, expert_act(g + bias[c], u + bias1[c], alpha, limit) (gpt-oss;
-//                       bias / bias1 null = 0)
+//     MODE 1 (GLU)    : out[row0 + r, c] = expert_act(kind, g + bias[c], u + bias1[c], alpha, limit),
+//                       g = (A[arow(r)] . W0[c]) * S0[c], u = (A[arow(r)] . W1[c]) * S1[c]: SwiGLU
+//                       silu(g) * u (ACT_SILU), gpt-oss's clamped SwiGLU, Gemma's GeGLU (bias / bias1
+//                       null = 0)
 //     arow(r) = gather ? gather[row0 + r] / gdiv : row0 + r        (token of a sorted MoE row)
 //     S0/S1: int8 row scales [N], or null (= 1)
 // shapes: A [*, K] fp32, W0/W1 [N, K] (fp32, fp16, bf16, int8 or a block format), bias [N] fp32 or null,
@@ -176,7 +177,8 @@ template <typename WT, int MODE>
 static __device__ void skinny_tile(float* CE_RESTRICT out, const float* CE_RESTRICT A, const int* gather, int gdiv,
                                    int row0, int nrows, const WStore<WT>* W0, const WStore<WT>* W1, const float* S0,
                                    const float* S1, const float* bias, int N, int K, int colbase,
-                                   const float* bias1 = nullptr, float alpha = 0.f, float limit = 0.f) {
+                                   const float* bias1 = nullptr, int kind = ACT_SILU, float alpha = 0.f,
+                                   float limit = 0.f) {
     typedef WFmt<WT> F;
     __shared__ float xs[SK_ROWS][SK_KC];
     __shared__ int arow[SK_ROWS];
@@ -237,7 +239,8 @@ static __device__ void skinny_tile(float* CE_RESTRICT out, const float* CE_RESTR
                 if (S0) s0 *= S0[col];
                 if (MODE == 1 && S1) s1 *= S1[col];
                 float v;
-                if (MODE == 1) v = expert_act(bias ? s0 + bias[col] : s0, bias1 ? s1 + bias1[col] : s1, alpha, limit);
+                if (MODE == 1) v = expert_act(kind, bias ? s0 + bias[col] : s0, bias1 ? s1 + bias1[col] : s1, alpha,
+                                                limit);
                 else v = bias ? s0 + bias[col] : s0;
                 out[(size_t)(row0 + r) * N + col] = v;
             }
@@ -249,7 +252,8 @@ template <typename WT, int MODE>
 static __device__ void tiled_tile(float* CE_RESTRICT out, const float* CE_RESTRICT A, const int* gather, int gdiv,
                                   int row0, int nrows, const WStore<WT>* W0, const WStore<WT>* W1, const float* S0,
                                   const float* S1, const float* bias, int N, int K, int colbase,
-                                  const float* bias1 = nullptr, float alpha = 0.f, float limit = 0.f) {
+                                  const float* bias1 = nullptr, int kind = ACT_SILU, float alpha = 0.f,
+                                   float limit = 0.f) {
     typedef WFmt<WT> F;
     __shared__ float As[TBK][TBM + 4];
     __shared__ float Bs0[TBK][TBN + 4];
@@ -307,7 +311,7 @@ static __device__ void tiled_tile(float* CE_RESTRICT out, const float* CE_RESTRI
             float v;
             if (MODE == 1) {
                 const float u = S1 ? acc1[i][j] * S1[c] : acc1[i][j];
-                v = expert_act(bias ? g + bias[c] : g, bias1 ? u + bias1[c] : u, alpha, limit);
+                v = expert_act(kind, bias ? g + bias[c] : g, bias1 ? u + bias1[c] : u, alpha, limit);
             } else v = bias ? g + bias[c] : g;
             out[(size_t)(row0 + r) * N + c] = v;
         }

@@ -1,4 +1,4 @@
-// Colibri Edge CUDA kernels: the dense ops of a layer (embed, matmul, rmsnorm, rope, add) and the
+// Colibri Edge CUDA kernels: the dense ops of a layer (embed, matmul, rmsnorm, rope, add, scale) and the
 // casts around cuBLAS. Output first; T tokens, H hidden, N/K matmul out/in, D head_dim.
 #include "colibri_gemm.cuh"
 
@@ -154,6 +154,16 @@ extern "C" __global__ void add(float* out, const float* a, const float* b, const
     if (i >= n) return;
     if (gate) out[i] = a[i] + b[i] / (1.0f + expf(-gate[i / H]));
     else out[i] = a[i] + b[i];
+}
+
+// out[n] = factor * x[n], or with cap > 0 the soft-capped cap * tanh(factor * x[n] / cap)   (Gemma's
+// embedding scale / layer scalar; final logit soft-capping).  x, out [R, N] contiguous = [n]; in place allowed
+// grid ceil(n/256), block 256
+extern "C" __global__ void scale(float* out, const float* x, long long n, float factor, float cap) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const float v = x[i] * factor;
+    out[i] = cap > 0.f ? cap * tanhf(v / cap) : v;
 }
 
 // y16[n] = fp16(x[n])   (activations into cuBLAS)      grid ceil(n/256), block 256

@@ -11,10 +11,12 @@
 // logits [T,E] fp32 -> ids [T,k] int32, w [T,k] fp32.
 //   p = softmax(logits[t]);  topk: the k largest scores s = p (+ choice_bias[e] when choice_bias is
 //   not null: the choice only) in descending order, ties to the lower expert id, w = their p
-//   (/ max(sum of the k chosen p, norm_min) when normalize);  gated (k == E): ids = 0..E-1, w = p.
+//   (/ max(sum of the k chosen p, norm_min) when normalize), then * expert_scale[id] when expert_scale
+//   is not null (Gemma 4's per_expert_scale);  gated (k == E): ids = 0..E-1, w = p.
 // one warp per token: grid ceil(T/4), block 128
 extern "C" __global__ void moe_route(int* out_ids, float* out_w, const float* logits, const float* choice_bias,
-                                     int T, int E, int k, int gated, int normalize, float norm_min) {
+                                     int T, int E, int k, int gated, int normalize, float norm_min,
+                                     const float* expert_scale) {
     const int lane = threadIdx.x & 31;
     const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (t >= T) return;                              // whole warps; this kernel has no block barrier
@@ -69,8 +71,13 @@ extern "C" __global__ void moe_route(int* out_ids, float* out_w, const float* lo
         if (lane == 0) { out_ids[(size_t)t * k + r] = bi; out_w[(size_t)t * k + r] = bp; }
         wsum += bp;
     }
-    if (normalize && lane == 0)
-        for (int r = 0; r < k; ++r) out_w[(size_t)t * k + r] = out_w[(size_t)t * k + r] / fmaxf(wsum, norm_min);
+    if ((normalize || expert_scale) && lane == 0)
+        for (int r = 0; r < k; ++r) {
+            float w = out_w[(size_t)t * k + r];
+            if (normalize) w = w / fmaxf(wsum, norm_min);
+            if (expert_scale) w *= expert_scale[out_ids[(size_t)t * k + r]];
+            out_w[(size_t)t * k + r] = w;
+        }
 }
 
 // exclusive prefix sum over the ALIGN_THREADS threads of the CTA; *total gets the sum
@@ -183,11 +190,12 @@ extern "C" __global__ void moe_align(int* offsets, int* order, int* inverse, int
     }
 }
 
-// Grouped SwiGLU over the plan's blocks, each block one expert e and sorted rows [r0, r1):
-//   gate_up: act[r, :] = silu(x[order[r] / k] @ gate_e^T) * (x[order[r] / k] @ up_e^T)   act [A, I]
-//   down   : y[r, :]   = act[r] @ down_e^T                                                y   [A, H]
-// gpt-oss (alpha > 0): g + gbias[e], u + ubias[e] through expert_act, y + dbias[e]; gbias, ubias
-// [E, I], dbias [E, H] (each null = none)
+// Grouped GLU FFN over the plan's blocks, each block one expert e and sorted rows [r0, r1):
+//   gate_up: act[r, :] = expert_act(kind, g + gbias[e], u + ubias[e], alpha, limit)          act [A, I]
+//            g = x[order[r] / k] @ gate_e^T, u = x[order[r] / k] @ up_e^T
+//            (kind ACT_SILU: silu(g) * u; ACT_SWIGLU_OAI: gpt-oss; ACT_GELU_TANH: Gemma's GeGLU)
+//   down   : y[r, :]   = act[r] @ down_e^T + dbias[e]                                        y   [A, H]
+// gbias, ubias [E, I], dbias [E, H] (each null = none)
 // gate_e [I,H], up_e [I,H], down_e [H,I]: device pointers in the tables gate_tab/up_tab/down_tab [E];
 // int8 experts also have row-scale pointers in gs_tab/us_tab/ds_tab (0 otherwise).
 // Blocks b = blockIdx.x * nparts + part (the experts are split over `nparts` streams); CTAs whose
@@ -199,7 +207,7 @@ template <typename WT, bool SKINNY>
 CE_DEV void moe_gate_up(float* act, const float* x, const int* order, const int* blocks, const int* nblocks,
                         const u64* gate_tab, const u64* up_tab, const u64* gs_tab, const u64* us_tab,
                         const int* active, int k, int H, int I, int part, int nparts, const float* gbias,
-                        const float* ubias, float alpha, float limit) {
+                        const float* ubias, int kind, float alpha, float limit) {
     const int b = blockIdx.x * nparts + part;
     if (b >= nblocks[0]) return;
     const int e = blocks[3 * b], r0 = blocks[3 * b + 1], r1 = blocks[3 * b + 2];
@@ -209,11 +217,11 @@ CE_DEV void moe_gate_up(float* act, const float* x, const int* order, const int*
     if constexpr (SKINNY)
         skinny_tile<WT, 1>(act, x, order, k, r0, r1 - r0, (const WStore<WT>*)gate_tab[e], (const WStore<WT>*)up_tab[e],
                            (const float*)gs_tab[e], (const float*)us_tab[e], gb, I, H, blockIdx.y * SK_WARPS, ub,
-                           alpha, limit);
+                           kind, alpha, limit);
     else
         tiled_tile<WT, 1>(act, x, order, k, r0, r1 - r0, (const WStore<WT>*)gate_tab[e], (const WStore<WT>*)up_tab[e],
-                          (const float*)gs_tab[e], (const float*)us_tab[e], gb, I, H, blockIdx.y * TBN, ub, alpha,
-                          limit);
+                          (const float*)gs_tab[e], (const float*)us_tab[e], gb, I, H, blockIdx.y * TBN, ub, kind,
+                          alpha, limit);
 }
 template <typename WT, bool SKINNY>
 CE_DEV void moe_down(float* y, const float* act, const int* blocks, const int* nblocks, const u64* down_tab,
@@ -233,9 +241,9 @@ CE_DEV void moe_down(float* y, const float* act, const int* blocks, const int* n
 extern "C" __global__ void moe_gate_up_skinny_f32(float* act, const float* x, const int* order, const int* blocks,
         const int* nblocks, const u64* gate_tab, const u64* up_tab, const u64* gs_tab, const u64* us_tab,
         const int* active, int k, int H, int I, int part, int nparts, const float* gbias, const float* ubias,
-        float alpha, float limit) {
+        int kind, float alpha, float limit) {
     moe_gate_up<float, true>(act, x, order, blocks, nblocks, gate_tab, up_tab, gs_tab, us_tab, active, k, H, I, part,
-                      nparts, gbias, ubias, alpha, limit);
+                      nparts, gbias, ubias, kind, alpha, limit);
 }
 extern "C" __global__ void moe_down_skinny_f32(float* y, const float* act, const int* blocks, const int* nblocks,
         const u64* down_tab, const u64* ds_tab, const int* active, int H, int I, int part, int nparts,
@@ -245,9 +253,9 @@ extern "C" __global__ void moe_down_skinny_f32(float* y, const float* act, const
 extern "C" __global__ void moe_gate_up_skinny_f16(float* act, const float* x, const int* order, const int* blocks,
         const int* nblocks, const u64* gate_tab, const u64* up_tab, const u64* gs_tab, const u64* us_tab,
         const int* active, int k, int H, int I, int part, int nparts, const float* gbias, const float* ubias,
-        float alpha, float limit) {
+        int kind, float alpha, float limit) {
     moe_gate_up<half_t, true>(act, x, order, blocks, nblocks, gate_tab, up_tab, gs_tab, us_tab, active, k, H, I, part,
-                      nparts, gbias, ubias, alpha, limit);
+                      nparts, gbias, ubias, kind, alpha, limit);
 }
 extern "C" __global__ void moe_down_skinny_f16(float* y, const float* act, const int* blocks, const int* nblocks,
         const u64* down_tab, const u64* ds_tab, const int* active, int H, int I, int part, int nparts,
@@ -257,9 +265,9 @@ extern "C" __global__ void moe_down_skinny_f16(float* y, const float* act, const
 extern "C" __global__ void moe_gate_up_skinny_bf16(float* act, const float* x, const int* order, const int* blocks,
         const int* nblocks, const u64* gate_tab, const u64* up_tab, const u64* gs_tab, const u64* us_tab,
         const int* active, int k, int H, int I, int part, int nparts, const float* gbias, const float* ubias,
-        float alpha, float limit) {
+        int kind, float alpha, float limit) {
     moe_gate_up<bf16_t, true>(act, x, order, blocks, nblocks, gate_tab, up_tab, gs_tab, us_tab, active, k, H, I, part,
-                      nparts, gbias, ubias, alpha, limit);
+                      nparts, gbias, ubias, kind, alpha, limit);
 }
 extern "C" __global__ void moe_down_skinny_bf16(float* y, const float* act, const int* blocks, const int* nblocks,
         const u64* down_tab, const u64* ds_tab, const int* active, int H, int I, int part, int nparts,
@@ -269,9 +277,9 @@ extern "C" __global__ void moe_down_skinny_bf16(float* y, const float* act, cons
 extern "C" __global__ void moe_gate_up_skinny_i8(float* act, const float* x, const int* order, const int* blocks,
         const int* nblocks, const u64* gate_tab, const u64* up_tab, const u64* gs_tab, const u64* us_tab,
         const int* active, int k, int H, int I, int part, int nparts, const float* gbias, const float* ubias,
-        float alpha, float limit) {
+        int kind, float alpha, float limit) {
     moe_gate_up<i8_t, true>(act, x, order, blocks, nblocks, gate_tab, up_tab, gs_tab, us_tab, active, k, H, I, part,
-                      nparts, gbias, ubias, alpha, limit);
+                      nparts, gbias, ubias, kind, alpha, limit);
 }
 extern "C" __global__ void moe_down_skinny_i8(float* y, const float* act, const int* blocks, const int* nblocks,
         const u64* down_tab, const u64* ds_tab, const int* active, int H, int I, int part, int nparts,
@@ -281,9 +289,9 @@ extern "C" __global__ void moe_down_skinny_i8(float* y, const float* act, const 
 extern "C" __global__ void moe_gate_up_tiled_f32(float* act, const float* x, const int* order, const int* blocks,
         const int* nblocks, const u64* gate_tab, const u64* up_tab, const u64* gs_tab, const u64* us_tab,
         const int* active, int k, int H, int I, int part, int nparts, const float* gbias, const float* ubias,
-        float alpha, float limit) {
+        int kind, float alpha, float limit) {
     moe_gate_up<float, false>(act, x, order, blocks, nblocks, gate_tab, up_tab, gs_tab, us_tab, active, k, H, I, part,
-                      nparts, gbias, ubias, alpha, limit);
+                      nparts, gbias, ubias, kind, alpha, limit);
 }
 extern "C" __global__ void moe_down_tiled_f32(float* y, const float* act, const int* blocks, const int* nblocks,
         const u64* down_tab, const u64* ds_tab, const int* active, int H, int I, int part, int nparts,
@@ -293,9 +301,9 @@ extern "C" __global__ void moe_down_tiled_f32(float* y, const float* act, const 
 extern "C" __global__ void moe_gate_up_tiled_f16(float* act, const float* x, const int* order, const int* blocks,
         const int* nblocks, const u64* gate_tab, const u64* up_tab, const u64* gs_tab, const u64* us_tab,
         const int* active, int k, int H, int I, int part, int nparts, const float* gbias, const float* ubias,
-        float alpha, float limit) {
+        int kind, float alpha, float limit) {
     moe_gate_up<half_t, false>(act, x, order, blocks, nblocks, gate_tab, up_tab, gs_tab, us_tab, active, k, H, I, part,
-                      nparts, gbias, ubias, alpha, limit);
+                      nparts, gbias, ubias, kind, alpha, limit);
 }
 extern "C" __global__ void moe_down_tiled_f16(float* y, const float* act, const int* blocks, const int* nblocks,
         const u64* down_tab, const u64* ds_tab, const int* active, int H, int I, int part, int nparts,
@@ -305,9 +313,9 @@ extern "C" __global__ void moe_down_tiled_f16(float* y, const float* act, const 
 extern "C" __global__ void moe_gate_up_tiled_bf16(float* act, const float* x, const int* order, const int* blocks,
         const int* nblocks, const u64* gate_tab, const u64* up_tab, const u64* gs_tab, const u64* us_tab,
         const int* active, int k, int H, int I, int part, int nparts, const float* gbias, const float* ubias,
-        float alpha, float limit) {
+        int kind, float alpha, float limit) {
     moe_gate_up<bf16_t, false>(act, x, order, blocks, nblocks, gate_tab, up_tab, gs_tab, us_tab, active, k, H, I, part,
-                      nparts, gbias, ubias, alpha, limit);
+                      nparts, gbias, ubias, kind, alpha, limit);
 }
 extern "C" __global__ void moe_down_tiled_bf16(float* y, const float* act, const int* blocks, const int* nblocks,
         const u64* down_tab, const u64* ds_tab, const int* active, int H, int I, int part, int nparts,
@@ -317,9 +325,9 @@ extern "C" __global__ void moe_down_tiled_bf16(float* y, const float* act, const
 extern "C" __global__ void moe_gate_up_tiled_i8(float* act, const float* x, const int* order, const int* blocks,
         const int* nblocks, const u64* gate_tab, const u64* up_tab, const u64* gs_tab, const u64* us_tab,
         const int* active, int k, int H, int I, int part, int nparts, const float* gbias, const float* ubias,
-        float alpha, float limit) {
+        int kind, float alpha, float limit) {
     moe_gate_up<i8_t, false>(act, x, order, blocks, nblocks, gate_tab, up_tab, gs_tab, us_tab, active, k, H, I, part,
-                      nparts, gbias, ubias, alpha, limit);
+                      nparts, gbias, ubias, kind, alpha, limit);
 }
 extern "C" __global__ void moe_down_tiled_i8(float* y, const float* act, const int* blocks, const int* nblocks,
         const u64* down_tab, const u64* ds_tab, const int* active, int H, int I, int part, int nparts,
@@ -332,9 +340,9 @@ extern "C" __global__ void moe_down_tiled_i8(float* y, const float* act, const i
     extern "C" __global__ void moe_gate_up_skinny_##SUF(float* act, const float* x, const int* order,            \
             const int* blocks, const int* nblocks, const u64* gate_tab, const u64* up_tab, const u64* gs_tab,    \
             const u64* us_tab, const int* active, int k, int H, int I, int part, int nparts, const float* gbias, \
-            const float* ubias, float alpha, float limit) {                                                    \
+            const float* ubias, int kind, float alpha, float limit) {                                         \
         moe_gate_up<TAG, true>(act, x, order, blocks, nblocks, gate_tab, up_tab, gs_tab, us_tab, active, k, H,  \
-                               I, part, nparts, gbias, ubias, alpha, limit);                                  \
+                               I, part, nparts, gbias, ubias, kind, alpha, limit);                            \
     }                                                                                                          \
     extern "C" __global__ void moe_down_skinny_##SUF(float* y, const float* act, const int* blocks,              \
             const int* nblocks, const u64* down_tab, const u64* ds_tab, const int* active, int H, int I,        \
@@ -344,9 +352,9 @@ extern "C" __global__ void moe_down_tiled_i8(float* y, const float* act, const i
     extern "C" __global__ void moe_gate_up_tiled_##SUF(float* act, const float* x, const int* order,             \
             const int* blocks, const int* nblocks, const u64* gate_tab, const u64* up_tab, const u64* gs_tab,    \
             const u64* us_tab, const int* active, int k, int H, int I, int part, int nparts, const float* gbias, \
-            const float* ubias, float alpha, float limit) {                                                    \
+            const float* ubias, int kind, float alpha, float limit) {                                         \
         moe_gate_up<TAG, false>(act, x, order, blocks, nblocks, gate_tab, up_tab, gs_tab, us_tab, active, k, H, \
-                                I, part, nparts, gbias, ubias, alpha, limit);                                 \
+                                I, part, nparts, gbias, ubias, kind, alpha, limit);                           \
     }                                                                                                          \
     extern "C" __global__ void moe_down_tiled_##SUF(float* y, const float* act, const int* blocks,               \
             const int* nblocks, const u64* down_tab, const u64* ds_tab, const int* active, int H, int I,        \

@@ -20,11 +20,16 @@ DEFINES = {
     "SK_WARPS": 8,         # output columns per skinny CTA (one warp each, 256 threads)
     "TBM": 64,             # rows per tiled GEMM CTA: BM of a tiled MoE plan
     "TBN": 64,             # output columns per tiled CTA
-    "ATT_MAX_DPL": 8,      # head_dim values per lane in paged attention: head_dim <= 32 * 8
+    "ATT_MAX_DPL": 16,     # head_dim values per lane in paged attention: head_dim <= 32 * 16 (Gemma 4: 512)
     "ROUTE_MAXJ": 16,      # experts per lane in moe_route: E <= 32 * 16
     "ALIGN_THREADS": 256,  # threads of the one-CTA moe_align
     "ALIGN_EPT": 4,        # experts per align thread: E <= 256 * 4
+    "ACT_SILU": 0,         # FFN activation codes of the MODE 1 tiles (expert_act): SwiGLU,
+    "ACT_SWIGLU_OAI": 1,   # gpt-oss's clamped SwiGLU,
+    "ACT_GELU_TANH": 2,    # GeGLU (Gemma)
 }
+# base.Act.kind -> its code (None: plain SwiGLU)
+ACT_KINDS = {"silu": DEFINES["ACT_SILU"], "swiglu_oai": DEFINES["ACT_SWIGLU_OAI"], "gelu_tanh": DEFINES["ACT_GELU_TANH"]}
 MAX_HEAD_DIM = 32 * DEFINES["ATT_MAX_DPL"]
 MAX_ROUTE_EXPERTS = 32 * DEFINES["ROUTE_MAXJ"]
 MAX_ALIGN_EXPERTS = DEFINES["ALIGN_THREADS"] * DEFINES["ALIGN_EPT"]
@@ -39,7 +44,7 @@ KERNELS = {
     "dense.cu": ("embed_f32", "embed_f16", "embed_bf16", "embed_i8",
                  "matmul_skinny_f32", "matmul_skinny_f16", "matmul_skinny_bf16", "matmul_skinny_i8",
                  "matmul_tiled_f32", "matmul_tiled_f16", "matmul_tiled_bf16", "matmul_tiled_i8",
-                 "rmsnorm", "rope", "add", "f32_to_f16", "f16_to_f32_bias", "bias_add",
+                 "rmsnorm", "rope", "add", "scale", "f32_to_f16", "f16_to_f32_bias", "bias_add",
                  *(f"{k}_{f}" for f in BLOCK_FORMATS for k in ("embed", "matmul_skinny", "matmul_tiled"))),
     "attention.cu": ("kv_write", "paged_attention"),
     "moe.cu": ("moe_route", "moe_align", "moe_combine",
