@@ -14,8 +14,7 @@ from colibri_edge import Engine, ColibriError, COLIBRI_ERR_INVALID_MODEL
 from colibri_edge.convert import translate_config
 from colibri_edge.modeldir import ModelDir
 from conftest import fp32
-from test_parity import ExpertIds
-from test_families import Held
+from test_families import Held, check_batch_single_ragged
 from hf_models import FAMILY_CASES, config_for, convert_case, hf_greedy
 
 TOL = 1e-4
@@ -61,23 +60,7 @@ def test_gemma4_logits_and_routing_match_transformers(backend_name, case, model_
     want, choices = hf_logits_and_choices(hf, batch)
     assert np.abs(want).max() > 1.0
     with open_engine(col, backend_name, max_seq_len=64) as eng:
-        ids = ExpertIds(eng)
-        got = eng.infer(batch)
-        eng.runner.hooks.clear()
-        single = eng.infer(batch[1])
-        ragged = eng.infer([batch[0][:5], batch[2]])
-    scale = np.abs(want).max()
-    assert np.abs(got - want).max() / scale < TOL
-    assert np.abs(single[0] - want[1]).max() / scale < TOL
-    assert np.abs(ragged[0] - hf_logits_and_choices(hf, batch[:1, :5])[0][0]).max() / scale < TOL
-    assert np.abs(ragged[1] - want[2]).max() / scale < TOL
-    compared = 0
-    mine = ids.by_layer()
-    for layer, (hf_idx, margin) in choices.items():
-        for t in np.flatnonzero(margin > 1e-6):
-            assert sorted(mine[layer][t]) == sorted(hf_idx[t]), (layer, t)
-            compared += 1
-    assert compared > 0.9 * sum(len(m) for _, m in choices.values())
+        check_batch_single_ragged(eng, batch, want, choices, lambda b: hf_logits_and_choices(hf, b)[0], 1e-6)
 
 
 @pytest.mark.parametrize("block", [1, 7, 16])
