@@ -98,7 +98,9 @@ def _nvrtc_check():
 
 
 def test_every_kernel_compiles_with_nvrtc():
-    """The text and options the backend gives cupy.RawModule compile with NVRTC (no GPU needed)."""
+    """The text and options the backend gives cupy.RawModule compile with NVRTC (no GPU needed), to
+    PTX with every kernel the backend looks up. `make -C toolchains/cuda nvrtc` (run by `make test`)
+    builds the cubins of every arch too; here the PTX only (moe.cu's cubins take ~50 s an arch)."""
     chk = _nvrtc_check()
     try:
         chk.find_nvrtc()
@@ -106,7 +108,7 @@ def test_every_kernel_compiles_with_nvrtc():
         if "cuda" in REQUIRED:
             pytest.fail(str(e))
         pytest.skip(str(e))
-    failures = chk.check(archs=("sm_80", "sm_90"), verbose=False)
+    failures = chk.check(archs=(), verbose=False)
     assert not failures, "\n\n".join(failures)
 
 

@@ -11,6 +11,7 @@ up, then a cubin per sm_XX. Any error, and any warning, fails (exit 1) with NVRT
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import ctypes
 import glob
 import importlib.util
@@ -139,27 +140,34 @@ def check(archs=DEFAULT_ARCHS, lib=None, verbose=True, files=None):
     if verbose:
         print(f"NVRTC {major}.{minor} ({path}); options {' '.join(src.NVRTC_OPTIONS)}")
     failures = []
-    for fname in files or src.kernel_files():
-        text = src.load_source(fname)
-        for arch in ("compute_80",) + tuple(archs):
-            t0 = time.perf_counter()
-            opts = tuple(src.NVRTC_OPTIONS) + (f"--gpu-architecture={arch}",)
-            ok, log, ptx, cubin = nv.compile(text, fname, opts)
-            what = f"{fname} [{arch}]"
-            if not ok:
-                failures.append(f"{what}: NVRTC error\n{log}")
-            elif log:
-                failures.append(f"{what}: NVRTC warnings (kept at zero)\n{log}")
-            elif ptx is not None:
-                entries = set(re.findall(r"\.entry\s+(\w+)\s*\(", ptx))
-                missing = [k for k in src.KERNELS[fname] if k not in entries]
-                if missing:
-                    failures.append(f"{what}: kernels the backend looks up are missing: {', '.join(missing)}")
-            elif cubin <= 0:
-                failures.append(f"{what}: empty cubin")
-            if verbose:
-                status = "ok" if not failures or not failures[-1].startswith(what) else "FAILED"
-                print(f"  {what:28s} {status} ({time.perf_counter() - t0:.1f}s)", flush=True)
+    jobs = [(fname, arch) for fname in (files or src.kernel_files()) for arch in ("compute_80",) + tuple(archs)]
+
+    def compile_one(job):
+        fname, arch = job
+        t0 = time.perf_counter()
+        opts = tuple(src.NVRTC_OPTIONS) + (f"--gpu-architecture={arch}",)
+        return nv.compile(src.load_source(fname), fname, opts), time.perf_counter() - t0
+
+    # one program per thread (NVRTC is thread-safe across programs; ctypes drops the GIL in the call):
+    # the moe.cu builds take ~50 s each, so the cores share them; results are reported in job order
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+        results = list(pool.map(compile_one, jobs))
+    for (fname, arch), ((ok, log, ptx, cubin), secs) in zip(jobs, results):
+        what = f"{fname} [{arch}]"
+        if not ok:
+            failures.append(f"{what}: NVRTC error\n{log}")
+        elif log:
+            failures.append(f"{what}: NVRTC warnings (kept at zero)\n{log}")
+        elif ptx is not None:
+            entries = set(re.findall(r"\.entry\s+(\w+)\s*\(", ptx))
+            missing = [k for k in src.KERNELS[fname] if k not in entries]
+            if missing:
+                failures.append(f"{what}: kernels the backend looks up are missing: {', '.join(missing)}")
+        elif cubin <= 0:
+            failures.append(f"{what}: empty cubin")
+        if verbose:
+            status = "ok" if not failures or not failures[-1].startswith(what) else "FAILED"
+            print(f"  {what:28s} {status} ({secs:.1f}s)", flush=True)
     return failures
 
 
