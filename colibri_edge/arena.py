@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .backends.base import plan_buffers
-from .validate import geometry
+from .validate import geometries
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def buffers(cfg: dict, lim: Limits) -> dict:
     """name -> (shape, dtype) of every arena buffer (step inputs included)."""
     R = lim.rows
     H, V = cfg["hidden_size"], cfg["vocab_size"]
-    geo = {geometry(cfg, l) for l in cfg["layers"]}      # (Hq, Hkv, D) of each attention geometry
+    geo = geometries(cfg)                               # (Hq, Hkv, D) of each attention geometry
     QW, KW = max(nh * hd for nh, _, hd in geo), max(nkv * hd for _, nkv, hd in geo)   # the widest
     E, k = max(cfg["experts_per_layer"], 1), fan(cfg)
     M = sum(1 for l in cfg["layers"] if l["type"] != "dense")

@@ -25,7 +25,7 @@ from .modeldir import ModelDir
 from .hooks import RoutingHook  # noqa: F401  (re-exported: the hook interface)
 from .slots import likely_experts
 from .state import States, attention_pools
-from .validate import geometry
+from .validate import geometries
 
 
 def layout(cfg: dict, max_rows: int, max_batch: int, max_seq_len: int, num_kv_blocks: int, block_size: int):
@@ -58,7 +58,7 @@ class StepViews:
     def __init__(self, a: dict, inputs: dict, cfg: dict, k: int, pools: int, T: int, nrows: int):
         self.T, self.nrows = T, nrows
         self.x, self.h, self.o = a["x"][:T], a["h"][:T], a["o"][:T]
-        self.geo = {g: AttnViews(a, T, g) for g in {geometry(cfg, l) for l in cfg["layers"]}}
+        self.geo = {g: AttnViews(a, T, g) for g in geometries(cfg)}
         self.tok, self.pos, self.seq = inputs["tok"][:T], inputs["pos"][:T], inputs["seq"][:T]
         self.slots = [inputs[f"slots{p}"][:T] for p in range(pools)]
         self.tables = [inputs[f"tables{p}"] for p in range(pools)]
@@ -102,7 +102,7 @@ class Runner:
                 self.slot_pool = SlotPool(backend, model, expert_slots, slot_policy)
             backend.prepare(model.formats, max([cfg["hidden_size"], cfg["moe_intermediate_size"],
                                                  cfg["intermediate_size"], cfg["shared_expert_intermediate_size"]] +
-                                                [nh * hd for nh, _, hd in {geometry(cfg, l) for l in cfg["layers"]}]),
+                                                [nh * hd for nh, _, hd in geometries(cfg)]),
                             max_rows)
             self.program = program.build(model, backend, self.states.paged, resident=self.slot_pool is None)
             self._alloc()

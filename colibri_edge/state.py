@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass, field
 
 from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_OUT_OF_MEMORY
+from .validate import geometry
 
 
 @dataclass
@@ -265,7 +266,6 @@ def attention_pools(cfg: dict, num_blocks: int, block_size: int) -> list:
     (config layer_types, sliding_window) when there are any; layers of another attention geometry
     (Gemma 4's full layers: their own head_dim and KV heads) get a pool of their own. Each has
     num_blocks blocks: a window pool's sequences hold at most ceil(W / B) + 1 of them between steps."""
-    from .validate import geometry
     types = cfg.get("layer_types") or ["full_attention"] * len(cfg["layers"])
     groups = {}                                     # (window, per-token shape) -> layers, full layers first
     for full in (True, False):

@@ -39,6 +39,11 @@ def geometry(cfg: dict, layer: dict) -> tuple:
     """(query heads, KV heads, head_dim) of a layer's attention."""
     return cfg["num_attention_heads"], layer.get("num_key_value_heads", cfg["num_key_value_heads"]), \
         layer.get("head_dim", cfg["head_dim"])
+
+
+def geometries(cfg: dict) -> set:
+    """Every attention geometry (Hq, Hkv, D) the layer plan has (Gemma 4: two)."""
+    return {geometry(cfg, l) for l in cfg["layers"]}
 ROUTER_MODES = ("topk", "gated")
 QK_NORMS = ("none", "per_head", "full")
 WEIGHT_TYPES = dtypes.WEIGHT_DTYPES
