@@ -10,7 +10,7 @@ reshapes of contiguous buffers are views. Shapes below use
 Required -- abstract here; there is no per-op fallback, so the suite proves each backend whole:
     memory     alloc, to_device, view, upload_into, download
     dense      embed, matmul, rmsnorm, rope, add, scale
-    attention  kv_write, paged_attention
+    attention  kv_write, paged_attention, latent_attention, head_matmul
     MoE        route, align, grouped_ffn, combine
 Optional -- each has its default below, and the core never probes a backend with hasattr:
     OPTIONS                         the Engine.open options it takes                 ()
@@ -300,7 +300,27 @@ class Backend:
     # -- attention (required) ----------------------------------------------------------------
     def kv_write(self, K, V, k, v, slots):
         """K[slots[t]] = k[t]; V[slots[t]] = v[t].  K, V: one layer's cache [num_slots, Hkv, D];
-        k, v: [T,Hkv,D]; slot = block * B + offset in the block (colibri_edge.state)."""
+        k, v: [T,Hkv,D]; slot = block * B + offset in the block (colibri_edge.state). K and V may
+        differ in their last dimension (latent attention: the latent [.., 1, Dc] and the rope key
+        [.., 1, Dr] of every position)."""
+        raise NotImplementedError
+
+    def head_matmul(self, out, x, w: Weight):
+        """Per-head projections (latent attention's absorbed up-projections):
+            out[t, g, n] = sum_k x[t, g, k] * w[g, n, k]
+        out [T,G,N], x [T,G,K] contiguous float32; w a Weight of shape (G, N, K) in float32, float16
+        or bfloat16 (every head's [N, K] matrix contiguous, row-major)."""
+        raise NotImplementedError
+
+    def latent_attention(self, out, q, q_rope, C, R, block_tables, seq_index, positions, block_size, scale):
+        """Multi-head latent attention in the latent space (DeepSeek-V2's MLA, absorbed): every head
+        attends to one shared cache row per position, the latent c (the keys' and the values'
+        compressed form) and the rope key r.
+            s_j = scale * (q[t,h] . C[slot(j)] + q_rope[t,h] . R[slot(j)]),  j = 0..p
+            out[t,h] = sum_j softmax(s)_j C[slot(j)]                          (fp32)
+        q, out [T,Hq,Dc]; q_rope [T,Hq,Dr]; C [num_slots,1,Dc], R [num_slots,1,Dr] (one layer's cache,
+        written by kv_write); token t of sequence s = seq_index[t] at position p = positions[t],
+        slot(j) = block_tables[s, j // B] * B + j % B, as paged_attention."""
         raise NotImplementedError
 
     def paged_attention(self, out, q, K, V, block_tables, seq_index, positions, block_size, scale,
@@ -316,13 +336,19 @@ class Backend:
 
     # -- MoE (required) ----------------------------------------------------------------------
     def route(self, out_ids, out_w, logits, k: int, mode: str, normalize: bool, choice_bias=None,
-              norm_min: float = 0.0, expert_scale=None):
+              norm_min: float = 0.0, expert_scale=None, score: str = "softmax", groups=None,
+              scaling: float = 1.0):
         """logits [T,E] (fp32) -> out_ids [T,k] int32, out_w [T,k] fp32.
-        topk: p = softmax(logits); the k largest p (+ choice_bias [E], a float32 weight, when given:
-        the choice only), ties to the lower expert id; w = their p, divided by max(their sum,
-        norm_min) if normalize, then times expert_scale[id] (a float32 Weight [E], Gemma 4's
-        per_expert_scale) when given. gated: k == E, every expert with weight p. (Model validation
-        guarantees mode and k; colibri_edge.routing.route is the reference.)"""
+        topk: p = softmax(logits) (score "sigmoid": p = 1 / (1 + e^-logits), per expert);
+        c = p + choice_bias [E] (a float32 weight, when given: the choice only);
+        groups = (n, keep, top) (DeepSeek / GLM group-limited routing, n groups of E/n consecutive
+        experts): a group scores the sum of its `top` largest c (1: its maximum), the `keep` best
+        groups stay (ties to the lower group id) and the others' experts are out of the choice;
+        the k largest c among what stays, ties to the lower expert id; w = their p, divided by
+        max(their sum, norm_min) if normalize, times `scaling` (routed_scaling_factor), then times
+        expert_scale[id] (a float32 Weight [E], Gemma 4's per_expert_scale) when given.
+        gated: k == E, every expert with weight p (softmax). (Model validation guarantees mode, k
+        <= keep * E/n and top <= E/n; colibri_edge.routing.route is the reference.)"""
         raise NotImplementedError
 
     def align(self, bufs: dict, ids, num_tokens: int, num_experts: int, top_k: int, tally=None) -> Plan:

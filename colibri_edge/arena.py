@@ -53,7 +53,7 @@ def buffers(cfg: dict, lim: Limits) -> dict:
     R = lim.rows
     H, V = cfg["hidden_size"], cfg["vocab_size"]
     geo = geometries(cfg)                               # (Hq, Hkv, D) of each attention geometry
-    QW, KW = max(nh * hd for nh, _, hd in geo), max(nkv * hd for _, nkv, hd in geo)   # the widest
+    QW, KW = max([nh * hd for nh, _, hd in geo], default=1), max([nkv * hd for _, nkv, hd in geo], default=1)
     E, k = max(cfg["experts_per_layer"], 1), fan(cfg)
     M = sum(1 for l in cfg["layers"] if l["type"] != "dense")
     types = {l["type"] for l in cfg["layers"]}          # the widest FFN the plan runs (sizes it does not use
@@ -73,6 +73,13 @@ def buffers(cfg: dict, lim: Limits) -> dict:
         "expert_counts": ((max(M, 1), E), i32),                                 # tokens routed, on the device
         "inputs": ((sum(math.prod(s) for _, s in input_layout(lim).values()),), i32),
     }
+    la = cfg.get("latent_attention")
+    if la:                                                                      # latent attention (rows only:
+        nh, r, dr = cfg["num_attention_heads"], la["kv_lora_rank"], la["qk_rope_head_dim"]   # nothing here grows
+        for name, width in (("qa", max(la["q_lora_rank"], 1)), ("q_nope", nh * la["qk_nope_head_dim"]),  # with the
+                            ("q_rope", nh * dr), ("c", r), ("r", dr), ("q_lat", nh * r), ("o_lat", nh * r),   # cache)
+                            ("o_v", nh * la["v_head_dim"])):
+            spec[f"mla.{name}"] = ((R, width), f32)
     for name, sd in plan_buffers(R * k, E).items():                             # align's plan, MoE layers
         spec[f"plan.{name}"] = sd
     for name, sd in plan_buffers(R, 1).items():                                 # ... and dense MLPs

@@ -30,9 +30,26 @@ def _cmd_inspect(a):
           f"/{cfg['num_key_value_heads']} kv, head_dim {cfg['head_dim']}, vocab {cfg['vocab_size']}, "
           f"weights {cfg['weight_dtype']}")
     floor = f" (denominator at least {cfg['router_norm_min']:g})" if cfg.get("router_norm_min") else ""
+    g, groups, scaled = cfg.get("router_groups"), "", ""
+    if g:
+        by = "its best" if g["group_top"] == 1 else f"the sum of its best {g['group_top']}"
+        groups = f", within the {g['topk_group']} best of {g['n_group']} expert groups (a group scored by {by})"
+    if cfg.get("routed_scaling_factor"):
+        scaled = f", weights x{cfg['routed_scaling_factor']:g}"
     print(f"  router {cfg['router_mode']} top-{cfg['top_k']} of {cfg['experts_per_layer']}"
-          f"{', choice by p + a per-expert correction bias' if cfg.get('router_choice_bias') else ''}"
-          f"{', renormalised' + floor if cfg['norm_topk_prob'] else ''}, qk_norm {cfg['qk_norm']}")
+          f"{' on sigmoid scores' if cfg.get('router_score') == 'sigmoid' else ''}"
+          f"{', choice by p + a per-expert correction bias' if cfg.get('router_choice_bias') else ''}{groups}"
+          f"{', renormalised' + floor if cfg['norm_topk_prob'] else ''}{scaled}, qk_norm {cfg['qk_norm']}")
+    la = cfg.get("latent_attention")
+    if la:
+        nh, L = cfg["num_attention_heads"], cfg["num_hidden_layers"]
+        full = 4 * L * nh * (la["qk_nope_head_dim"] + la["qk_rope_head_dim"] + la["v_head_dim"])
+        lat = 4 * L * (la["kv_lora_rank"] + la["qk_rope_head_dim"])
+        print(f"  latent attention: q {'through rank ' + str(la['q_lora_rank']) if la['q_lora_rank'] else 'projected'}"
+              f", {nh} heads of {la['qk_nope_head_dim']} + {la['qk_rope_head_dim']} rope dims, values of "
+              f"{la['v_head_dim']}; the cache holds the latent ({la['kv_lora_rank']}) and the rope key "
+              f"({la['qk_rope_head_dim']}) per token and layer: {lat} bytes per token, against {full} for full "
+              f"heads (k + v of {nh} heads): {full / lat:.1f}x less")
     if cfg.get("rope_pairs") == "interleaved":
         print("  rope: the source pairs adjacent dims; q/k rows were permuted to half-split pairs at conversion")
     if cfg["shared_expert_intermediate_size"]:
@@ -67,7 +84,7 @@ def _cmd_inspect(a):
                "moe_dense": "dense MLP + routed experts"}[l["type"]]
         extra = "" if l["type"] == "dense" else f" {l['moe_expert_start']}..{l['moe_expert_start'] + l['moe_num_experts'] - 1}"
         mixer = f"sliding-window attention ({cfg['sliding_window']}){sinks}" \
-            if types[l["layer_id"]] == "sliding_attention" else f"attention{sinks}"
+            if types[l["layer_id"]] == "sliding_attention" else "latent attention" if la else f"attention{sinks}"
         if "head_dim" in l or "num_key_value_heads" in l:
             from .validate import geometry
             _, nkv, hd = geometry(cfg, l)

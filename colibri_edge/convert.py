@@ -260,11 +260,139 @@ def _gemma4_config(hf: dict, gen: dict, path: str, dtype) -> dict:
     return cfg
 
 
+MLA_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
+
+
+def _yarn(rope: dict, max_pos: int, path: str):
+    """rope_parameters -> our rope_scaling (None for the default rope); other rope types refused."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type != "yarn":
+        _refuse(path, "rope_parameters.rope_type", f"rope type {rope_type!r}")
+    from .rope import YARN_FIELDS
+    rs = {k: rope[k] for k in YARN_FIELDS if rope.get(k) is not None}
+    if "original_max_position_embeddings" not in rs:
+        _refuse(path, "rope_parameters.original_max_position_embeddings", "YaRN without its original context")
+    rs.setdefault("factor", max_pos / rs["original_max_position_embeddings"])
+    return rs
+
+
+def mtp_layers(hf: dict) -> int:
+    """Multi-token-prediction layers a DeepSeek-V3 / GLM checkpoint stores after its decoder layers
+    (model.layers.L.. ): the converter skips them (speculative heads; the model runs without them)."""
+    return int(_get(hf, "num_nextn_predict_layers", "num_mtp_layers", default=0) or 0) \
+        if hf.get("model_type") in ("deepseek_v3", "glm4_moe_lite") else 0
+
+
+def _mla_config(hf: dict, gen: dict, path: str, dtype) -> dict:
+    """DeepSeek-V2 / V3 and GLM-4.7-Flash (transformers' deepseek_v2, deepseek_v3, glm4_moe_lite):
+    multi-head latent attention in every layer (q through q_lora_rank or a plain projection, the
+    latent of kv_lora_rank and a rope key shared by the heads; interleaved rope pairs, permuted by the
+    converter to the half-split layout), dense first layers (first_k_dense_replace, mlp_layer_types),
+    then routed experts beside ungated shared ones (n_shared_experts x moe_intermediate_size).
+    Routers: V2 softmax, top-k over all experts (greedy) or within the topk_group best of n_group groups
+    scored by their maximum (group_limited_greedy), never renormalised; V3 / GLM sigmoid, the choice by
+    score + e_score_correction_bias within the topk_group best groups scored by the sum of their top
+    two, weights the scores (renormalised when norm_topk_prob, with 1e-20 as transformers); all times
+    routed_scaling_factor. YaRN's mscale_all_dim enters the softmax scale squared."""
+    mt = hf["model_type"]
+    H, nh, L = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]
+    max_pos = hf.get("max_position_embeddings", 4096)
+    for f in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if not isinstance(hf.get(f), int) or hf[f] < 1:
+            raise invalid_model(path, f, f"{hf.get(f)!r}: latent attention needs a positive integer")
+    if hf.get("attention_bias"):
+        _refuse(path, "attention_bias", "biases on the latent attention's projections")
+    if hf.get("mlp_bias"):
+        _refuse(path, "mlp_bias", "biases in the feed-forward")
+    if hf.get("hidden_act", "silu") != "silu":
+        _refuse(path, "hidden_act", f"activation {hf['hidden_act']!r} (only silu / SwiGLU)")
+    rope = hf.get("rope_parameters") or {}
+    if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        _refuse(path, "partial_rotary_factor", "partial rotary embeddings of the rope key")
+    rope_scaling = _yarn(rope, max_pos, path)
+    if hf.get("rope_scaling") and (hf["rope_scaling"].get("rope_type", hf["rope_scaling"].get("type")) or "default") \
+            != "default" and rope_scaling is None:
+        _refuse(path, "rope_scaling", f"rope scaling {hf['rope_scaling']!r}")
+    theta = float(_get(rope, "rope_theta", default=None) or _get(hf, "rope_theta", default=10000.0))
+    E = _get(hf, "n_routed_experts", "num_local_experts", "num_experts", default=0)
+    top_k = hf.get("num_experts_per_tok") or 1
+    if E and not 1 <= top_k <= E:
+        raise invalid_model(path, "num_experts_per_tok", f"{top_k} is not in 1..{E}")
+    kinds = hf.get("mlp_layer_types")
+    if kinds is None:
+        k0 = hf.get("first_k_dense_replace", 1 if mt == "glm4_moe_lite" else 0) or 0
+        kinds = ["dense" if i < k0 else "sparse" for i in range(L)]
+    if len(kinds) != L or set(kinds) - {"dense", "sparse"}:
+        _refuse(path, "mlp_layer_types", f"MLP layer types {kinds!r}")
+    shared = int(hf.get("n_shared_experts") or 0)
+    moe_inter = hf["moe_intermediate_size"]
+    layers, start = [], 0
+    for i, kind in enumerate(kinds):
+        if kind == "sparse" and E:
+            layers.append({"layer_id": i, "type": "moe_shared" if shared else "moe", "moe_expert_start": start,
+                           "moe_num_experts": E})
+            start += E
+        else:
+            layers.append({"layer_id": i, "type": "dense", "moe_expert_start": 0, "moe_num_experts": 0})
+    extra = {}
+    n_group, topk_group = int(hf.get("n_group") or 1), int(hf.get("topk_group") or 1)
+    if mt == "deepseek_v2":
+        method = hf.get("topk_method", "greedy")
+        if method not in ("greedy", "group_limited_greedy"):
+            _refuse(path, "topk_method", f"routing method {method!r} (DeepSeek-V2: greedy, group_limited_greedy)")
+        normalize, group_top = False, 1
+        if method == "greedy":
+            n_group = 1
+    else:
+        normalize, group_top = bool(hf.get("norm_topk_prob", True)), 2
+        extra.update(router_score="sigmoid", router_choice_bias=True)
+        if normalize:
+            extra["router_norm_min"] = 1e-20
+    if n_group > 1 and E:
+        if E % n_group or not 1 <= topk_group <= n_group or E // n_group < group_top:
+            raise invalid_model(path, "n_group", f"{n_group} groups (topk_group {topk_group}) do not fit {E} "
+                                f"experts (groups of at least {group_top})")
+        if top_k > topk_group * (E // n_group):
+            raise invalid_model(path, "num_experts_per_tok", f"{top_k} is more than the {topk_group} kept groups "
+                                f"of {E // n_group} experts hold")
+        extra["router_groups"] = {"n_group": n_group, "topk_group": topk_group, "group_top": group_top}
+    scaling = float(hf.get("routed_scaling_factor", 1.0) or 1.0)
+    if not (np.isfinite(scaling) and scaling > 0):
+        raise invalid_model(path, "routed_scaling_factor", f"{scaling} is not a positive finite number")
+    if scaling != 1.0:
+        extra["routed_scaling_factor"] = scaling
+    if rope_scaling:
+        extra["rope_scaling"] = rope_scaling
+    interleaved = mt == "deepseek_v2" or bool(hf.get("rope_interleave", True))
+    eos, bos = _eos_bos(hf, gen)
+    dr = hf["qk_rope_head_dim"]
+    return {
+        **extra, "format_version": 1, "model_type": mt, "architectures": hf.get("architectures") or [],
+        "num_hidden_layers": L, "hidden_size": H, "intermediate_size": hf["intermediate_size"],
+        "moe_intermediate_size": moe_inter, "num_attention_heads": nh, "num_key_value_heads": nh, "head_dim": dr,
+        "vocab_size": hf["vocab_size"], "max_position_embeddings": max_pos, "rope_theta": theta,
+        "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)), "experts_per_layer": E if start else 0,
+        "top_k": top_k if start else 1, "router_dtype": "float32", "router_mode": "topk", "norm_topk_prob": normalize,
+        "shared_expert_intermediate_size": shared * moe_inter if start else 0, "shared_expert_gate": False,
+        "attention_bias": False, "attention_out_bias": False, "qk_norm": "none", "eos_token_ids": eos,
+        "bos_token_id": bos, "weight_dtype": dtype, "layers": layers,
+        "rope_pairs": "interleaved" if interleaved else "half_split",
+        "latent_attention": {"kv_lora_rank": hf["kv_lora_rank"], "q_lora_rank": int(hf.get("q_lora_rank") or 0),
+                             "qk_nope_head_dim": hf["qk_nope_head_dim"], "qk_rope_head_dim": dr,
+                             "v_head_dim": hf["v_head_dim"], "norm_eps": 1e-6},
+    }
+
+
 def translate_config(hf: dict, gen: dict, path: str = "config.json", dtype: str | None = None) -> dict:
     """Hugging Face config.json (+ generation_config.json) -> Colibri config.json."""
     mt = hf.get("model_type")
     if mt in ("gemma4", "gemma4_text"):
         return _gemma4_config(hf, gen, path, dtype)
+    if mt in MLA_TYPES:
+        return _mla_config(hf, gen, path, dtype)
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ColibriError(COLIBRI_ERR_INVALID_MODEL_TYPE,
                            f"{path}: field 'model_type': {mt!r} is not supported; supported: "
@@ -499,13 +627,44 @@ def _source_names(cfg: dict, src=None) -> dict:
             m[p + "router_norm"] = (s + "router.scale", lambda a: (a * rs).astype(np.float32))
             m[p + "expert_scale"] = s + "router.per_expert_scale"
             m[p + "scalar"] = s + "layer_scalar"
-        if cfg["model_type"] == "ernie4_5_moe":
+        if cfg["model_type"] == "ernie4_5_moe" or cfg.get("latent_attention"):
             for x in ("gate", "up", "down"):
                 m[p + f"shared.{x}"] = s + f"mlp.shared_experts.{x}_proj.weight"
+        if cfg["model_type"] == "ernie4_5_moe":
             m[p + "router_choice_bias"] = s + "mlp.moe_statics.e_score_correction_bias"
+        if cfg.get("latent_attention"):
+            m.update(_latent_sources(cfg, p, s))
+            m[p + "router_choice_bias"] = s + "mlp.gate.e_score_correction_bias"
     if src is not None and "lm_head.weight" not in src and not cfg["tie_word_embeddings"] and \
             cfg.get("folded_multipliers"):
         m["lm_head"] = "model.embed_tokens.weight"         # tied in the checkpoint, untied by folding
+    return m
+
+
+def _latent_sources(cfg: dict, p: str, s: str) -> dict:
+    """Latent attention's tensors (modeldir.latent_tensors) from the checkpoint's: the query rows
+    [nope | rope] of each head split, kv_a_proj_with_mqa's [latent | rope key] rows split, kv_b_proj
+    [Hq*(dn+dv), r] cut per head into wk_b [Hq, r, dn] (transposed) and wv_b [Hq, dv, r]; rotated rows
+    in interleaved pairs (cfg rope_pairs) permuted to the half-split layout (q and k alike)."""
+    la, nh = cfg["latent_attention"], cfg["num_attention_heads"]
+    r, dn, dr, dv = la["kv_lora_rank"], la["qk_nope_head_dim"], la["qk_rope_head_dim"], la["v_head_dim"]
+    a = s + "self_attn."
+    inter = cfg.get("rope_pairs") == "interleaved"
+
+    def rope_rows(x, heads):
+        return unpermute(x, heads) if inter else x
+
+    q = a + ("q_b_proj.weight" if la["q_lora_rank"] else "q_proj.weight")
+    heads = lambda x: x.reshape(nh, dn + dr, -1)                    # noqa: E731 (q rows by head)
+    kvb = lambda x: x.reshape(nh, dn + dv, r)                       # noqa: E731
+    m = {p + "mla.wq": (q, lambda x: heads(x)[:, :dn].reshape(nh * dn, -1).copy()),
+         p + "mla.wq_rope": (q, lambda x: rope_rows(heads(x)[:, dn:].reshape(nh * dr, -1).copy(), nh)),
+         p + "mla.wkv_a": (a + "kv_a_proj_with_mqa.weight", lambda x: x[:r].copy()),
+         p + "mla.wk_rope": (a + "kv_a_proj_with_mqa.weight", lambda x: rope_rows(x[r:].copy(), 1)),
+         p + "mla.kv_a_norm": a + "kv_a_layernorm.weight",
+         p + "mla.wk_b": (a + "kv_b_proj.weight", lambda x: kvb(x)[:, :dn].transpose(0, 2, 1).copy()),
+         p + "mla.wv_b": (a + "kv_b_proj.weight", lambda x: kvb(x)[:, dn:].copy()),
+         p + "mla.wq_a": a + "q_a_proj.weight", p + "mla.q_a_norm": a + "q_a_layernorm.weight"}
     return m
 
 
@@ -527,8 +686,8 @@ def row_permutations(cfg: dict) -> dict:
     """Colibri tensor name -> heads, for the q/k rows a source with interleaved rope pairs (cfg
     rope_pairs) holds in that layout: they are permuted to the half-split layout by
     gguf_import.unpermute (q and k alike, so q.k is unchanged)."""
-    if cfg.get("rope_pairs") != "interleaved":
-        return {}
+    if cfg.get("rope_pairs") != "interleaved" or cfg.get("latent_attention"):
+        return {}                   # latent attention: its rotated rows are permuted by _latent_sources
     out = {}
     for l in cfg["layers"]:
         p = f"layers.{l['layer_id']}."
@@ -703,6 +862,13 @@ def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool 
         if dropped and progress:
             print(f"convert: {dropped} vision/audio tower tensors skipped (Colibri runs the text model)",
                   file=sys.stderr)
+    skip_mtp = mtp_layers(hf)
+    if skip_mtp:                      # multi-token-prediction layers after the decoder's: not run, skipped
+        L = cfg["num_hidden_layers"]
+        dropped = src.rebase("", "", tuple(f"model.layers.{L + j}." for j in range(skip_mtp)))
+        if dropped and progress:
+            print(f"convert: {dropped} tensors of {skip_mtp} multi-token-prediction layer(s) skipped "
+                  "(speculative-decoding heads; the model runs without them)", file=sys.stderr)
     if cfg["weight_dtype"] is None:   # keep the checkpoint's precision
         cfg["weight_dtype"] = src.dtype("model.embed_tokens.weight") if "model.embed_tokens.weight" in src else "float32"
     emb = "model.embed_tokens.weight"

@@ -25,6 +25,15 @@ no requantisation, so Colibri runs exactly the weights llama.cpp runs. What is t
                            leading_dense_block_count, then every interleave_moe_layer_step-th; shared
                            experts as wide as ffn_gate_shexp (the converter's
                            expert_shared_feed_forward_length is not their width); q/k rows un-permuted
+  deepseek2   deepseek_v2  (DeepSeek-V2/V3, GLM-4.7-Flash, Moonlight) latent attention: q_lora_rank,
+              deepseek_v3  kv_lora_rank, key_length_mla / value_length_mla, the split attn_k_b /
+                           attn_v_b (or an older file's attn_kv_b, split here); the rotated rows in
+                           adjacent pairs (llama.cpp's rope type NORM), un-permuted; expert_gating_func
+                           softmax (V2: groups scored by their best, not renormalised) or sigmoid (V3 /
+                           GLM: exp_probs_b for the choice, groups scored by their best two),
+                           expert_group_count / _used_count, expert_weights_scale / _norm; leading dense
+                           layers; YaRN's yarn_log_multiplier (0.1 mscale_all_dim); nextn_predict_layers
+                           (multi-token prediction) skipped
 (`{arch}.expert_weights_norm`, when a file has it, overrides the renormalisation.)
 
 Every failure is a ColibriError naming the file and the key or tensor: a GGUF that is not one, a
@@ -35,17 +44,19 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 import numpy as np
 from tqdm import tqdm
 
-from .dtypes import is_block, storage_shape, widen
+from .dtypes import is_block, narrow, storage_shape, widen
 from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_MODEL_TYPE, invalid_model
 from . import validate
-from .modeldir import ALIGN, ModelWriter, check_disk, tensor_roles
+from .modeldir import ALIGN, HEAD_TYPES, ModelWriter, check_disk, tensor_roles
 
 ARCHS = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
-         "ernie4_5-moe": "ernie4_5_moe", "gpt-oss": "gpt_oss", "gemma4": "gemma4_text"}
+         "ernie4_5-moe": "ernie4_5_moe", "gpt-oss": "gpt_oss", "gemma4": "gemma4_text",
+         "deepseek2": "deepseek_v2 / deepseek_v3"}
 NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "ernie4_5-moe": True,
              "gpt-oss": True, "gemma4": True}
 # archs whose q/k rows the file holds with adjacent rope pairs (llama.cpp's rope type NORM): un-permuted
@@ -211,6 +222,8 @@ def hf_config(m: GGUFModel) -> tuple[dict, str]:
                            f"{', '.join(ARCHS)} (llama with experts: Mixtral)")
     if arch == "gemma4":
         return _gemma4_config(m), arch
+    if arch == "deepseek2":
+        return _deepseek2_config(m), arch
     a = arch + "."
     g = lambda k, kind=int, **kw: m.get(a + k, kind, **kw)            # noqa: E731
     L = _pos(m, a + "block_count", g("block_count"), 1, validate.MAX_LAYERS)
@@ -324,6 +337,81 @@ def hf_config(m: GGUFModel) -> tuple[dict, str]:
     return hf, arch
 
 
+def _deepseek2_config(m: GGUFModel) -> dict:
+    """llama.cpp's deepseek2 metadata -> a deepseek_v2 (softmax gating) or deepseek_v3 (sigmoid) config
+    for convert._mla_config. The MTP layers a file appends (nextn_predict_layers) are not in the plan."""
+    a = "deepseek2."
+    g = lambda k, kind=int, **kw: m.get(a + k, kind, **kw)            # noqa: E731
+    nextn = _pos(m, a + "nextn_predict_layers", g("nextn_predict_layers", required=False, default=0), 0, 64)
+    L = _pos(m, a + "block_count", g("block_count"), 1 + nextn, validate.MAX_LAYERS) - nextn
+    H = _pos(m, a + "embedding_length", g("embedding_length"))
+    nh = _pos(m, a + "attention.head_count", g("attention.head_count"), 1, validate.MAX_HEADS)
+    r = _pos(m, a + "attention.kv_lora_rank", g("attention.kv_lora_rank"))
+    rq = _pos(m, a + "attention.q_lora_rank", g("attention.q_lora_rank", required=False, default=0), 0)
+    dr = _pos(m, a + "rope.dimension_count", g("rope.dimension_count"))
+    kmla = _pos(m, a + "attention.key_length_mla", g("attention.key_length_mla", required=False,
+                                                    default=g("attention.key_length", required=False)), dr + 1)
+    dv = _pos(m, a + "attention.value_length_mla", g("attention.value_length_mla", required=False,
+                                                    default=g("attention.value_length", required=False)))
+    if kmla is None or dv is None:
+        raise invalid_model(m.path, a + "attention.key_length_mla", "missing (the latent attention's head sizes)")
+    E = _pos(m, a + "expert_count", g("expert_count", required=False, default=0), 0, validate.MAX_EXPERTS)
+    if E == 0:
+        raise ColibriError(COLIBRI_ERR_INVALID_MODEL_TYPE, f"{m.path}: field '{a}expert_count': a dense deepseek2 "
+                           "model (no experts); Colibri runs mixture-of-experts models")
+    k = _pos(m, a + "expert_used_count", g("expert_used_count"), 1, E)
+    gating = g("expert_gating_func", required=False, default=1)      # llama.cpp: absent = softmax (V2)
+    if gating not in (1, 2):
+        raise invalid_model(m.path, a + "expert_gating_func", f"{gating}: softmax (1) and sigmoid (2) are implemented")
+    sigmoid = gating == 2
+    n_group = _pos(m, a + "expert_group_count", g("expert_group_count", required=False, default=1), 1, E)
+    topk_group = _pos(m, a + "expert_group_used_count", g("expert_group_used_count", required=False, default=1),
+                      1, n_group)
+    eps = g("attention.layer_norm_rms_epsilon", float)
+    if not 0 < eps < 1:
+        raise invalid_model(m.path, a + "attention.layer_norm_rms_epsilon", f"{eps} is not in (0, 1)")
+    ctx = _pos(m, a + "context_length", g("context_length", required=False, default=4096), 1, validate.MAX_POSITIONS)
+    rope = {"rope_type": "default", "rope_theta": g("rope.freq_base", float, required=False, default=10000.0)}
+    scaling = g("rope.scaling.type", str, required=False, default="none")
+    factor = g("rope.scaling.factor", float, required=False, default=1.0)
+    if scaling == "yarn" and factor != 1.0:
+        mul = g("rope.scaling.yarn_log_multiplier", float, required=False, default=0.0)
+        rope.update(rope_type="yarn", factor=factor,
+                    original_max_position_embeddings=_pos(m, a + "rope.scaling.original_context_length",
+                                                          g("rope.scaling.original_context_length"), 1,
+                                                          validate.MAX_POSITIONS),
+                    beta_fast=g("rope.scaling.yarn_beta_fast", float, required=False, default=32.0),
+                    beta_slow=g("rope.scaling.yarn_beta_slow", float, required=False, default=1.0))
+        if mul:             # llama.cpp stores 0.1 mscale_all_dim and runs the rope key unscaled (mscale equal)
+            rope.update(mscale=mul / 0.1, mscale_all_dim=mul / 0.1)
+    elif scaling not in ("none", "") and factor != 1.0:
+        raise invalid_model(m.path, a + "rope.scaling.type", f"rope scaling {scaling!r} x{factor} is not implemented")
+    if "token_embd.weight" not in m.tensors:
+        raise invalid_model(m.path, "token_embd.weight", "missing tensor")
+    V = int(m.tensor("token_embd.weight").shape[1])
+    hf = {"model_type": "deepseek_v3" if sigmoid else "deepseek_v2", "architectures": [], "num_hidden_layers": L,
+          "hidden_size": H, "num_attention_heads": nh, "num_key_value_heads": nh, "vocab_size": V,
+          "max_position_embeddings": ctx, "rms_norm_eps": eps, "rope_parameters": rope,
+          "q_lora_rank": rq or None, "kv_lora_rank": r, "qk_nope_head_dim": kmla - dr, "qk_rope_head_dim": dr,
+          "v_head_dim": dv, "n_routed_experts": E, "num_experts_per_tok": k,
+          "moe_intermediate_size": _pos(m, a + "expert_feed_forward_length", g("expert_feed_forward_length")),
+          "intermediate_size": _pos(m, a + "feed_forward_length", g("feed_forward_length", required=False, default=1)),
+          "first_k_dense_replace": _pos(m, a + "leading_dense_block_count",
+                                        g("leading_dense_block_count", required=False, default=0), 0, L),
+          "n_shared_experts": _pos(m, a + "expert_shared_count", g("expert_shared_count", required=False, default=0),
+                                   0, 64),
+          "routed_scaling_factor": g("expert_weights_scale", float, required=False, default=1.0),
+          "norm_topk_prob": g("expert_weights_norm", bool, required=False, default=False),
+          "n_group": n_group, "topk_group": topk_group, "tie_word_embeddings": "output.weight" not in m.tensors,
+          "rope_interleave": True}
+    if not sigmoid:
+        hf["topk_method"] = "group_limited_greedy" if n_group > 1 else "greedy"
+        if hf["norm_topk_prob"]:
+            raise invalid_model(m.path, a + "expert_weights_norm", "renormalised softmax routing in a deepseek2 file: "
+                                "DeepSeek-V2's router (transformers') never renormalises")
+    return hf
+
+
 def _gemma4_config(m: GGUFModel) -> dict:
     """llama.cpp's gemma4 metadata -> a gemma4_text config (convert._gemma4_config's input): per-layer
     KV heads (an array), sliding-layer and full-layer head dims (key_length_swa / key_length), the
@@ -421,6 +509,13 @@ def gguf_names(cfg: dict) -> dict:
                       p + "ffn_out_norm": b + "post_ffw_norm.weight", p + "experts_norm": b + "pre_ffw_norm_2.weight",
                       p + "experts_out_norm": b + "post_ffw_norm_2.weight", p + "router_norm": b + "ffn_gate_inp.scale",
                       p + "expert_scale": b + "ffn_down_exps.scale", p + "scalar": b + "layer_output_scale.weight"})
+        if cfg.get("latent_attention"):
+            m.update({p + "mla.wq_a": b + "attn_q_a.weight", p + "mla.q_a_norm": b + "attn_q_a_norm.weight",
+                      p + "mla.kv_a_norm": b + "attn_kv_a_norm.weight", p + "mla.wk_b": b + "attn_k_b.weight",
+                      p + "mla.wv_b": b + "attn_v_b.weight"})
+            q = b + ("attn_q_b.weight" if cfg["latent_attention"]["q_lora_rank"] else "attn_q.weight")
+            m[p + "mla.wq"] = m[p + "mla.wq_rope"] = q
+            m[p + "mla.wkv_a"] = m[p + "mla.wk_rope"] = b + "attn_kv_a_mqa.weight"
         if cfg["model_type"] == "gpt_oss":
             m[p + "post_attention_norm"] = b + "post_attention_norm.weight"
             m[p + "attn.sinks"] = b + "attn_sinks.weight"
@@ -478,6 +573,40 @@ class _Tensors:
             data = np.asarray(widen(data, fmt), np.float32)
             fmt = "float32"
         return data, fmt
+
+
+def latent_rows(tz: _Tensors, cfg: dict, what: str, name: str, shape):
+    """(data, format) of a latent-attention tensor (modeldir.latent_tensors) from llama.cpp's: the q rows
+    [nope | rope] of each head split, attn_kv_a_mqa's [latent | rope key] rows split, the rotated rows
+    un-permuted from adjacent pairs (rows are whole blocks: bytes move, nothing is requantised);
+    attn_k_b [Hq, r, dn] / attn_v_b [Hq, dv, r] (or an older file's attn_kv_b [Hq*(dn+dv), r], cut
+    here) widened to float32 when not a float format (the per-head matrices run in float, head_matmul)."""
+    la, nh = cfg["latent_attention"], cfg["num_attention_heads"]
+    r, rq, dn, dr, dv = (la[k] for k in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                          "v_head_dim"))
+    part = what.split(".", 2)[-1]
+    if part in ("mla.wq", "mla.wq_rope"):
+        data, fmt = tz.stored(name, (nh * (dn + dr), rq or cfg["hidden_size"]))
+        heads = data.reshape(nh, dn + dr, *data.shape[1:])
+        if part == "mla.wq":
+            return heads[:, :dn].reshape(nh * dn, *data.shape[1:]).copy(), fmt
+        return unpermute(heads[:, dn:].reshape(nh * dr, *data.shape[1:]).copy(), nh), fmt
+    if part in ("mla.wkv_a", "mla.wk_rope"):
+        data, fmt = tz.stored(name, (r + dr, cfg["hidden_size"]))
+        return (data[:r].copy(), fmt) if part == "mla.wkv_a" else (unpermute(data[r:].copy(), 1), fmt)
+    split = name not in tz.m.tensors            # an older file: attn_kv_b, not yet split
+    src = name.replace("attn_k_b", "attn_kv_b").replace("attn_v_b", "attn_kv_b") if split else name
+    if split and src not in tz.m.tensors:
+        raise invalid_model(tz.m.path, name, "missing tensor (nor is attn_kv_b there)")
+    fmt = tz.fmt(src)
+    out = fmt if fmt in HEAD_TYPES else "float16"      # a quantised per-head matrix runs as float16
+    if split:
+        kv, _ = tz.stored(src, (nh * (dn + dv), r), float32=True)
+        kv = kv.reshape(nh, dn + dv, r)
+        data = kv[:, :dn].transpose(0, 2, 1) if part == "mla.wk_b" else kv[:, dn:]
+    else:
+        data, _ = tz.stored(name, shape, float32=True)
+    return narrow(data, out), out
 
 
 def _expert_matrices(tz: _Tensors, layer: int, E: int, H: int, I: int):
@@ -586,7 +715,10 @@ def convert_gguf(path: str, out_dir: str, progress: bool = True) -> dict:
     w = ModelWriter(out_dir, cfg)
     jobs = [("tensor", n) for n in roles] + [("experts", l) for l in moe]
     for kind, what in tqdm(jobs, desc="convert", unit="tensor", disable=not progress):
-        if kind == "tensor":
+        if kind == "tensor" and what.split(".", 2)[-1].startswith("mla.") and roles[what][1] != "float32":
+            data, fmt = latent_rows(tz, cfg, what, names[what], roles[what][0])
+            w.add_tensor(what, data, fmt, shape=roles[what][0])
+        elif kind == "tensor":
             shape, role = roles[what]
             data, fmt = tz.stored(names[what], shape, float32=role == "float32")
             part = what.split(".", 2)[-1]
@@ -601,6 +733,14 @@ def convert_gguf(path: str, out_dir: str, progress: bool = True) -> dict:
                 w.add_expert(what, j, *(x[j] for x in mats), fmts, hidden=H, inter=I)
     if arch == "gemma4":
         tz.used.add("rope_freqs.weight")        # read into the full layers' rope (hf_config)
+    nextn = m.get("deepseek2.nextn_predict_layers", int, required=False, default=0) if arch == "deepseek2" else 0
+    if nextn:                                   # the appended multi-token-prediction layers: not run
+        L = cfg["num_hidden_layers"]
+        mtp = [n for n in m.tensors if re.match(rf"blk\.({'|'.join(str(L + j) for j in range(nextn))})\.", n)]
+        tz.used.update(mtp)
+        if progress:
+            print(f"convert: {len(mtp)} tensors of {nextn} multi-token-prediction layer(s) skipped "
+                  "(speculative-decoding heads; the model runs without them)", file=sys.stderr)
     leftover = sorted(set(m.tensors) - tz.used)
     if leftover:
         w.finish()

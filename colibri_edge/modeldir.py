@@ -72,9 +72,72 @@ def expert_blob_bytes(hidden: int, inter: int, fmts) -> int:
     return expert_sections(hidden, inter, fmts)[1]
 
 
+def latent_tensors(cfg: dict, p: str) -> dict:
+    """A latent-attention layer's tensors (DeepSeek-V2's MLA; H hidden, Hq heads, r kv_lora_rank,
+    rq q_lora_rank, dn qk_nope_head_dim, dr qk_rope_head_dim, dv v_head_dim), each [out, in]:
+        mla.wq_a [rq, H], mla.q_a_norm [rq]    the query's low-rank input, normed (absent when rq = 0)
+        mla.wq [Hq*dn, rq or H]               the unrotated query heads
+        mla.wq_rope [Hq*dr, rq or H]          the rotated query heads (half-split rope layout)
+        mla.wkv_a [r, H], mla.kv_a_norm [r]   the latent c = norm(wkv_a @ x), cached
+        mla.wk_rope [dr, H]                   the rope key shared by every head, cached (rotated)
+        mla.wk_b [Hq, r, dn]                  the key up-projection, absorbed into the query side:
+                                              q_lat[h] = wk_b[h] @ q_nope[h], and q_lat[h] . c = q_nope[h] . k_nope[h]
+        mla.wv_b [Hq, dv, r]                  the value up-projection, applied after attention in latent space
+        attn.wo [H, Hq*dv]
+    (the converter splits the checkpoint's q rows [nope | rope] per head and kv_a_proj_with_mqa's
+    [c | rope] rows, and cuts kv_b_proj [Hq*(dn+dv), r] per head into wk_b (transposed) and wv_b)."""
+    la, H, nh = cfg["latent_attention"], cfg["hidden_size"], cfg["num_attention_heads"]
+    r, rq, dn, dr, dv = (la[k] for k in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                          "v_head_dim"))
+    W, f32, HW = "weight", "float32", "head"
+    t = {}
+    if rq:
+        t[p + "mla.wq_a"], t[p + "mla.q_a_norm"] = ((rq, H), W), ((rq,), f32)
+    t[p + "mla.wq"] = ((nh * dn, rq or H), W)
+    t[p + "mla.wk_b"] = ((nh, r, dn), HW)
+    t[p + "mla.wq_rope"] = ((nh * dr, rq or H), W)
+    t[p + "mla.wkv_a"], t[p + "mla.kv_a_norm"] = ((r, H), W), ((r,), f32)
+    t[p + "mla.wk_rope"] = ((dr, H), W)
+    t[p + "mla.wv_b"] = ((nh, dv, r), HW)
+    t[p + "attn.wo"] = ((H, nh * dv), W)
+    return t
+
+
+def _attention_tensors(cfg: dict, layer: dict, p: str) -> dict:
+    """A GQA layer's attention tensors."""
+    H, W, f32 = cfg["hidden_size"], "weight", "float32"
+    nh, nkv, hd = validate.geometry(cfg, layer)
+    t = {}
+    t[p + "attn.wq"] = ((nh * hd, H), W)
+    t[p + "attn.wk"] = ((nkv * hd, H), W)
+    if not layer.get("k_eq_v"):
+        t[p + "attn.wv"] = ((nkv * hd, H), W)
+    t[p + "attn.wo"] = ((H, nh * hd), W)
+    if cfg["attention_bias"]:
+        t[p + "attn.bq"] = ((nh * hd,), f32)
+        t[p + "attn.bk"] = ((nkv * hd,), f32)
+        if not layer.get("k_eq_v"):
+            t[p + "attn.bv"] = ((nkv * hd,), f32)
+    if cfg["attention_out_bias"]:
+        t[p + "attn.bo"] = ((H,), f32)
+    if cfg.get("attention_sinks"):
+        t[p + "attn.sinks"] = ((nh,), f32)
+    if cfg["qk_norm"] == "per_head":
+        t[p + "attn.q_norm"] = ((hd,), f32)
+        t[p + "attn.k_norm"] = ((hd,), f32)
+    elif cfg["qk_norm"] == "full":
+        t[p + "attn.q_norm"] = ((nh * hd,), f32)
+        t[p + "attn.k_norm"] = ((nkv * hd,), f32)
+    return t
+
+
+HEAD_TYPES = PLAIN          # the per-head matrices' formats (head_matmul): float16 when the model's is not one
+
+
 def tensor_roles(cfg: dict) -> dict:
     """name -> (shape, role) of every non-expert tensor the config implies; role "weight" (a matrix in
-    any weight format) or "float32" (norms, biases, the router and gates). Matrices are [out, in]."""
+    any weight format), "head" (per-head matrices [G, N, K] in a float format: latent attention's) or
+    "float32" (norms, biases, the router and gates). Matrices are [out, in]."""
     H, V = cfg["hidden_size"], cfg["vocab_size"]
     W, f32 = "weight", "float32"
     t = {"embed_tokens": ((V, H), W), "norm": ((H,), f32)}
@@ -83,7 +146,6 @@ def tensor_roles(cfg: dict) -> dict:
     sandwich = cfg.get("norm_layout") == "sandwich"
     for layer in cfg["layers"]:
         p = f"layers.{layer['layer_id']}."
-        nh, nkv, hd = validate.geometry(cfg, layer)
         t[p + "input_norm"] = ((H,), f32)
         t[p + "post_attention_norm"] = ((H,), f32)
         if sandwich:                             # Gemma 4: every branch normed on its way out too
@@ -95,26 +157,10 @@ def tensor_roles(cfg: dict) -> dict:
                 t[p + "experts_out_norm"] = ((H,), f32)
         if cfg.get("layer_scalar"):
             t[p + "scalar"] = ((1,), f32)
-        t[p + "attn.wq"] = ((nh * hd, H), W)
-        t[p + "attn.wk"] = ((nkv * hd, H), W)
-        if not layer.get("k_eq_v"):
-            t[p + "attn.wv"] = ((nkv * hd, H), W)
-        t[p + "attn.wo"] = ((H, nh * hd), W)
-        if cfg["attention_bias"]:
-            t[p + "attn.bq"] = ((nh * hd,), f32)
-            t[p + "attn.bk"] = ((nkv * hd,), f32)
-            if not layer.get("k_eq_v"):
-                t[p + "attn.bv"] = ((nkv * hd,), f32)
-        if cfg["attention_out_bias"]:
-            t[p + "attn.bo"] = ((H,), f32)
-        if cfg.get("attention_sinks"):
-            t[p + "attn.sinks"] = ((nh,), f32)
-        if cfg["qk_norm"] == "per_head":
-            t[p + "attn.q_norm"] = ((hd,), f32)
-            t[p + "attn.k_norm"] = ((hd,), f32)
-        elif cfg["qk_norm"] == "full":
-            t[p + "attn.q_norm"] = ((nh * hd,), f32)
-            t[p + "attn.k_norm"] = ((nkv * hd,), f32)
+        if cfg.get("latent_attention"):
+            t.update(latent_tensors(cfg, p))
+        else:
+            t.update(_attention_tensors(cfg, layer, p))
         if layer["type"] in ("dense", "moe_dense"):
             inter = cfg["intermediate_size"]
             t[p + "mlp.gate"] = ((inter, H), W)
@@ -145,6 +191,11 @@ def tensor_roles(cfg: dict) -> dict:
     return t
 
 
+def head_format(cfg: dict) -> str:
+    """The format the per-head matrices are written in: the model's when a float one, else float16."""
+    return cfg["weight_dtype"] if cfg["weight_dtype"] in HEAD_TYPES else "float16"
+
+
 def expected_tensors(cfg: dict, fmt_of=None) -> dict:
     """name -> (shape, dtype) of every non-expert tensor, for writers: matrices in fmt_of(name, shape)
     (default: the config's weight_dtype), the rest float32; every int8 matrix carries its float32 row
@@ -152,7 +203,8 @@ def expected_tensors(cfg: dict, fmt_of=None) -> dict:
     fmt_of = fmt_of or (lambda name, shape: cfg["weight_dtype"])
     t = {}
     for name, (shape, role) in tensor_roles(cfg).items():
-        t[name] = (shape, fmt_of(name, shape) if role == "weight" else "float32")
+        t[name] = (shape, fmt_of(name, shape) if role == "weight" else head_format(cfg) if role == "head" else
+                   "float32")
         if t[name][1] in QUANTIZED:
             t[name + ".scales"] = ((shape[0],), "float32")
     return t
@@ -357,7 +409,8 @@ class ModelDir:
             validate.tensor_record(path, name, rec)
             if list(rec["shape"]) != list(shape):
                 raise invalid_model(path, f"{name}.shape", f"expected {list(shape)}, got {rec['shape']}")
-            want = ("float32",) if role == "float32" else (self.config["weight_dtype"],) if v1 else WEIGHT_DTYPES
+            want = ("float32",) if role == "float32" else HEAD_TYPES if role == "head" else \
+                (self.config["weight_dtype"],) if v1 else WEIGHT_DTYPES
             if rec["dtype"] not in want:
                 raise invalid_model(path, f"{name}.dtype", f"expected {' or '.join(want) if len(want) < 3 else 'a weight format'}, "
                                     f"got {rec['dtype']}")

@@ -8,6 +8,8 @@ each a mixer plus FFN parts, with every weight's shape in a comment.
 Mixers:    Attention        GQA over a paged KV pool (optional q/k/v/o biases, q/k/v norms, a sliding
                             window, per-head sink logits, a rope frequency table, its own head geometry,
                             an output norm)
+           LatentAttention  multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash) over a paged
+                            cache of latents and rope keys, computed in the latent space
 FFN parts: MoE              route (optionally a router bias, a choice-only bias, a renormalisation
                             floor, per-expert scales, normed inputs), align, the chosen experts' SwiGLU
                             (or gpt-oss's clamped SwiGLU with expert biases, or GeGLU), combine
@@ -58,6 +60,9 @@ class Attention:
     v_norm: Weight | None = None  # [D] ones: v RMS-normed per head without a weight (Gemma 4)
     out_norm: Weight | None = None  # [H]: the output normed before the residual add (sandwich norms)
 
+    def bind(self, storage: dict, layer: int):
+        self.K, self.V = storage[(self.pool, layer, "k")], storage[(self.pool, layer, "v")]
+
     def forward(self, be, s):
         """x += [out_norm] wo @ attention(rope(norm(q)), rope(norm(k)), [v_norm] v), the new k, v
         written to the cache. Keys reused as values (Gemma 4's k_eq_v) are wv = wk, one Weight."""
@@ -80,6 +85,67 @@ class Attention:
         if self.out_norm is not None:
             be.rmsnorm(s.o, s.o, self.out_norm, self.eps)
         be.add(s.x, s.x, s.o)
+
+
+@dataclass
+class LatentAttention:
+    """Multi-head latent attention (DeepSeek-V2's MLA), absorbed: Hq heads, the latent of width r
+    (kv_lora_rank), query/key heads of dn unrotated (qk_nope_head_dim) + dr rotated (qk_rope_head_dim)
+    dims, values of dv (v_head_dim). The cache holds per position and layer only c = norm(wkv_a @ h)
+    [r] and the rotated key k_r = rope(wk_rope @ h) [dr], shared by every head. Head h's key and value
+    would be k[h] = [wk_b[h]^T c | k_r] and v[h] = wv_b[h] c; instead of expanding them for every
+    cached position at every step, the up-projections move to the query and output sides:
+        q_lat[h] = wk_b[h] @ q_nope[h]                      [r]   (q_nope[h] . k_nope[h] = q_lat[h] . c)
+        s_j[h]   = scale (q_lat[h] . c_j + q_rope[h] . k_r,j)
+        o[h]     = wv_b[h] @ sum_j softmax(s[h])_j c_j         [dv]  (values are linear in c)
+        x       += wo @ [o[0] .. o[Hq-1]]
+    so a step reads (r + dr) values per cached position, for all heads at once. Prefill runs the
+    same path (exact in fp32; the expanded form would save FLOPs there, not bytes)."""
+    wq_a: Weight | None         # [rq, H]   the query's low-rank input (q_lora_rank), or None
+    q_a_norm: Weight | None     # [rq]
+    wq: Weight                  # [Hq*dn, rq or H]
+    wq_rope: Weight             # [Hq*dr, rq or H]   (half-split rope layout)
+    wkv_a: Weight               # [r, H]
+    kv_a_norm: Weight           # [r]
+    wk_rope: Weight             # [dr, H]
+    wk_b: Weight                # [Hq, r, dn]
+    wv_b: Weight                # [Hq, dv, r]
+    wo: Weight                  # [H, Hq*dv]
+    heads: int
+    rope_theta: float
+    inv_freq: np.ndarray | None  # [dr/2] host float32 (YaRN's), or None
+    rope_gain: float            # YaRN's attention factor squared, on q_rope (only the rotated part carries it)
+    scale: float                # (dn + dr)^-0.5, times YaRN's mscale^2
+    eps: float                  # of the latents' norms
+    pool: int
+    block_size: int
+    C: object = None            # this layer's cache [blocks*B, 1, r] (the pool's "c")
+    R: object = None            # [blocks*B, 1, dr] (the pool's "r")
+
+    def forward(self, be, s):
+        m = s.mla
+        qin = s.h
+        if self.wq_a is not None:
+            be.matmul(m.qa, s.h, self.wq_a)
+            be.rmsnorm(m.qa, m.qa, self.q_a_norm, self.eps)
+            qin = m.qa
+        be.matmuls((m.q_nope, m.q_rope), qin, (self.wq, self.wq_rope), (None, None))
+        be.matmuls((m.c, m.r), s.h, (self.wkv_a, self.wk_rope), (None, None))
+        be.rmsnorm(m.c, m.c, self.kv_a_norm, self.eps)
+        be.rope(m.q_rope3, m.q_rope3, s.pos, self.rope_theta, self.inv_freq)
+        be.rope(m.r3, m.r3, s.pos, self.rope_theta, self.inv_freq)
+        if self.rope_gain != 1.0:
+            be.scale(m.q_rope, m.q_rope, self.rope_gain)
+        be.kv_write(self.C, self.R, m.c3, m.r3, s.slots[self.pool])
+        be.head_matmul(m.q_lat, m.q_nope3, self.wk_b)
+        be.latent_attention(m.o_lat, m.q_lat, m.q_rope3, self.C, self.R, s.tables[self.pool], s.seq, s.pos,
+                            self.block_size, self.scale)
+        be.head_matmul(m.o_v3, m.o_lat, self.wv_b)
+        be.matmul(s.o, m.o_v, self.wo)
+        be.add(s.x, s.x, s.o)
+
+    def bind(self, storage: dict, layer: int):
+        self.C, self.R = storage[(self.pool, layer, "c")], storage[(self.pool, layer, "r")]
 
 
 @dataclass
@@ -107,6 +173,9 @@ class MoE:
     expert_scale: Weight | None = None  # [E] float32 on the chosen weights (Gemma 4's per_expert_scale)
     norms: tuple | None = None  # Gemma 4: (router_norm, experts_norm, out_norm) [H] each, eps (below)
     eps: float = 0.0
+    score: str = "softmax"      # "sigmoid": p = sigmoid(logits) per expert (DeepSeek-V3, GLM)
+    groups: tuple | None = None  # (n_group, topk_group, group_top): group-limited top-k (DeepSeek, GLM)
+    scaling: float = 1.0        # routed_scaling_factor on the routed weights
 
     @property
     def num_experts(self) -> int:
@@ -120,7 +189,7 @@ class MoE:
             be.rmsnorm(s.h, s.x, self.norms[0], self.eps)
         be.matmul(s.router, s.h, self.router, self.router_bias)
         be.route(s.ids, s.w, s.router, self.top_k, self.mode, self.normalize, self.choice_bias, self.norm_min,
-                 self.expert_scale)
+                 self.expert_scale, self.score, self.groups, self.scaling)
         plan = be.align(r.plan_bufs, s.ids, s.T, len(self.experts), self.top_k, self.tally)
         prefetch = r.on_route(self, s) if r.hooks else None
         if self.norms is not None:
@@ -208,7 +277,7 @@ class ParallelFFN:
 class Layer:
     index: int
     input_norm: Weight          # [H]
-    mixer: Attention
+    mixer: object               # Attention | LatentAttention
     post_norm: Weight           # [H]
     ffns: tuple                 # FFN parts, run in order, each adding into the residual
     scalar: float = 1.0         # x *= scalar after the layer (Gemma 4's layer_scalar)
@@ -281,20 +350,33 @@ def build(model, be, pools, resident: bool) -> Program:
             ones[n] = be.upload(np.ones(n, np.float32))
         return ones[n]
 
+    la = cfg.get("latent_attention")
+    if la:          # softmax scale: 1/sqrt(dn + dr), times YaRN's mscale(factor, mscale_all_dim)^2
+        latent_scale = (la["qk_nope_head_dim"] + la["qk_rope_head_dim"]) ** -0.5 * rope.mscale_all_dim(
+            cfg.get("rope_scaling")) ** 2
+    groups = cfg.get("router_groups")
+    groups = (groups["n_group"], groups["topk_group"], groups["group_top"]) if groups else None
     layers, moe_index = [], 0
     for spec in cfg["layers"]:
         i, p = spec["layer_id"], f"layers.{spec['layer_id']}."
         nh, nkv, hd = geometry(cfg, spec)
         theta, inv_freq, attn_factor = rope_of(spec, hd)
-        wk = w(p + "attn.wk")
-        mixer = Attention(w(p + "attn.wq"), wk, wk if spec.get("k_eq_v") else w(p + "attn.wv"), w(p + "attn.wo"),
-                          w(p + "attn.bq"), w(p + "attn.bk"),
-                          w(p + "attn.bk") if spec.get("k_eq_v") else w(p + "attn.bv"), w(p + "attn.bo"),
-                          w(p + "attn.q_norm"), w(p + "attn.k_norm"), cfg["qk_norm"], theta,
-                          cfg.get("attention_scale", hd ** -0.5) * attn_factor ** 2, eps, pool_of[i],
-                          pools[pool_of[i]].block_size, window=pools[pool_of[i]].window, sinks=w(p + "attn.sinks"),
-                          inv_freq=inv_freq, geo=(nh, nkv, hd), v_norm=ones_of(hd) if cfg.get("v_norm") else None,
-                          out_norm=w(p + "attn.out_norm"))
+        if la:
+            mixer = LatentAttention(w(p + "mla.wq_a"), w(p + "mla.q_a_norm"), w(p + "mla.wq"), w(p + "mla.wq_rope"),
+                                    w(p + "mla.wkv_a"), w(p + "mla.kv_a_norm"), w(p + "mla.wk_rope"),
+                                    w(p + "mla.wk_b"), w(p + "mla.wv_b"), w(p + "attn.wo"), nh, theta, inv_freq,
+                                    attn_factor ** 2, latent_scale, la["norm_eps"], pool_of[i],
+                                    pools[pool_of[i]].block_size)
+        else:
+            wk = w(p + "attn.wk")
+            mixer = Attention(w(p + "attn.wq"), wk, wk if spec.get("k_eq_v") else w(p + "attn.wv"), w(p + "attn.wo"),
+                              w(p + "attn.bq"), w(p + "attn.bk"),
+                              w(p + "attn.bk") if spec.get("k_eq_v") else w(p + "attn.bv"), w(p + "attn.bo"),
+                              w(p + "attn.q_norm"), w(p + "attn.k_norm"), cfg["qk_norm"], theta,
+                              cfg.get("attention_scale", hd ** -0.5) * attn_factor ** 2, eps, pool_of[i],
+                              pools[pool_of[i]].block_size, window=pools[pool_of[i]].window, sinks=w(p + "attn.sinks"),
+                              inv_freq=inv_freq, geo=(nh, nkv, hd), v_norm=ones_of(hd) if cfg.get("v_norm") else None,
+                              out_norm=w(p + "attn.out_norm"))
         moe = None
         if spec["type"] != "dense":
             fm = model.layer_formats[i]
@@ -309,7 +391,8 @@ def build(model, be, pools, resident: bool) -> Program:
             moe = MoE(i, moe_index, w(p + "router"), experts, k, cfg["router_mode"], cfg["norm_topk_prob"],
                       H, I, fm, w(p + "router_choice_bias"), cfg.get("router_norm_min", 0.0),
                       router_bias=w(p + "router_bias"), act=act, expert_scale=w(p + "expert_scale"), norms=norms,
-                      eps=eps)
+                      eps=eps, score=cfg.get("router_score", "softmax"), groups=groups,
+                      scaling=float(cfg.get("routed_scaling_factor", 1.0)))
             moe_index += 1
         if sandwich:
             parts = (ParallelFFN(ffn(p + "mlp"), ffn_act, w(p + "ffn_out_norm"), eps, moe,

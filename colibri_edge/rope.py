@@ -27,6 +27,14 @@ def _mscale(scale: float, m: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
 
+def mscale_all_dim(scaling: dict | None) -> float:
+    """DeepSeek's YaRN softmax factor: mscale(factor, mscale_all_dim) when rope_scaling gives
+    mscale_all_dim (transformers' yarn_apply_mscale; the scale is multiplied by its square), else 1."""
+    if not scaling or not scaling.get("mscale_all_dim"):
+        return 1.0
+    return _mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"]))
+
+
 def inv_freq(theta: float, D: int, scaling: dict | None = None) -> tuple[np.ndarray, float]:
     """-> (f [D/2] float32, attention_factor). scaling: the config's rope_scaling (None: default)."""
     pos = np.float32(theta) ** (np.arange(0, D, 2, dtype=np.float32) / np.float32(D))

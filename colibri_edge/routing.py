@@ -28,27 +28,54 @@ def topk_lower_id(p: np.ndarray, k: int):
     return order.astype(np.int32), np.take_along_axis(p, order, axis=-1)
 
 
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float32, copy=False)
+    return (np.float32(1) / (np.float32(1) + np.exp(-x))).astype(np.float32)
+
+
+def group_mask(c: np.ndarray, groups) -> np.ndarray:
+    """DeepSeek / GLM group-limited routing: c [T,E] -> c with the experts outside the `keep` best of
+    n groups (E/n consecutive experts each; a group scores the sum of its `top` largest c: 1 is its
+    maximum (DeepSeek-V2), 2 the sum of its top two (V3, GLM)) set to -inf; ties to the lower group id."""
+    n, keep, top = groups
+    T, E = c.shape
+    g = c.reshape(T, n, E // n)
+    best = -np.sort(-g, axis=-1)[..., :top]
+    score = best[..., 0].copy()
+    for j in range(1, top):                     # in order: the largest first, as the kernels sum
+        score += best[..., j]
+    kept, _ = topk_lower_id(score, keep)
+    mask = np.zeros((T, n), bool)
+    np.put_along_axis(mask, kept.astype(np.int64), True, axis=-1)
+    return np.where(np.repeat(mask, E // n, axis=1), c, np.float32(-np.inf)).astype(np.float32)
+
+
 def route(logits: np.ndarray, k: int, mode: str = "topk", normalize: bool = True, choice_bias=None,
-          norm_min: float = 0.0, expert_scale=None):
+          norm_min: float = 0.0, expert_scale=None, score: str = "softmax", groups=None, scaling: float = 1.0):
     """logits [T,E] -> (ids [T,k] int32, weights [T,k] fp32). The router always runs in fp32.
-        p = softmax(logits)
-        ids = the k largest of p + choice_bias (choice_bias [E]: the choice only, ERNIE-4.5's
-              e_score_correction_bias; none: p itself), ties to the lower expert id
+        p = softmax(logits), or sigmoid(logits) per expert (score "sigmoid": DeepSeek-V3, GLM)
+        c = p + choice_bias (choice_bias [E]: the choice only, ERNIE-4.5's / DeepSeek-V3's
+            e_score_correction_bias; none: p itself); with groups (n, keep, top) only the experts of
+            the `keep` best groups stay in the choice (group_mask)
+        ids = the k largest c, ties to the lower expert id
         w = p[ids], divided by max(sum of those p, norm_min) when normalize (norm_min: ERNIE's
-              moe_norm_min floor; 0 for every other family), then times expert_scale[ids] when
-              given (expert_scale [E]: Gemma 4's per_expert_scale)
+              moe_norm_min floor, DeepSeek-V3's 1e-20; 0 for every other family), times scaling
+              (routed_scaling_factor), then times expert_scale[ids] when given (expert_scale [E]:
+              Gemma 4's per_expert_scale)
     gated: k == E, every expert with weight p."""
-    p = softmax(logits.astype(np.float32))
+    p = softmax(logits.astype(np.float32)) if score == "softmax" else sigmoid(logits)
     if mode == "gated":
         T, E = p.shape
         return np.tile(np.arange(E, dtype=np.int32), (T, 1)), p.astype(np.float32)
-    if choice_bias is None:
-        ids, w = topk_lower_id(p, k)
-    else:
-        ids, _ = topk_lower_id(p + np.asarray(choice_bias, np.float32).reshape(1, -1), k)
-        w = np.take_along_axis(p, ids, axis=-1)
+    c = p if choice_bias is None else p + np.asarray(choice_bias, np.float32).reshape(1, -1)
+    if groups is not None and groups[0] > 1:
+        c = group_mask(c, groups)
+    ids, _ = topk_lower_id(c, k)
+    w = np.take_along_axis(p, ids, axis=-1)
     if normalize:
         w = w / np.maximum(w.sum(axis=-1, keepdims=True), np.float32(norm_min))
+    if scaling != 1.0:
+        w = w * np.float32(scaling)
     if expert_scale is not None:
         w = w * np.asarray(expert_scale, np.float32).reshape(-1)[ids]
     return ids, w.astype(np.float32)

@@ -28,6 +28,12 @@ from .state import States, attention_pools
 from .validate import geometries
 
 
+def latent_widths(cfg: dict) -> list:
+    """The matrix row widths latent attention adds (q_lora_rank, kv_lora_rank, heads x v_head_dim)."""
+    la = cfg.get("latent_attention")
+    return [la["q_lora_rank"], la["kv_lora_rank"], cfg["num_attention_heads"] * la["v_head_dim"]] if la else []
+
+
 def layout(cfg: dict, max_rows: int, max_batch: int, max_seq_len: int, num_kv_blocks: int, block_size: int):
     """The engine's limits and per-sequence state pools: what the Runner allocates and what
     `colibri inspect` (planning.py) sizes, from the one place."""
@@ -69,6 +75,24 @@ class StepViews:
         self.pred_router, self.pred_ids, self.pred_w = a["pred_router"][:T], a["pred_ids"][:T], a["pred_w"][:T]
         self.rows, self.sel, self.logits = inputs["rows"][:nrows], a["sel"][:nrows], a["logits"][:nrows]
         self.dense_plan = None          # the 1-expert plan of shared experts and dense MLPs, per step
+        self.mla = LatentViews(a, cfg, T) if cfg.get("latent_attention") else None
+
+
+class LatentViews:
+    """Latent attention's step buffers (arena "mla.*", rows only), cut to T tokens: 2-D [T, width] and
+    the per-head 3-D views the rope, head_matmul and latent_attention ops take."""
+
+    def __init__(self, a: dict, cfg: dict, T: int):
+        la, nh = cfg["latent_attention"], cfg["num_attention_heads"]
+        r, dn, dr, dv = la["kv_lora_rank"], la["qk_nope_head_dim"], la["qk_rope_head_dim"], la["v_head_dim"]
+        self.qa = a["mla.qa"][:T]
+        self.q_nope, self.q_rope, self.c, self.r = (a[f"mla.{n}"][:T] for n in ("q_nope", "q_rope", "c", "r"))
+        self.q_lat, self.o_lat, self.o_v = (a[f"mla.{n}"][:T] for n in ("q_lat", "o_lat", "o_v"))
+        self.q_nope3, self.q_rope3 = self.q_nope.reshape(T, nh, dn), self.q_rope.reshape(T, nh, dr)
+        self.c3, self.r3 = self.c.reshape(T, 1, r), self.r.reshape(T, 1, dr)
+        self.q_lat = self.q_lat.reshape(T, nh, r)
+        self.o_lat = self.o_lat.reshape(T, nh, r)
+        self.o_v3 = self.o_v.reshape(T, nh, dv)
 
 
 # expert_slots="auto" keeps this share of the memory free for the engine unused (at least the minimum):
@@ -102,7 +126,7 @@ class Runner:
                 self.slot_pool = SlotPool(backend, model, expert_slots, slot_policy)
             backend.prepare(model.formats, max([cfg["hidden_size"], cfg["moe_intermediate_size"],
                                                  cfg["intermediate_size"], cfg["shared_expert_intermediate_size"]] +
-                                                [nh * hd for nh, _, hd in geometries(cfg)]),
+                                                [nh * hd for nh, _, hd in geometries(cfg)] + latent_widths(cfg)),
                             max_rows)
             self.program = program.build(model, backend, self.states.paged, resident=self.slot_pool is None)
             self._alloc()
@@ -190,8 +214,7 @@ class Runner:
         self.state_storage = {key: be.alloc(shape, np.float32) for key, shape in self.states.storage().items()}
         self.state_bytes = sum(4 * math.prod(s) for s in self.states.storage().values())
         for layer in self.program.layers:
-            m = layer.mixer
-            m.K, m.V = self.state_storage[(m.pool, layer.index, "k")], self.state_storage[(m.pool, layer.index, "v")]
+            layer.mixer.bind(self.state_storage, layer.index)
         for moe in self.program.moe:
             moe.tally = a["expert_counts"][moe.index]
 

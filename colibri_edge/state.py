@@ -66,15 +66,18 @@ EVICTED = -1            # a window pool's table entry whose block was returned (
 
 class PagedPool:
     """Blocks of `block_size` positions for `layers`, each layer storing `per_token` float32 values
-    per position and per tensor (`tensors`, e.g. ("k", "v"), each [num_blocks * B, *per_token]).
+    per position and per tensor (`tensors`, e.g. ("k", "v"), each [num_blocks * B, *per_token]), or
+    tensors of their own shapes (`shapes`: name -> per-token shape; latent attention's c and r).
     window > 0: the layers attend to their last `window` positions only (blocks below are returned)."""
     kind = "paged"
 
-    def __init__(self, name: str, layers, num_blocks: int, block_size: int, per_token: tuple,
-                 tensors=("k", "v"), hint: str = "kv_cache_tokens", window: int = 0):
+    def __init__(self, name: str, layers, num_blocks: int, block_size: int, per_token: tuple = (),
+                 tensors=("k", "v"), hint: str = "kv_cache_tokens", window: int = 0, shapes: dict | None = None):
         self.name, self.layers = name, tuple(layers)
         self.num_blocks, self.block_size, self.window = int(num_blocks), int(block_size), int(window)
-        self.per_token, self.tensors, self.hint = tuple(per_token), tuple(tensors), hint
+        self.per_token, self.hint = tuple(per_token), hint
+        self.shapes = dict(shapes) if shapes else {t: self.per_token for t in tensors}
+        self.tensors = tuple(self.shapes)
         self._free = FreeList(self.num_blocks)
         self._refs = {}                 # block -> sequences holding it, for blocks held by more than one
 
@@ -152,10 +155,10 @@ class PagedPool:
     def storage(self) -> dict:
         """(layer, tensor) -> shape of the float32 storage this pool needs."""
         rows = self.num_blocks * self.block_size
-        return {(l, t): (rows, *self.per_token) for l in self.layers for t in self.tensors}
+        return {(l, t): (rows, *shape) for l in self.layers for t, shape in self.shapes.items()}
 
     def bytes_per_token(self) -> int:
-        return 4 * len(self.layers) * len(self.tensors) * math.prod(self.per_token)
+        return 4 * len(self.layers) * sum(math.prod(s) for s in self.shapes.values())
 
     def usage(self) -> dict:
         u = {"kind": self.kind, "blocks": self.num_blocks, "free": self.free_blocks, "block_size": self.block_size}
@@ -265,7 +268,14 @@ def attention_pools(cfg: dict, num_blocks: int, block_size: int) -> list:
     the full-attention layers (first: the engine's `pool`), and one for the sliding-window layers
     (config layer_types, sliding_window) when there are any; layers of another attention geometry
     (Gemma 4's full layers: their own head_dim and KV heads) get a pool of their own. Each has
-    num_blocks blocks: a window pool's sequences hold at most ceil(W / B) + 1 of them between steps."""
+    num_blocks blocks: a window pool's sequences hold at most ceil(W / B) + 1 of them between steps.
+    Latent attention (every layer): one pool of the latent c [1, kv_lora_rank] and the rope key r
+    [1, qk_rope_head_dim] per position: (kv_lora_rank + qk_rope_head_dim) values per token and layer,
+    not heads x (k + v) dims."""
+    la = cfg.get("latent_attention")
+    if la:
+        return [PagedPool("latent KV cache", [l["layer_id"] for l in cfg["layers"]], num_blocks, block_size,
+                          shapes={"c": (1, la["kv_lora_rank"]), "r": (1, la["qk_rope_head_dim"])})]
     types = cfg.get("layer_types") or ["full_attention"] * len(cfg["layers"])
     groups = {}                                     # (window, per-token shape) -> layers, full layers first
     for full in (True, False):

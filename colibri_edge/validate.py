@@ -26,7 +26,8 @@ from .errors import ColibriError, COLIBRI_ERR_INVALID_MODEL_TYPE, invalid_model
 FORMAT_VERSION = 2            # written; 1 (one weight type for the directory) is still read
 READ_VERSIONS = (1, 2)
 SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared",
-                         "ernie4_5_moe", "gpt_oss", "gemma4_text", "gemma4")
+                         "ernie4_5_moe", "gpt_oss", "gemma4_text", "gemma4", "deepseek_v2", "deepseek_v3",
+                         "glm4_moe_lite")
 LAYER_TYPES = ("dense", "moe", "moe_shared", "moe_dense")   # moe_dense: experts beside a dense MLP (Gemma 4)
 LAYER_FIELDS = ("layer_id", "type", "moe_expert_start", "moe_num_experts")
 # a layer's own attention geometry and rope where it differs from the config's (Gemma 4's full layers):
@@ -42,7 +43,9 @@ def geometry(cfg: dict, layer: dict) -> tuple:
 
 
 def geometries(cfg: dict) -> set:
-    """Every attention geometry (Hq, Hkv, D) the layer plan has (Gemma 4: two)."""
+    """Every attention geometry (Hq, Hkv, D) the layer plan has (Gemma 4: two; latent attention: none)."""
+    if cfg.get("latent_attention"):
+        return set()
     return {geometry(cfg, l) for l in cfg["layers"]}
 ROUTER_MODES = ("topk", "gated")
 QK_NORMS = ("none", "per_head", "full")
@@ -198,7 +201,13 @@ CONFIG_FIELDS = (
     "attention_scale", "folded_multipliers", "router_choice_bias", "router_norm_min", "rope_pairs",
     "layer_types", "sliding_window", "attention_sinks", "rope_scaling", "router_bias", "expert_bias", "expert_act",
     "swiglu_alpha", "swiglu_limit", "norm_layout", "ffn_act", "embed_scale", "final_logit_softcap", "v_norm",
-    "layer_scalar", "router_input_norm", "expert_scale")
+    "layer_scalar", "router_input_norm", "expert_scale", "latent_attention", "router_score", "router_groups",
+    "routed_scaling_factor")
+# latent_attention (DeepSeek-V2/V3, GLM-4.7-Flash): every layer's mixer is multi-head latent attention
+# with kv_lora_rank (the cached latent's width), q_lora_rank (0: a plain q projection),
+# qk_nope_head_dim, qk_rope_head_dim (head_dim, the rotated part), v_head_dim, norm_eps; router_score: softmax
+# (default) or sigmoid; router_groups: group-limited top-k {n_group, topk_group, group_top} (a group
+# scores the sum of its group_top best); routed_scaling_factor multiplies the routed weights
 # Gemma 4: norm_layout "sandwich" (layers.N.attn.out_norm after attention; the FFN stage's parts each
 # normed in and out: mlp.out_norm, experts_norm / experts_out_norm, their sum by ffn_out_norm); ffn_act
 # the dense MLP's activation (silu or gelu_tanh); embed_scale multiplies the embeddings;
@@ -218,7 +227,10 @@ CONFIG_FIELDS = (
 OPTIONAL = ("architectures", "bos_token_id", "attention_scale", "folded_multipliers", "router_choice_bias",
             "router_norm_min", "rope_pairs", "layer_types", "sliding_window", "attention_sinks", "rope_scaling",
             "router_bias", "expert_bias", "expert_act", "swiglu_alpha", "swiglu_limit", "norm_layout", "ffn_act",
-            "embed_scale", "final_logit_softcap", "v_norm", "layer_scalar", "router_input_norm", "expert_scale")
+            "embed_scale", "final_logit_softcap", "v_norm", "layer_scalar", "router_input_norm", "expert_scale",
+            "latent_attention", "router_score", "router_groups", "routed_scaling_factor")
+LATENT_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "norm_eps")
+GROUP_FIELDS = ("n_group", "topk_group", "group_top")
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 EXPERT_ACTS = ("silu", "swiglu_oai", "gelu_tanh")
 FOLDED = ("embedding_multiplier", "residual_multiplier", "logits_scaling")
@@ -289,6 +301,8 @@ def config(cfg, path: str = "config.json") -> dict:
         raise invalid_model(path, "router_mode", f"{cfg['router_mode']} routing takes no choice bias or "
                             "renormalisation floor (topk does)")
     _attention_fields(path, cfg, L)
+    _latent_fields(path, cfg)
+    _router_fields(path, cfg, E)
     layers = _list(path, "layers", cfg["layers"], MAX_LAYERS)
     if len(layers) != L:
         raise invalid_model(path, "layers", f"has {len(layers)} entries, num_hidden_layers is {L}")
@@ -345,6 +359,62 @@ def _layer_attention(path, f, cfg, layer):
         _num(path, f"{f}.rope_partial", layer["rope_partial"], 0.0, 1.0)
     if "k_eq_v" in layer:
         _bool(path, f"{f}.k_eq_v", layer["k_eq_v"])
+
+
+def _latent_fields(path, cfg):
+    """latent_attention: ranks and head dims, and what latent attention does not combine with."""
+    if "latent_attention" not in cfg:
+        return
+    la = _obj(path, "latent_attention", cfg["latent_attention"])
+    _known(path, "latent_attention.", la, LATENT_FIELDS)
+    for f in LATENT_FIELDS:
+        if f not in la:
+            raise invalid_model(path, f"latent_attention.{f}", "missing")
+        if f == "norm_eps":             # the latents' norms' own eps (transformers: 1e-6, not rms_norm_eps)
+            _num(path, "latent_attention.norm_eps", la[f], 0.0, 1.0, lo_open=True)
+        else:
+            _int(path, f"latent_attention.{f}", la[f], 0 if f == "q_lora_rank" else 1, 1 << 14)
+    if la["qk_rope_head_dim"] % 2:
+        raise invalid_model(path, "latent_attention.qk_rope_head_dim", f"{la['qk_rope_head_dim']} is odd; "
+                            "rotary embeddings need an even width")
+    if cfg["head_dim"] != la["qk_rope_head_dim"]:
+        raise invalid_model(path, "head_dim", f"is {cfg['head_dim']}; with latent attention it is the rotated "
+                            f"width, latent_attention.qk_rope_head_dim = {la['qk_rope_head_dim']}")
+    for f, off in (("layer_types", None), ("attention_sinks", False), ("v_norm", False)):
+        if cfg.get(f, off) not in (off, None) and not (f == "layer_types" and
+                                                       set(cfg[f]) == {"full_attention"}):
+            raise invalid_model(path, f, "does not combine with latent_attention (every layer attends to all "
+                                "its positions through the latent cache)")
+    if cfg["qk_norm"] != "none" or cfg["attention_bias"] or cfg.get("norm_layout", "pre") != "pre":
+        raise invalid_model(path, "latent_attention", "takes qk_norm 'none', no attention_bias and norm_layout "
+                            "'pre' (its own norms are the latents')")
+    if any(k in l for l in cfg["layers"] for k in LAYER_OPTIONAL):
+        raise invalid_model(path, "layers", "per-layer attention geometry does not combine with latent_attention")
+
+
+def _router_fields(path, cfg, E):
+    """router_score, router_groups, routed_scaling_factor."""
+    score = _enum(path, "router_score", cfg.get("router_score", "softmax"), ("softmax", "sigmoid"))
+    if "routed_scaling_factor" in cfg:
+        _num(path, "routed_scaling_factor", cfg["routed_scaling_factor"], 0.0, 1e6, lo_open=True)
+    if (score != "softmax" or "router_groups" in cfg) and cfg["router_mode"] != "topk":
+        raise invalid_model(path, "router_mode", f"{cfg['router_mode']} routing takes no sigmoid scores or groups "
+                            "(topk does)")
+    if "router_groups" not in cfg:
+        return
+    g = _obj(path, "router_groups", cfg["router_groups"])
+    _known(path, "router_groups.", g, GROUP_FIELDS)
+    for f in GROUP_FIELDS:
+        if f not in g:
+            raise invalid_model(path, f"router_groups.{f}", "missing")
+    n = _int(path, "router_groups.n_group", g["n_group"], 1, max(E, 1))
+    if E % n:
+        raise invalid_model(path, "router_groups.n_group", f"{n} does not divide experts_per_layer={E}")
+    keep = _int(path, "router_groups.topk_group", g["topk_group"], 1, n)
+    _int(path, "router_groups.group_top", g["group_top"], 1, min(2, E // n))
+    if cfg["top_k"] > keep * (E // n):
+        raise invalid_model(path, "top_k", f"{cfg['top_k']} is more than the {keep} kept groups of {E // n} "
+                            "experts hold")
 
 
 def _attention_fields(path, cfg, L):

@@ -103,6 +103,42 @@ FAMILY_CASES = {
                                  top_k_experts=4, sliding_window=40, final_logit_softcapping=30.0,
                                  max_position_embeddings=256,
                                  layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
+    # latent attention (issue 17). DeepSeek-V2: a plain q projection, softmax routing within the 2 best of 4
+    # groups scored by their maximum, top-6 of 16, not renormalised, scaled; YaRN whose mscale differs from
+    # mscale_all_dim (the rope key carries the attention factor, the softmax scale mscale_all_dim's square);
+    # a dense first layer, two shared experts
+    "deepseek_v2": ("deepseek_v2", dict(vocab_size=97, hidden_size=64, intermediate_size=96, moe_intermediate_size=24,
+                                        num_hidden_layers=3, num_attention_heads=4, q_lora_rank=None, kv_lora_rank=24,
+                                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=16,
+                                        num_experts_per_tok=6, n_group=4, topk_group=2,
+                                        topk_method="group_limited_greedy", n_shared_experts=2,
+                                        routed_scaling_factor=1.5, first_k_dense_replace=1,
+                                        max_position_embeddings=256,
+                                        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                                             original_max_position_embeddings=64, beta_fast=32,
+                                                             beta_slow=1, mscale=0.707, mscale_all_dim=1.0))),
+    # DeepSeek-V3 (Moonlight): q through a low rank, sigmoid scores + a (random) correction bias for the
+    # choice within the 2 best of 4 groups scored by their top two, top-1, renormalised, x2.5; a rope
+    # key of 6 (not half the head), values of 20, one shared expert, interleaved rope
+    "deepseek_v3": ("deepseek_v3", dict(vocab_size=89, hidden_size=48, intermediate_size=64, moe_intermediate_size=16,
+                                        num_hidden_layers=3, num_attention_heads=3, num_key_value_heads=3,
+                                        q_lora_rank=32, kv_lora_rank=20, qk_nope_head_dim=10, qk_rope_head_dim=6,
+                                        v_head_dim=20, n_routed_experts=8, num_experts_per_tok=1, n_group=4,
+                                        topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
+                                        first_k_dense_replace=1, norm_topk_prob=True, rope_interleave=True,
+                                        max_position_embeddings=256,
+                                        rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+    # GLM-4.7-Flash: sigmoid + bias in one group, top-6 of 8, renormalised, x1.8, the half-split rope
+    # (rope_interleave off), dense layer first (mlp_layer_types), values wider than the keys
+    "glm4_moe_lite": ("glm4_moe_lite", dict(vocab_size=101, hidden_size=64, intermediate_size=80,
+                                            moe_intermediate_size=24, num_hidden_layers=3, num_attention_heads=4,
+                                            num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32,
+                                            qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=16,
+                                            n_routed_experts=8, num_experts_per_tok=6, n_group=1, topk_group=1,
+                                            n_shared_experts=1, routed_scaling_factor=1.8, norm_topk_prob=True,
+                                            rope_interleave=False, mlp_layer_types=["dense", "sparse", "sparse"],
+                                            max_position_embeddings=256,
+                                            rope_parameters=dict(rope_type="default", rope_theta=1000000.0))),
 }
 GEMMA4_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                      num_key_value_heads=2, head_dim=16)
@@ -116,7 +152,8 @@ def config_for(model_type: str, **overrides):
            "granitemoe": transformers.GraniteMoeConfig,
            "granitemoeshared": transformers.GraniteMoeSharedConfig,
            "ernie4_5_moe": transformers.Ernie4_5_MoeConfig, "gpt_oss": transformers.GptOssConfig,
-           "gemma4_text": transformers.Gemma4TextConfig,
+           "gemma4_text": transformers.Gemma4TextConfig, "deepseek_v2": transformers.DeepseekV2Config,
+           "deepseek_v3": transformers.DeepseekV3Config, "glm4_moe_lite": transformers.Glm4MoeLiteConfig,
            "gemma4": lambda **kw: transformers.Gemma4Config(text_config=kw, vision_config=GEMMA4_VISION,
                                                             audio_config=None)}[model_type]
     return cls(**overrides)
@@ -137,6 +174,8 @@ def randomize(model, cfg):
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):      # Gemma 4's per-layer output scale (a saved buffer)
                 b.copy_(0.6 + 0.8 * torch.rand_like(b))
+            if name.endswith("e_score_correction_bias"):   # DeepSeek-V3 / GLM: non-zero, reordering choices
+                b.copy_(0.1 * torch.randn_like(b))
         if "lm_head" in dict(model.named_parameters()) and not cfg.tie_word_embeddings:
             model.lm_head.weight.mul_(3.0)
 

@@ -99,6 +99,20 @@ def check_batch_single_ragged(eng, batch, want, choices, oracle, min_margin):
     assert compared > 0.9 * sum(len(m) for _, m in choices.values())
 
 
+def check_slot_pool(opener, vocab):
+    """Experts streamed through 4 slots (opener(expert_slots=4)): the same logits and 8 greedy tokens
+    as with every expert resident (opener()), with slot misses on the way."""
+    ids = np.random.default_rng(5).integers(0, vocab, size=(2, 9))
+    prompt = [3, 9, 27, 81, 2, 6, 18]
+    with opener() as eng:
+        want, want_gen = eng.infer(ids), eng.generate(prompt, max_new_tokens=8, ignore_eos=True)
+    with opener(expert_slots=4) as eng:
+        got = eng.infer(ids)
+        assert eng.generate(prompt, max_new_tokens=8, ignore_eos=True) == want_gen
+        assert eng.slot_stats["misses"] > 0
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
+
+
 @pytest.mark.parametrize("block", [1, 7, 16])
 def test_gpt_oss_greedy_matches_transformers(backend_name, block, model_cache):
     """32 greedy tokens after a prompt longer than the window (6), token for token."""

@@ -14,7 +14,7 @@ from colibri_edge import Engine, ColibriError, COLIBRI_ERR_INVALID_MODEL
 from colibri_edge.convert import translate_config
 from colibri_edge.modeldir import ModelDir
 from conftest import fp32
-from test_families import Held, check_batch_single_ragged
+from test_families import Held, check_batch_single_ragged, check_slot_pool
 from hf_models import FAMILY_CASES, config_for, convert_case, hf_greedy
 
 TOL = 1e-4
@@ -83,15 +83,8 @@ def test_gemma4_through_the_slot_pool(backend_name, model_cache):
     """Experts streamed through 2 slots (the per-expert path with GeGLU and the expert scales indexed
     by expert id): the same logits and greedy tokens as with every expert resident."""
     _, col = convert_case(model_cache, "gemma4_vl")
-    ids = np.random.default_rng(5).integers(0, FAMILY_CASES["gemma4_vl"][1]["vocab_size"], size=(2, 9))
-    prompt = [3, 9, 27, 81, 2, 6, 18]
-    with open_engine(col, backend_name, max_seq_len=64) as eng:
-        want, want_gen = eng.infer(ids), eng.generate(prompt, max_new_tokens=8, ignore_eos=True)
-    with open_engine(col, backend_name, max_seq_len=64, expert_slots=4) as eng:
-        got = eng.infer(ids)
-        assert eng.generate(prompt, max_new_tokens=8, ignore_eos=True) == want_gen
-        assert eng.slot_stats["misses"] > 0
-    assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
+    check_slot_pool(lambda **kw: open_engine(col, backend_name, max_seq_len=64, **kw),
+                    FAMILY_CASES["gemma4_vl"][1]["vocab_size"])
 
 
 @pytest.mark.parametrize("block", [1, 4])

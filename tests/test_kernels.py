@@ -533,3 +533,114 @@ def test_grouped_ffn_gelu_tanh(kernel_backend, T, k, E, H, I, rng):
         by, act = be.alloc((T, Hw)), be.alloc((T, Iw))
         be.grouped_ffn(by, dev(be, x), bex[:1], bp, act, Act("gelu_tanh"))
         close(be.download(by), y, 2e-2 if int8_path(be, wd) else TOL.get(wd, 1e-5))
+
+
+HEAD_WEIGHTS = ("float32", "float16", "bfloat16")
+
+
+@pytest.mark.parametrize("T,G,N,K", [(1, 3, 37, 29), (7, 16, 64, 20), (33, 5, 130, 19), (2, 16, 512, 128),
+                                     (3, 4, 96, 512)])
+def test_head_matmul(kernel_backend, T, G, N, K, rng):
+    """Latent attention's per-head up-projections: out[t,g] = w[g] @ x[t,g] for every float weight
+    type; one token (decode) and many, odd sizes, the absorbed key (K = qk_nope) and value (K =
+    kv_lora_rank) shapes of DeepSeek-V2-Lite."""
+    ref, be = backend(kernel_backend)
+    x = rng.standard_normal((T, G, K)).astype(np.float32)
+    w32 = (rng.standard_normal((G, N, K)) / np.sqrt(K)).astype(np.float32)
+    for wd in HEAD_WEIGHTS:
+        st = narrow(w32, wd)
+        want = np.zeros((T, G, N), np.float32)
+        ref.head_matmul(want, x, ref.upload(st, wd))
+        np.testing.assert_allclose(want, np.einsum("tgk,gnk->tgn", x, widen(st, wd)), rtol=1e-4, atol=1e-4)
+        out = be.alloc((T, G, N))
+        be.head_matmul(out, dev(be, x), be.upload(st, wd))
+        close(be.download(out), want, 1e-5)
+
+
+@pytest.mark.parametrize("Hq,Dc,Dr,block,nslots", [(16, 512, 64, 16, 256), (3, 37, 6, 1, 96), (5, 20, 4, 7, 140),
+                                                   (20, 130, 64, 5, 200), (1, 8, 2, 3, 60)])
+def test_latent_attention(kernel_backend, Hq, Dc, Dr, block, nslots, rng):
+    """Latent attention through block tables: the latent c and rope key r of every position written
+    by kv_write (two tensors of different widths), two sequences with scattered tables (a prefill
+    chunk of one and decode of the other, up to the tables' last position), every head reading the
+    one shared cache row."""
+    ref, be = backend(kernel_backend)
+    nblocks = nslots // block
+    perm = rng.permutation(nblocks).astype(np.int32)
+    maxb = nblocks // 2
+    tables = np.stack([perm[:maxb], perm[maxb:2 * maxb]]).astype(np.int32)
+    last = maxb * block - 1
+    seq = np.array([0, 0, 0, 0, 1], np.int32)
+    pos = np.array([last - 3, last - 2, last - 1, last, min(17, last)], np.int32)
+    T = len(seq)
+    rC, rR = np.zeros((nslots, 1, Dc), np.float32), np.zeros((nslots, 1, Dr), np.float32)
+    bC, bR = be.alloc((nslots, 1, Dc)), be.alloc((nslots, 1, Dr))
+    for s in (0, 1):
+        n = int(pos[seq == s].max()) + 1
+        j = np.arange(n)
+        slots = (tables[s, j // block] * block + j % block).astype(np.int32)
+        c = rng.standard_normal((n, 1, Dc)).astype(np.float32)
+        r = rng.standard_normal((n, 1, Dr)).astype(np.float32)
+        ref.kv_write(rC, rR, c, r, slots)
+        be.kv_write(bC, bR, dev(be, c), dev(be, r), dev(be, slots))
+    np.testing.assert_array_equal(be.download(bC), rC)
+    np.testing.assert_array_equal(be.download(bR), rR)
+    q = rng.standard_normal((T, Hq, Dc)).astype(np.float32)
+    qr = rng.standard_normal((T, Hq, Dr)).astype(np.float32)
+    scale = (Dc + Dr) ** -0.5
+    want = np.zeros_like(q)
+    ref.latent_attention(want, q, qr, rC, rR, tables, seq, pos, block, scale)
+    t = 4                                          # one token, by hand: softmax over its positions
+    j = np.arange(pos[t] + 1)
+    sl = tables[seq[t], j // block] * block + j % block
+    sc = (q[t] @ rC[sl, 0].T + qr[t] @ rR[sl, 0].T) * scale
+    p = np.exp(sc - sc.max(-1, keepdims=True))
+    np.testing.assert_allclose(want[t], (p / p.sum(-1, keepdims=True)) @ rC[sl, 0], rtol=1e-4, atol=1e-5)
+    out = be.alloc((T, Hq, Dc))
+    be.latent_attention(out, dev(be, q), dev(be, qr), bC, bR, dev(be, tables), dev(be, seq), dev(be, pos), block,
+                        scale)
+    close(be.download(out), want, 1e-5)
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_route_groups_sigmoid_scaling(kernel_backend, score, rng):
+    """DeepSeek / GLM routers: softmax or sigmoid scores, a choice-only bias, group-limited top-k (a
+    group scored by its maximum or the sum of its top two; groups tied in score kept by the lower id),
+    weights renormalised or not, times routed_scaling_factor. E under a SIMD row, 64 and over a warp."""
+    ref, be = backend(kernel_backend)
+    for T, E, k, groups, bias, normalize in ((9, 8, 1, (4, 2, 2), True, True), (7, 64, 6, (8, 3, 2), True, True),
+                                             (6, 64, 6, (8, 3, 1), False, False), (5, 300, 8, (10, 3, 2), True, True),
+                                             (4, 16, 4, None, True, False), (3, 12, 3, (4, 4, 1), False, True)):
+        logits = rng.standard_normal((T, E)).astype(np.float32)
+        cb = (0.1 * rng.standard_normal(E)).astype(np.float32) if bias else None
+        g = E // groups[0] if groups else E // 2
+        logits[0, :] = -4.0                         # token 0: groups 0 and 1 tie exactly (same scores),
+        logits[0, 0] = 3.0                          # experts 0 and g too: 0 goes first
+        logits[0, g:2 * g] = logits[0, :g]
+        if cb is not None:
+            cb[g:2 * g] = cb[:g]
+        scaling = 2.5
+        rid, rw = np.zeros((T, k), np.int32), np.zeros((T, k), np.float32)
+        ref.route(rid, rw, logits, k, "topk", normalize, None if cb is None else ref.upload(cb),
+                  1e-20 if normalize else 0.0, None, score, groups, scaling)
+        bid, bw = be.alloc((T, k), np.int32), be.alloc((T, k))
+        be.route(bid, bw, dev(be, logits), k, "topk", normalize, None if cb is None else be.upload(cb),
+                 1e-20 if normalize else 0.0, None, score, groups, scaling)
+        np.testing.assert_array_equal(be.download(bid), rid)
+        close(be.download(bw), rw, 1e-6)
+        p = routing.softmax(logits) if score == "softmax" else 1 / (1 + np.exp(-logits.astype(np.float64)))
+        w = np.take_along_axis(p, rid, -1)
+        want = scaling * (w / w.sum(-1, keepdims=True) if normalize else w)
+        np.testing.assert_allclose(rw, want, rtol=1e-5)          # the weights are p, not the biased choice
+        if groups and groups[0] > 1:
+            n, keep, top = groups
+            c = p + (0 if cb is None else cb)
+            gs = -np.sort(-c.reshape(T, n, g), -1)[..., :top].sum(-1)
+            kept = np.argsort(-gs, -1, kind="stable")[:, :keep]
+            assert all(set(rid[t] // g) <= set(kept[t]) for t in range(T))   # only kept groups' experts
+            assert 0 in rid[0]
+            free = np.zeros((T, k), np.int32)
+            ref.route(free, np.zeros((T, k), np.float32), logits, k, "topk", normalize,
+                      None if cb is None else ref.upload(cb), 0.0, None, score, None, scaling)
+            if keep < n and k > 1:
+                assert (free != rid).any(), "the groups changed no choice: the test proves nothing"

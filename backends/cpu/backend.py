@@ -120,6 +120,9 @@ class Backend(BackendBase):
         # float32-activation path stays, int8_activations=False / COLIBRI_INT8_ACTIVATIONS=0
         self.int8_activations = bool(int8_activations)
         self._qx = (np.zeros((1, 0), np.int8), np.zeros((1, 0), np.float32), np.zeros((1, 0), np.float32))
+        self._route_c = np.zeros(0, np.float32)     # route's choice and group scores [E + groups]
+        self._ml = np.zeros((0, 2), np.float32)     # latent attention's running (max, sum) [T*Hq, 2]
+        self._heads_warm = set()                    # the types head_matmul was warmed in
         self._warm_up(("float32",), common=True)
 
     def prepare(self, formats, max_cols, max_rows=2):
@@ -192,6 +195,17 @@ class Backend(BackendBase):
         self.kv_write(K, V, kv, kv, pos)
         self.paged_attention(q.copy(), q, K, V, self.alloc((1, 2), i32), pos, pos, B, 0.5)
 
+    def _warm_latent(self, dtype):
+        """head_matmul in weight type dtype and latent_attention, once on tiny buffers (as _warm_up)."""
+        T, G, N, K, B = 2, 2, 4, 4, 2
+        i32 = np.int32
+        pos = self.alloc((T,), i32)
+        w = self.upload(np.zeros((G, N, K), STORAGE[dtype]), dtype)
+        x = self.alloc((T, G, K))
+        self.head_matmul(self.alloc((T, G, N)), x, w)
+        self.latent_attention(x.copy(), x, self.alloc((T, G, 2)), self.alloc((2 * B, 1, K)), self.alloc((2 * B, 1, 2)),
+                              self.alloc((1, 2), i32), pos, pos, B, 0.5)
+
     def _use_threads(self):
         if getattr(_thread_state, "n", None) != self.threads:
             self.numba.set_num_threads(self.threads)
@@ -260,6 +274,16 @@ class Backend(BackendBase):
         n = int(np.prod(shape)) * dt.itemsize
         return _readonly(buf[byte_offset:byte_offset + n].view(dt).reshape(shape))
 
+    def upload(self, host, dtype="float32", scales=None, shape=None):
+        """The upload policy (base.Backend.upload). The first per-head weight [G, N, K] in a type (latent
+        attention's: the only 3-D weights) warms head_matmul in that type and latent_attention, so
+        they compile (or load from the cache) at model open, and only for a model that runs them."""
+        w = super().upload(host, dtype, scales, shape)
+        if len(w.shape) == 3 and dtype not in self._heads_warm:
+            self._heads_warm.add(dtype)
+            self._warm_latent(dtype)
+        return w
+
     def upload_into(self, dst, host):
         dst[...] = host
 
@@ -322,6 +346,20 @@ class Backend(BackendBase):
     def kv_write(self, K, V, k, v, slots):
         self.k.kv_write(K, V, k, v, slots)
 
+    def head_matmul(self, out, x, w):
+        self._use_threads()
+        self.k.head_matmul(out, x, w.data, self.work)
+
+    def latent_attention(self, out, q, q_rope, C, R, block_tables, seq_index, positions, block_size, scale):
+        """Parallel over (token, part of its heads): one part per token, or as many as make the parts
+        reach the threads when the tokens are fewer (decode)."""
+        self._use_threads()
+        T, Hq = q.shape[0], q.shape[1]
+        if self._ml.shape[0] < T * Hq:
+            self._ml = np.zeros((T * Hq, 2), np.float32)
+        self.k.latent_attention(out, q, q_rope, C, R, block_tables, seq_index, positions, int(block_size),
+                                float(scale), min(Hq, -(-self.threads // T)), self._ml)
+
     def paged_attention(self, out, q, K, V, block_tables, seq_index, positions, block_size, scale, window=0,
                         sinks=None):
         self._use_threads()
@@ -329,10 +367,15 @@ class Backend(BackendBase):
                                int(window), self.none if sinks is None else sinks.data)
 
     # -- MoE ---------------------------------------------------------------------------------
-    def route(self, out_ids, out_w, logits, k, mode, normalize, choice_bias=None, norm_min=0.0, expert_scale=None):
+    def route(self, out_ids, out_w, logits, k, mode, normalize, choice_bias=None, norm_min=0.0, expert_scale=None,
+              score="softmax", groups=None, scaling=1.0):
+        groups = (1, 1, 1) if groups is None else tuple(int(g) for g in groups)
+        if self._route_c.shape[0] < logits.shape[1] + groups[0]:
+            self._route_c = np.zeros(logits.shape[1] + groups[0], np.float32)
         self.m.route(out_ids, out_w, logits, mode == "gated", bool(normalize),
                      self.none if choice_bias is None else choice_bias.data, np.float32(norm_min),
-                     self.none if expert_scale is None else expert_scale.data)
+                     self.none if expert_scale is None else expert_scale.data, score == "sigmoid", groups,
+                     np.float32(scaling), self._route_c)
 
     def align(self, bufs, ids, num_tokens, num_experts, top_k, tally=None):
         A, E = num_tokens * top_k, num_experts

@@ -15,49 +15,100 @@ def store_swiglu(act, r, i, g, u, gate_scales, up_scales, ep):
     act[r, i] = expert_act(scaled(g, gate_scales, i), scaled(u, up_scales, i), i, ep)
 
 
+@njit(error_model="numpy", inline="always")
+def prob(row, e, sigmoid, top, total):
+    """p_e: 1 / (1 + exp(-row[e])) (sigmoid), else softmax's exp(row[e] - top) / total"""
+    return F1 / (F1 + np.exp(-row[e])) if sigmoid else np.exp(row[e] - top) / total
+
+
+@njit(error_model="numpy", inline="always")
+def mask_groups(c, E, groups):
+    """Group-limited choice, groups = (n, keep, top), n groups of E/n consecutive experts:
+        c[E + g] = score of group g = the sum of its `top` largest c, the largest first
+        c[e] = -inf for the experts of every group ranked `keep` or lower, its rank the number of
+               groups scoring more or as much with a lower id (ties to the lower group id)
+    The top largest are taken in the order (c descending, id ascending): the next is the largest
+    after the last taken (v, i), among c < v or c == v with a higher id, so equal c count each."""
+    n, keep, top = groups
+    size = E // n
+    for g in range(n):
+        score = F0
+        v, i = np.float32(np.inf), -1
+        for _ in range(top):
+            b = -1
+            for e in range(g * size, (g + 1) * size):
+                if (c[e] < v or (c[e] == v and e > i)) and (b < 0 or c[e] > c[b]):
+                    b = e
+            v, i = c[b], b
+            score += v
+        c[E + g] = score
+    for g in range(n):
+        rank = 0
+        for o in range(n):
+            if c[E + o] > c[E + g] or (c[E + o] == c[E + g] and o < g):
+                rank += 1
+        if rank >= keep:
+            for e in range(g * size, (g + 1) * size):
+                c[e] = -np.inf
+
+
 @njit(cache=True, error_model="numpy")
-def route(out_ids, out_w, logits, gated, normalize, choice_bias, norm_min, expert_scale):
-    """logits [T,E] -> out_ids [T,k] int32, out_w [T,k] float32; p = softmax(logits[t]) in float32.
-    topk:  the k largest, ties to the lower expert id; w = p (/ max(sum of the k p, norm_min) when
-           normalize), then * expert_scale[id] (expert_scale [E], non-empty: Gemma 4). Without a
-           choice bias ranked by logit (softmax is monotone); with one (choice_bias [E], non-empty)
-           by p + choice_bias. Selection by repeated arg-max with a
-           strict >, so an equal later expert never displaces an earlier one.
-    gated: k == E, ids = 0..E-1, w = p."""
+def route(out_ids, out_w, logits, gated, normalize, choice_bias, norm_min, expert_scale, sigmoid, groups,
+          scaling, c):
+    """logits [T,E] -> out_ids [T,k] int32, out_w [T,k] float32, in float32:
+        p = softmax(logits[t]), or p_e = 1 / (1 + exp(-logits[t,e])) when sigmoid
+        c = p + choice_bias (choice_bias [E], non-empty: the choice only), else p
+        groups = (n, keep, top), n > 1: only the experts of the keep best of n groups stay in the
+                 choice (mask_groups); n = 1: no groups
+    topk:  ids = the k largest c, ties to the lower expert id: repeated arg-max with a strict >, so an
+           equal later expert never displaces an earlier one, a chosen expert's c then -inf;
+           w = p[ids] (/ max(sum of the k p, norm_min) when normalize) * scaling, then
+           * expert_scale[id] (expert_scale [E], non-empty: Gemma 4)
+    gated: k == E, ids = 0..E-1, w = p.
+    c: float32 scratch [>= E + n], the choice scores then the group scores.
+    Softmax's sum of exp(logit - max) is accumulated in float64 and rounded once: a float32 running
+    sum drifts by E rounding errors (1.5e-6 of the sum for 64 experts near equal: NumPy's pairwise
+    sum, the reference, does not)."""
     T, E = logits.shape
     k = out_ids.shape[1]
     biased = choice_bias.shape[0] > 0
     for t in range(T):
         row = logits[t]
         top = row[0]
-        for e in range(1, E):
-            top = max(top, row[e])
-        total = F0
-        for e in range(E):
-            total += np.exp(row[e] - top)
+        total = F1
+        if not sigmoid:
+            for e in range(1, E):
+                top = max(top, row[e])
+            acc = 0.0                          # float64: see the docstring
+            for e in range(E):
+                acc += np.exp(row[e] - top)
+            total = np.float32(acc)
         if gated:
             for e in range(E):
                 out_ids[t, e] = e
-                out_w[t, e] = np.exp(row[e] - top) / total
+                out_w[t, e] = prob(row, e, sigmoid, top, total)
             continue
+        for e in range(E):
+            pe = prob(row, e, sigmoid, top, total)
+            c[e] = pe + choice_bias[e] if biased else pe
+        if groups[0] > 1:
+            mask_groups(c, E, groups)
         chosen = F0
         for j in range(k):
-            best = -1
-            best_s = F0
-            for e in range(E):
-                taken = False
-                for i in range(j):
-                    taken |= out_ids[t, i] == e
-                s = np.exp(row[e] - top) / total + choice_bias[e] if biased else row[e]
-                if not taken and (best < 0 or s > best_s):
-                    best, best_s = e, s
+            best = 0
+            for e in range(1, E):
+                if c[e] > c[best]:
+                    best = e
+            c[best] = -np.inf
             out_ids[t, j] = best
-            out_w[t, j] = np.exp(row[best] - top) / total
+            out_w[t, j] = prob(row, best, sigmoid, top, total)
             chosen += out_w[t, j]
         if normalize:
             chosen = max(chosen, norm_min)
             for j in range(k):
                 out_w[t, j] /= chosen
+        for j in range(k):
+            out_w[t, j] *= scaling
         if expert_scale.shape[0]:
             for j in range(k):
                 out_w[t, j] *= expert_scale[out_ids[t, j]]

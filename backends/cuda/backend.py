@@ -2,8 +2,9 @@
 only for prefill-sized GEMMs. Device, memory, streams and graphs are the runtime's (runtime.py).
 
 The MoE layer never leaves the device:
-    route    moe_route     fp32 softmax + top-k per token (ties to the lower expert id), renormalised,
-                           times the experts' scales (Gemma 4) when given
+    route    moe_route     fp32 softmax or sigmoid + top-k per token (ties to the lower expert id), group-
+                           limited (DeepSeek / GLM) when asked, renormalised, times the routed scaling
+                           factor and the experts' scales (Gemma 4) when given
     align    moe_align     counting sort of the T*k assignments by expert, cut into blocks of BM rows;
                            adds the step's counts into the engine's per-expert tally
     ffn      moe_gate_up_* / moe_down_*   one CTA per (block, column tile), weights read once per block;
@@ -35,6 +36,7 @@ from .runtime import CudaRuntime, _cupy, cdiv, probe  # noqa: F401  (probe: the 
 SK_ROWS, SK_WARPS = sources.DEFINES["SK_ROWS"], sources.DEFINES["SK_WARPS"]
 TBM, TBN = sources.DEFINES["TBM"], sources.DEFINES["TBN"]
 ALIGN_THREADS = sources.DEFINES["ALIGN_THREADS"]
+LAT_WARPS = sources.DEFINES["LAT_WARPS"]
 SKINNY_MAX_T = 32                  # dense matmuls of up to this many rows use the skinny kernel
 _NULL = np.uint64(0)               # a null pointer argument
 _i32, _f32 = np.int32, np.float32
@@ -96,6 +98,19 @@ class Backend(CudaRuntime):
                 self._launch("bias_add", (cdiv(T * N, 256),), (256,), (out, b, _i32(T), _i32(N)))
 
     @guarded
+    def head_matmul(self, out, x, w):
+        T, G, K = x.shape
+        N = w.shape[1] if len(w.shape) == 3 else 0
+        kernel = sources.HEAD_MATMUL.get(w.dtype)
+        if kernel is None or len(w.shape) != 3 or tuple(w.shape) != (G, N, K) or out.shape != (T, G, N) or \
+                not (x.flags.c_contiguous and out.flags.c_contiguous):
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"head_matmul: x {x.shape} -> out {out.shape} through a "
+                               f"{w.dtype} weight {tuple(w.shape)} (needs contiguous [T,G,K] -> [T,G,N] and a float32, "
+                               "float16 or bfloat16 [G,N,K])")
+        self._launch(kernel, (cdiv(N, SK_WARPS), cdiv(T, SK_ROWS), G), (256,),
+                     (out, x, w.data, _i32(T), _i32(G), _i32(N), _i32(K)))
+
+    @guarded
     def rmsnorm(self, out, x, weight, eps):
         R, D = x.shape
         threads = min(256, max(32, cdiv(D, 32) * 32))
@@ -137,11 +152,12 @@ class Backend(CudaRuntime):
     @guarded
     def kv_write(self, K, V, k, v, slots):
         T = k.shape[0]
-        W = K.shape[1] * K.shape[2]
-        if k.size != T * W or v.size != T * W or V.shape != K.shape:
+        WK, WV = K.shape[1] * K.shape[2], V.shape[1] * V.shape[2]      # latent attention: Dc and Dr
+        if k.size != T * WK or v.size != T * WV or V.shape[0] != K.shape[0]:
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"kv_write: k {k.shape} / v {v.shape} do not match "
                                f"the cache's [slots, Hkv, D] = {K.shape} / {V.shape}")
-        self._launch("kv_write", (cdiv(T * W, 256),), (256,), (K, V, k, v, slots, _i32(T), _i32(W)))
+        self._launch("kv_write", (cdiv(T * max(WK, WV), 256),), (256,),
+                     (K, V, k, v, slots, _i32(T), _i32(WK), _i32(WV)))
 
     @guarded
     def paged_attention(self, out, q, K, V, block_tables, seq_index, positions, block_size, scale, window=0,
@@ -156,17 +172,40 @@ class Backend(CudaRuntime):
                       _i32(block_size), _i32(block_tables.shape[1]), _f32(scale), _i32(window),
                       _NULL if sinks is None else sinks.data))
 
+    @guarded
+    def latent_attention(self, out, q, q_rope, C, R, block_tables, seq_index, positions, block_size, scale):
+        T, Hq, Dc = q.shape
+        Dr = q_rope.shape[2]
+        if Dc > sources.MAX_LATENT_DIM or Dr > sources.MAX_LATENT_ROPE or q_rope.shape[:2] != (T, Hq) or \
+                out.shape != q.shape or C.shape[1:] != (1, Dc) or R.shape[1:] != (1, Dr) or R.shape[0] != C.shape[0]:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"latent_attention: q {q.shape} (latent width max "
+                               f"{sources.MAX_LATENT_DIM}) / q_rope {q_rope.shape} (max {sources.MAX_LATENT_ROPE}) / "
+                               f"out {out.shape} against the caches C {C.shape} and R {R.shape} ([slots, 1, Dc], "
+                               "[slots, 1, Dr])")
+        self._launch("latent_attention", (Hq, T), (32 * LAT_WARPS,),
+                     (out, q, q_rope, C, R, block_tables, seq_index, positions, _i32(Hq), _i32(Dc), _i32(Dr),
+                      _i32(block_size), _i32(block_tables.shape[1]), _f32(scale)))
+
     # -- MoE ---------------------------------------------------------------------------------
     @guarded
-    def route(self, out_ids, out_w, logits, k, mode, normalize, choice_bias=None, norm_min=0.0, expert_scale=None):
+    def route(self, out_ids, out_w, logits, k, mode, normalize, choice_bias=None, norm_min=0.0, expert_scale=None,
+              score="softmax", groups=None, scaling=1.0):
         T, E = logits.shape
         if E > sources.MAX_ROUTE_EXPERTS:
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT,
                                f"route: {E} experts (the CUDA router takes {sources.MAX_ROUTE_EXPERTS})")
+        if score not in ("softmax", "sigmoid"):
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"route: score {score!r} (softmax or sigmoid)")
+        n, keep, top = (int(g) for g in groups) if groups is not None and groups[0] > 1 else (1, 1, 1)
+        if n > 1 and (E % n or not 1 <= keep <= n or top not in (1, 2) or top > E // n or
+                      (mode != "gated" and k > keep * (E // n))):
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"route: groups {tuple(groups)} for {E} experts, top-{k} "
+                               "(n groups must divide E, keep <= n, top 1 or 2 and <= E/n, k <= keep * E/n)")
         self._launch("moe_route", (cdiv(T, 4),), (128,),
                      (out_ids, out_w, logits, _NULL if choice_bias is None else choice_bias.data, _i32(T), _i32(E),
                       _i32(k), _i32(mode == "gated"), _i32(bool(normalize)), np.float32(norm_min),
-                      _NULL if expert_scale is None else expert_scale.data))
+                      _NULL if expert_scale is None else expert_scale.data, _i32(score == "sigmoid"), _i32(n),
+                      _i32(keep), _i32(top), _f32(scaling)))
 
     @staticmethod
     def block_rows_for(assignments, num_experts):

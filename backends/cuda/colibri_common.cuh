@@ -13,8 +13,9 @@
 // Constants the host needs too are defined once, in sources.py DEFINES, and passed as -D options
 // to NVRTC, to nvcc (toolchains/cuda) and to the emulator's g++: a build without them stops here.
 #if !defined(SK_ROWS) || !defined(SK_WARPS) || !defined(TBM) || !defined(TBN) || !defined(ATT_MAX_DPL) || \
-    !defined(ROUTE_MAXJ) || !defined(ALIGN_THREADS) || !defined(ALIGN_EPT) || !defined(ACT_SILU) ||         \
-    !defined(ACT_SWIGLU_OAI) || !defined(ACT_GELU_TANH)
+    !defined(LAT_WARPS) || !defined(LAT_MAX_DPL) || !defined(LAT_RPL) || !defined(ROUTE_MAXJ) ||            \
+    !defined(ALIGN_THREADS) || !defined(ALIGN_EPT) || !defined(ACT_SILU) || !defined(ACT_SWIGLU_OAI) ||      \
+    !defined(ACT_GELU_TANH)
 #error "build with the -D options of backends/cuda/sources.py (python3 backends/cuda/sources.py --defines)"
 #endif
 

@@ -1,7 +1,7 @@
 // Colibri Edge CUDA kernels: the two GEMM tiles shared by dense matmuls and the grouped MoE FFN.
 //
-// Both compute, for a run of rows r < nrows of one weight matrix (one expert), and a range of
-// output columns:
+// Both compute, for a run of rows r < nrows of one weight matrix (one expert, one head), and a range
+// of output columns:
 //     MODE 0 (plain)  : out[row0 + r, c] = (A[arow(r)] . W0[c]) * S0[c]  (+ bias[c])
 //     MODE 1 (GLU)    : out[row0 + r, c] = expert_act(kind, g + bias[c], u + bias1[c], alpha, limit),
 //                       g = (A[arow(r)] . W0[c]) * S0[c], u = (A[arow(r)] . W1[c]) * S1[c]: SwiGLU
@@ -10,7 +10,8 @@
 //     arow(r) = gather ? gather[row0 + r] / gdiv : row0 + r        (token of a sorted MoE row)
 //     S0/S1: int8 row scales [N], or null (= 1)
 // shapes: A [*, K] fp32, W0/W1 [N, K] (fp32, fp16, bf16, int8 or a block format), bias [N] fp32 or null,
-// out [*, N] fp32.
+// out [*, N] fp32. The skinny tile takes the row strides of A and out (lda, ldo: K and N for whole
+// rows; G*K and G*N for one head of [T, G, K] -> [T, G, N]); the tiled one takes contiguous rows.
 // Accumulation is fp32 in both; weights are widened as they are read.
 //
 // skinny: 8 rows x 8 columns per 256-thread CTA, one warp per column streaming its weight row
@@ -176,9 +177,9 @@ template <typename WT> using WStore = typename WFmt<WT>::store;
 template <typename WT, int MODE>
 static __device__ void skinny_tile(float* CE_RESTRICT out, const float* CE_RESTRICT A, const int* gather, int gdiv,
                                    int row0, int nrows, const WStore<WT>* W0, const WStore<WT>* W1, const float* S0,
-                                   const float* S1, const float* bias, int N, int K, int colbase,
-                                   const float* bias1 = nullptr, int kind = ACT_SILU, float alpha = 0.f,
-                                   float limit = 0.f) {
+                                   const float* S1, const float* bias, int N, int K, int lda, int ldo,
+                                   int colbase, const float* bias1 = nullptr, int kind = ACT_SILU,
+                                   float alpha = 0.f, float limit = 0.f) {
     typedef WFmt<WT> F;
     __shared__ float xs[SK_ROWS][SK_KC];
     __shared__ int arow[SK_ROWS];
@@ -196,7 +197,7 @@ static __device__ void skinny_tile(float* CE_RESTRICT out, const float* CE_RESTR
         const int kc = min(SK_KC, K - k0);
         __syncthreads();                             // the previous chunk is consumed; arow is visible
         for (int r = 0; r < nrows; ++r) {
-            const float* a = A + (size_t)arow[r] * K + k0;
+            const float* a = A + (size_t)arow[r] * lda + k0;
             for (int kk = tid; kk < kc; kk += blockDim.x) xs[r][kk] = a[kk];
         }
         __syncthreads();
@@ -242,7 +243,7 @@ static __device__ void skinny_tile(float* CE_RESTRICT out, const float* CE_RESTR
                 if (MODE == 1) v = expert_act(kind, bias ? s0 + bias[col] : s0, bias1 ? s1 + bias1[col] : s1, alpha,
                                                 limit);
                 else v = bias ? s0 + bias[col] : s0;
-                out[(size_t)(row0 + r) * N + col] = v;
+                out[(size_t)(row0 + r) * ldo + col] = v;
             }
         }
     }

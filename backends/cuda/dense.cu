@@ -1,5 +1,5 @@
-// Colibri Edge CUDA kernels: the dense ops of a layer (embed, matmul, rmsnorm, rope, add, scale) and the
-// casts around cuBLAS. Output first; T tokens, H hidden, N/K matmul out/in, D head_dim.
+// Colibri Edge CUDA kernels: the dense ops of a layer (embed, matmul, head_matmul, rmsnorm, rope, add, scale)
+// and the casts around cuBLAS. Output first; T tokens, H hidden, N/K matmul out/in, D head_dim.
 #include "colibri_gemm.cuh"
 
 // out[T,H] = table[ids[t], :] (* scales[ids[t]] for int8)   (table [V,H] fp32/fp16/bf16/int8, widened)
@@ -34,8 +34,8 @@ template <typename WT>
 CE_DEV void matmul_skinny(float* out, const float* x, const WStore<WT>* W, const float* scales, const float* bias, int T,
                           int N, int K) {
     const int row0 = blockIdx.y * SK_ROWS;
-    skinny_tile<WT, 0>(out, x, nullptr, 1, row0, min(SK_ROWS, T - row0), W, nullptr, scales, nullptr, bias, N, K,
-                       blockIdx.x * SK_WARPS);
+    skinny_tile<WT, 0>(out, x, nullptr, 1, row0, min(SK_ROWS, T - row0), W, nullptr, scales, nullptr, bias, N, K, K,
+                       N, blockIdx.x * SK_WARPS);
 }
 template <typename WT>
 CE_DEV void matmul_tiled(float* out, const float* x, const WStore<WT>* W, const float* scales, const float* bias, int T,
@@ -94,6 +94,28 @@ extern "C" __global__ void matmul_tiled_i8(float* out, const float* x, const i8_
 COLIBRI_DENSE_BLOCK(q8_0, q8_0_t) COLIBRI_DENSE_BLOCK(q4_0, q4_0_t) COLIBRI_DENSE_BLOCK(q4_1, q4_1_t)
 COLIBRI_DENSE_BLOCK(q5_0, q5_0_t) COLIBRI_DENSE_BLOCK(q5_1, q5_1_t) COLIBRI_DENSE_BLOCK(mxfp4, mxfp4_t)
 COLIBRI_DENSE_BLOCK(q4_k, q4_k_t) COLIBRI_DENSE_BLOCK(q5_k, q5_k_t) COLIBRI_DENSE_BLOCK(q6_k, q6_k_t)
+
+// Per-head projections (latent attention's absorbed up-projections):
+//   out[t,g,n] = sum_k x[t,g,k] * W[g,n,k]        x [T,G,K], out [T,G,N], W [G,N,K] fp32/fp16/bf16
+// the skinny tile on head g's matrix W[g] [N,K], its rows t the tokens (x's rows G*K apart, out's
+// G*N): a decode step streams every weight row once, coalesced, one warp per row
+// grid (ceil(N/SK_WARPS), ceil(T/SK_ROWS), G), block 256
+template <typename WT>
+CE_DEV void head_rows(float* out, const float* x, const WT* W, int T, int G, int N, int K) {
+    const int g = blockIdx.z, row0 = blockIdx.y * SK_ROWS;
+    skinny_tile<WT, 0>(out + (size_t)g * N, x + (size_t)g * K, nullptr, 1, row0, min(SK_ROWS, T - row0),
+                       W + (size_t)g * N * K, nullptr, nullptr, nullptr, nullptr, N, K, G * K, G * N,
+                       blockIdx.x * SK_WARPS);
+}
+extern "C" __global__ void head_matmul_f32(float* out, const float* x, const float* W, int T, int G, int N, int K) {
+    head_rows<float>(out, x, W, T, G, N, K);
+}
+extern "C" __global__ void head_matmul_f16(float* out, const float* x, const half_t* W, int T, int G, int N, int K) {
+    head_rows<half_t>(out, x, W, T, G, N, K);
+}
+extern "C" __global__ void head_matmul_bf16(float* out, const float* x, const bf16_t* W, int T, int G, int N, int K) {
+    head_rows<bf16_t>(out, x, W, T, G, N, K);
+}
 
 // out[R,D] = x / sqrt(mean(x^2) + eps) * w[D]     (in place allowed: out == x)
 // grid R, block 32..1024 (a multiple of 32)

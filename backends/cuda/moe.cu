@@ -1,5 +1,5 @@
 // Colibri Edge CUDA kernels: the MoE layer on the device, with no host round trip:
-//     route (fp32 softmax + top-k)  ->  align (tokens grouped by expert)  ->  grouped SwiGLU  ->  combine
+//     route (fp32 softmax or sigmoid + top-k)  ->  align (tokens grouped by expert)  ->  grouped SwiGLU  ->  combine
 // Output first. T tokens, k choices per token, A = T*k assignments, E experts, H hidden, I expert
 // intermediate size.
 #include "colibri_gemm.cuh"
@@ -8,41 +8,65 @@
 // align thread: E <= ALIGN_THREADS * ALIGN_EPT) come from sources.py DEFINES
 #define ALIGN_CHUNK 2048   // assignments staged in shared memory per pass
 
+// the warp's largest v, ties to the lower id i (0x7fffffff: none), into every lane
+CE_DEV void warp_argmax(float& v, int& i) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
+    }
+}
+
 // logits [T,E] fp32 -> ids [T,k] int32, w [T,k] fp32.
-//   p = softmax(logits[t]);  topk: the k largest scores s = p (+ choice_bias[e] when choice_bias is
-//   not null: the choice only) in descending order, ties to the lower expert id, w = their p
-//   (/ max(sum of the k chosen p, norm_min) when normalize), then * expert_scale[id] when expert_scale
-//   is not null (Gemma 4's per_expert_scale);  gated (k == E): ids = 0..E-1, w = p.
-// one warp per token: grid ceil(T/4), block 128
+//   p = softmax(logits[t]), or with sigmoid p_e = 1 / (1 + exp(-logits[t,e]));
+//   c = p (+ choice_bias[e] when choice_bias is not null: the choice only);
+//   groups (ngroups > 1: DeepSeek / GLM, ngroups groups of E/ngroups consecutive experts): a group
+//   scores the sum of its gtop (1 or 2) largest c, the largest first; the gkeep best groups stay (ties
+//   to the lower group id), the other groups' experts leave the choice;
+//   topk: the k largest c that stay in descending order, ties to the lower expert id, w = their p
+//   (/ max(sum of the k chosen p, norm_min) when normalize) * scaling (routed_scaling_factor), then
+//   * expert_scale[id] when expert_scale is not null (Gemma 4's per_expert_scale);
+//   gated (k == E): ids = 0..E-1, w = p.
+// one warp per token, lane l holding experts l + 32 j: grid ceil(T/4), block 128
 extern "C" __global__ void moe_route(int* out_ids, float* out_w, const float* logits, const float* choice_bias,
                                      int T, int E, int k, int gated, int normalize, float norm_min,
-                                     const float* expert_scale) {
+                                     const float* expert_scale, int sigmoid, int ngroups, int gkeep, int gtop,
+                                     float scaling) {
     const int lane = threadIdx.x & 31;
     const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (t >= T) return;                              // whole warps; this kernel has no block barrier
     const float* x = logits + (size_t)t * E;
     float p[ROUTE_MAXJ], sc[ROUTE_MAXJ];
-    float mx = neg_inf();
+    if (sigmoid) {
 #pragma unroll
-    for (int j = 0; j < ROUTE_MAXJ; ++j) {
-        const int e = lane + 32 * j;
-        p[j] = e < E ? x[e] : neg_inf();
-        mx = fmaxf(mx, p[j]);
+        for (int j = 0; j < ROUTE_MAXJ; ++j) {
+            const int e = lane + 32 * j;
+            p[j] = e < E ? 1.0f / (1.0f + expf(-x[e])) : 0.f;
+        }
+    } else {
+        float mx = neg_inf();
+#pragma unroll
+        for (int j = 0; j < ROUTE_MAXJ; ++j) {
+            const int e = lane + 32 * j;
+            p[j] = e < E ? x[e] : neg_inf();
+            mx = fmaxf(mx, p[j]);
+        }
+        mx = warp_max(mx);
+        float s = 0.f;
+#pragma unroll
+        for (int j = 0; j < ROUTE_MAXJ; ++j) {
+            const int e = lane + 32 * j;
+            p[j] = e < E ? expf(p[j] - mx) : 0.f;
+            s += p[j];
+        }
+        s = warp_sum(s);
+#pragma unroll
+        for (int j = 0; j < ROUTE_MAXJ; ++j) p[j] = p[j] / s;
     }
-    mx = warp_max(mx);
-    float s = 0.f;
 #pragma unroll
     for (int j = 0; j < ROUTE_MAXJ; ++j) {
         const int e = lane + 32 * j;
-        p[j] = e < E ? expf(p[j] - mx) : 0.f;
-        s += p[j];
-    }
-    s = warp_sum(s);
-#pragma unroll
-    for (int j = 0; j < ROUTE_MAXJ; ++j) {
-        const int e = lane + 32 * j;
-        p[j] = e < E ? p[j] / s : 0.f;
-        sc[j] = e < E ? (choice_bias ? p[j] + choice_bias[e] : p[j]) : neg_inf();   // -inf: none, or chosen
+        sc[j] = e < E ? (choice_bias ? p[j] + choice_bias[e] : p[j]) : neg_inf();   // -inf: none, out or chosen
     }
     if (gated) {
 #pragma unroll
@@ -52,29 +76,68 @@ extern "C" __global__ void moe_route(int* out_ids, float* out_w, const float* lo
         }
         return;
     }
-    float wsum = 0.f;
-    for (int r = 0; r < k; ++r) {
-        float bv = neg_inf(), bp = 0.f;
-        int bi = 0x7fffffff;
+    if (ngroups > 1) {
+        const int gsize = E / ngroups;
+        int gid[ROUTE_MAXJ];                         // each expert's group (>= ngroups past E: in none)
+        float gsc[ROUTE_MAXJ];                       // group g's score in lane g % 32, slot g / 32
 #pragma unroll
-        for (int j = 0; j < ROUTE_MAXJ; ++j)         // ascending ids: strict > keeps the lower id
-            if (sc[j] > bv) { bv = sc[j]; bp = p[j]; bi = lane + 32 * j; }
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            const float op = __shfl_xor_sync(0xffffffffu, bp, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bp = op; bi = oi; }
+        for (int j = 0; j < ROUTE_MAXJ; ++j) { gid[j] = (lane + 32 * j) / gsize; gsc[j] = neg_inf(); }
+        for (int g = 0; g < ngroups; ++g) {
+            float a = neg_inf(), b = neg_inf();      // the group's two largest c, a >= b (a multiset's)
+#pragma unroll
+            for (int j = 0; j < ROUTE_MAXJ; ++j)
+                if (gid[j] == g) {
+                    if (sc[j] > a) { b = a; a = sc[j]; }
+                    else b = fmaxf(b, sc[j]);
+                }
+            for (int o = 16; o > 0; o >>= 1) {       // disjoint lanes at every step: merge the pairs
+                const float oa = __shfl_xor_sync(0xffffffffu, a, o), ob = __shfl_xor_sync(0xffffffffu, b, o);
+                b = fmaxf(fminf(a, oa), fmaxf(b, ob));
+                a = fmaxf(a, oa);
+            }
+            const float score = gtop == 2 ? a + b : a;
+#pragma unroll
+            for (int j = 0; j < ROUTE_MAXJ; ++j)
+                if (lane + 32 * j == g) gsc[j] = score;
+        }
+        unsigned kept = 0;                           // bit j: slot j's group stays
+        for (int r = 0; r < gkeep; ++r) {
+            float bv = neg_inf();
+            int bg = 0x7fffffff;
+#pragma unroll
+            for (int j = 0; j < ROUTE_MAXJ; ++j)     // ascending ids: strict > keeps the lower id
+                if (gsc[j] > bv) { bv = gsc[j]; bg = lane + 32 * j; }
+            warp_argmax(bv, bg);
+#pragma unroll
+            for (int j = 0; j < ROUTE_MAXJ; ++j) {
+                if (lane + 32 * j == bg) gsc[j] = neg_inf();
+                if (gid[j] == bg) kept |= 1u << j;
+            }
         }
 #pragma unroll
         for (int j = 0; j < ROUTE_MAXJ; ++j)
-            if (lane + 32 * j == bi) sc[j] = neg_inf();
+            if (!((kept >> j) & 1u)) sc[j] = neg_inf();
+    }
+    float wsum = 0.f;
+    for (int r = 0; r < k; ++r) {
+        float bv = neg_inf(), mine = 0.f;
+        int bi = 0x7fffffff;
+#pragma unroll
+        for (int j = 0; j < ROUTE_MAXJ; ++j)         // ascending ids: strict > keeps the lower id
+            if (sc[j] > bv) { bv = sc[j]; bi = lane + 32 * j; }
+        warp_argmax(bv, bi);
+#pragma unroll
+        for (int j = 0; j < ROUTE_MAXJ; ++j)
+            if (lane + 32 * j == bi) { sc[j] = neg_inf(); mine = p[j]; }
+        const float bp = __shfl_sync(0xffffffffu, mine, bi & 31);    // the chosen expert's p, from its lane
         if (lane == 0) { out_ids[(size_t)t * k + r] = bi; out_w[(size_t)t * k + r] = bp; }
         wsum += bp;
     }
-    if ((normalize || expert_scale) && lane == 0)
+    if ((normalize || scaling != 1.0f || expert_scale) && lane == 0)
         for (int r = 0; r < k; ++r) {
             float w = out_w[(size_t)t * k + r];
             if (normalize) w = w / fmaxf(wsum, norm_min);
+            w *= scaling;
             if (expert_scale) w *= expert_scale[out_ids[(size_t)t * k + r]];
             out_w[(size_t)t * k + r] = w;
         }
@@ -216,8 +279,8 @@ CE_DEV void moe_gate_up(float* act, const float* x, const int* order, const int*
     const float* ub = ubias ? ubias + (size_t)e * I : nullptr;
     if constexpr (SKINNY)
         skinny_tile<WT, 1>(act, x, order, k, r0, r1 - r0, (const WStore<WT>*)gate_tab[e], (const WStore<WT>*)up_tab[e],
-                           (const float*)gs_tab[e], (const float*)us_tab[e], gb, I, H, blockIdx.y * SK_WARPS, ub,
-                           kind, alpha, limit);
+                           (const float*)gs_tab[e], (const float*)us_tab[e], gb, I, H, H, I, blockIdx.y * SK_WARPS,
+                           ub, kind, alpha, limit);
     else
         tiled_tile<WT, 1>(act, x, order, k, r0, r1 - r0, (const WStore<WT>*)gate_tab[e], (const WStore<WT>*)up_tab[e],
                           (const float*)gs_tab[e], (const float*)us_tab[e], gb, I, H, blockIdx.y * TBN, ub, kind,
@@ -233,7 +296,7 @@ CE_DEV void moe_down(float* y, const float* act, const int* blocks, const int* n
     const float* db = dbias ? dbias + (size_t)e * H : nullptr;
     if constexpr (SKINNY)
         skinny_tile<WT, 0>(y, act, nullptr, 1, r0, r1 - r0, (const WStore<WT>*)down_tab[e], nullptr, (const float*)ds_tab[e],
-                           nullptr, db, H, I, blockIdx.y * SK_WARPS);
+                           nullptr, db, H, I, I, H, blockIdx.y * SK_WARPS);
     else
         tiled_tile<WT, 0>(y, act, nullptr, 1, r0, r1 - r0, (const WStore<WT>*)down_tab[e], nullptr, (const float*)ds_tab[e],
                           nullptr, db, H, I, blockIdx.y * TBN);

@@ -21,6 +21,9 @@ DEFINES = {
     "TBM": 64,             # rows per tiled GEMM CTA: BM of a tiled MoE plan
     "TBN": 64,             # output columns per tiled CTA
     "ATT_MAX_DPL": 16,     # head_dim values per lane in paged attention: head_dim <= 32 * 16 (Gemma 4: 512)
+    "LAT_WARPS": 8,        # warps per (head, token) CTA of latent attention, each walking every 8th position
+    "LAT_MAX_DPL": 32,     # latent values per lane in latent attention: kv_lora_rank <= 32 * 32 (DeepSeek: 512)
+    "LAT_RPL": 4,          # rope key values per lane in latent attention: qk_rope_head_dim <= 32 * 4 (DeepSeek: 64)
     "ROUTE_MAXJ": 16,      # experts per lane in moe_route: E <= 32 * 16
     "ALIGN_THREADS": 256,  # threads of the one-CTA moe_align
     "ALIGN_EPT": 4,        # experts per align thread: E <= 256 * 4
@@ -31,6 +34,7 @@ DEFINES = {
 # base.Act.kind -> its code (None: plain SwiGLU)
 ACT_KINDS = {"silu": DEFINES["ACT_SILU"], "swiglu_oai": DEFINES["ACT_SWIGLU_OAI"], "gelu_tanh": DEFINES["ACT_GELU_TANH"]}
 MAX_HEAD_DIM = 32 * DEFINES["ATT_MAX_DPL"]
+MAX_LATENT_DIM, MAX_LATENT_ROPE = 32 * DEFINES["LAT_MAX_DPL"], 32 * DEFINES["LAT_RPL"]
 MAX_ROUTE_EXPERTS = 32 * DEFINES["ROUTE_MAXJ"]
 MAX_ALIGN_EXPERTS = DEFINES["ALIGN_THREADS"] * DEFINES["ALIGN_EPT"]
 
@@ -44,9 +48,10 @@ KERNELS = {
     "dense.cu": ("embed_f32", "embed_f16", "embed_bf16", "embed_i8",
                  "matmul_skinny_f32", "matmul_skinny_f16", "matmul_skinny_bf16", "matmul_skinny_i8",
                  "matmul_tiled_f32", "matmul_tiled_f16", "matmul_tiled_bf16", "matmul_tiled_i8",
+                 "head_matmul_f32", "head_matmul_f16", "head_matmul_bf16",
                  "rmsnorm", "rope", "add", "scale", "f32_to_f16", "f16_to_f32_bias", "bias_add",
                  *(f"{k}_{f}" for f in BLOCK_FORMATS for k in ("embed", "matmul_skinny", "matmul_tiled"))),
-    "attention.cu": ("kv_write", "paged_attention"),
+    "attention.cu": ("kv_write", "paged_attention", "latent_attention"),
     "moe.cu": ("moe_route", "moe_align", "moe_combine",
                "moe_gate_up_skinny_f32", "moe_gate_up_skinny_f16", "moe_gate_up_skinny_bf16", "moe_gate_up_skinny_i8",
                "moe_down_skinny_f32", "moe_down_skinny_f16", "moe_down_skinny_bf16", "moe_down_skinny_i8",
@@ -62,6 +67,7 @@ MATMUL_SKINNY = {"float32": "matmul_skinny_f32", "float16": "matmul_skinny_f16",
                  "int8": "matmul_skinny_i8"}
 MATMUL_TILED = {"float32": "matmul_tiled_f32", "float16": "matmul_tiled_f16", "bfloat16": "matmul_tiled_bf16",
                 "int8": "matmul_tiled_i8"}
+HEAD_MATMUL = {"float32": "head_matmul_f32", "float16": "head_matmul_f16", "bfloat16": "head_matmul_bf16"}
 for _f in BLOCK_FORMATS:
     EMBED[_f], MATMUL_SKINNY[_f], MATMUL_TILED[_f] = f"embed_{_f}", f"matmul_skinny_{_f}", f"matmul_tiled_{_f}"
 MOE_SKINNY = {"float32": ("moe_gate_up_skinny_f32", "moe_down_skinny_f32"),

@@ -1,7 +1,10 @@
 """The OpenCL backend's ops: ARM Mali GPUs (and any OpenCL 1.2 device; PoCL on CPU and Oclgrind in CI).
 Device, programs, launches, memory and queues are the runtime's (runtime.py).
 
-The MoE layer runs on the device: router logits, top-k (ties to the lower expert id), align (a
+Attention: paged (GQA, sliding windows, sinks) and latent (DeepSeek's MLA: one shared latent and rope
+key per position, heads projected in and out by head_matmul), both through the block tables.
+The MoE layer runs on the device: router logits, top-k (softmax or sigmoid scores, optionally within
+the best expert groups; ties to the lower expert id), align (a
 deterministic counting sort in one work-group), each chosen expert's gated FFN over its rows (SwiGLU,
 gpt-oss's clamped SwiGLU or GeGLU, by an activation-kind code: moe.cl expert_act),
 combine. COLIBRI_NUM_STREAMS (`num_streams`) command queues: independent experts of a layer go
@@ -11,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from colibri_edge.errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
+from colibri_edge.errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_UNAVAILABLE
 from ..base import Plan, Weight
 from .platforms import probe  # noqa: F401  (the registry's entry)
 from .runtime import ACT8, BLOCK_DTYPES, OpenCLRuntime, ROWS_PER_ITEM, roundup
@@ -166,10 +169,29 @@ class Backend(OpenCLRuntime):
     # -- attention ---------------------------------------------------------------------------------
     def kv_write(self, K, V, k, v, slots):
         T = k.shape[0]
-        row = K.shape[1] * K.shape[2]
+        if tuple(k.shape[1:]) != tuple(K.shape[1:]) or tuple(v.shape[1:]) != tuple(V.shape[1:]) or v.shape[0] != T:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"kv_write: k {k.shape}, v {v.shape} do not fit the "
+                               f"caches {K.shape}, {V.shape}")
+        krow, vrow = K.shape[1] * K.shape[2], V.shape[1] * V.shape[2]     # differ for latent attention
         kk = self._kernel("attention.cl", "kv_write")
-        g, l = self._2d(kk, row, T)
-        self._launch(kk, g, l, K, V, k, v, slots, T, row)
+        g, l = self._2d(kk, max(krow, vrow), T)
+        self._launch(kk, g, l, K, V, k, v, slots, T, krow, vrow)
+
+    HEAD_DTYPES = ("float32", "float16", "bfloat16")    # dense.cl head_matmul's weight types
+
+    def head_matmul(self, out, x, w):
+        T, G, K = x.shape
+        N = w.shape[1] if len(w.shape) == 3 else -1
+        if tuple(w.shape) != (G, N, K) or tuple(out.shape) != (T, G, N):
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"head_matmul shapes out {out.shape}, x {x.shape}, "
+                               f"w {w.shape} do not agree")
+        if w.dtype not in self.HEAD_DTYPES:
+            raise ColibriError(COLIBRI_ERR_UNAVAILABLE, f"head_matmul runs {', '.join(self.HEAD_DTYPES)} weights, "
+                               f"not {w.dtype}")
+        k = self._kernel("dense.cl", "head_matmul", w.dtype)
+        mult = self._wg[k[1]][1] or 1
+        l0 = self._local(k, min(64, roundup(N, mult)))
+        self._launch(k, (N, G, -(-T // ROWS_PER_ITEM)), (l0, 1, 1), out, x, w.data, T, G, N, K)
 
     def paged_attention(self, out, q, K, V, block_tables, seq_index, positions, block_size, scale, window=0,
                         sinks=None):
@@ -193,14 +215,48 @@ class Backend(OpenCLRuntime):
                      Hq, Hkv, D, block_size, float(scale), int(window), self._dummy if sinks is None else sinks.data,
                      sinks is not None, lm(4 * D), lm(4 * D), lm(4 * C), lm(4 * C))
 
+    def latent_attention(self, out, q, q_rope, C, R, block_tables, seq_index, positions, block_size, scale):
+        T, Hq, Dc = q.shape
+        Dr = q_rope.shape[2]
+        if C.shape[1:] != (1, Dc) or R.shape[1:] != (1, Dr) or tuple(q_rope.shape[:2]) != (T, Hq) or \
+                tuple(out.shape) != (T, Hq, Dc) or C.shape[0] != R.shape[0]:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"latent_attention: q {q.shape}, q_rope {q_rope.shape}, "
+                               f"out {out.shape} and the caches C {C.shape}, R {R.shape} do not agree")
+        k = self._kernel("attention.cl", "latent_attention")
+        L = self._local(k, 64, pow2=True)
+        # local memory per work-group: q, q_rope and the accumulator [2 Dc + Dr], three chunk rows [L]
+        # (scores, probabilities, slots), sized by each call's own widths (no compile-time maximum)
+        rows = 4 * (2 * Dc + Dr)
+        while L > 1 and rows + 12 * L > self.local_mem:
+            L //= 2
+        if rows + 12 * L > self.local_mem:
+            raise ColibriError(COLIBRI_ERR_UNAVAILABLE, f"latent_attention: a latent of {Dc} and a rope key of {Dr} "
+                               f"need {rows + 12 * L} bytes of local memory, the OpenCL device has {self.local_mem}")
+        lm = self.cl.LocalMemory
+        self._launch(k, (L * Hq, T), (L, 1), out, q, q_rope, C, R, block_tables, block_tables.shape[1], seq_index,
+                     positions, Hq, Dc, Dr, block_size, float(scale), lm(4 * Dc), lm(4 * Dr), lm(4 * Dc), lm(4 * L),
+                     lm(4 * L), lm(4 * L))
+
     # -- MoE ---------------------------------------------------------------------------------------
-    def route(self, out_ids, out_w, logits, k, mode, normalize, choice_bias=None, norm_min=0.0, expert_scale=None):
+    def route(self, out_ids, out_w, logits, k, mode, normalize, choice_bias=None, norm_min=0.0, expert_scale=None,
+              score="softmax", groups=None, scaling=1.0):
         T, E = logits.shape
+        if score not in ("softmax", "sigmoid"):
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"route: score {score!r} (softmax or sigmoid)")
+        n, keep, top = (1, 1, 1) if groups is None or groups[0] <= 1 else map(int, groups)
+        if E % n or keep < 1 or top not in (1, 2):
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"route: groups {groups} for {E} experts (n groups of "
+                               "E/n experts, keep >= 1, a group scored by its top 1 or 2)")
+        if 4 * n > self.local_mem:
+            raise ColibriError(COLIBRI_ERR_UNAVAILABLE, f"route: {n} expert groups need {4 * n} bytes of local "
+                               f"memory, the OpenCL device has {self.local_mem}")
         kk = self._kernel("moe.cl", "route")
-        L = self._local(kk, 64)
+        # local memory: each work-item's (token's) n group scores
+        L = max(1, min(self._local(kk, 64), self.local_mem // (4 * n)))
         self._launch(kk, (T,), (L,), out_ids, out_w, logits, self._dummy if choice_bias is None else choice_bias.data,
                      self._dummy if expert_scale is None else expert_scale.data, T, E, k, mode == "gated",
-                     bool(normalize), choice_bias is not None, float(norm_min), expert_scale is not None)
+                     bool(normalize), choice_bias is not None, float(norm_min), expert_scale is not None,
+                     score == "sigmoid", n, keep, top, float(scaling), self.cl.LocalMemory(4 * L * n))
 
     def align(self, bufs, ids, num_tokens, num_experts, top_k, tally=None):
         """The plan on the device, cut into blocks of ROWS_PER_ITEM rows (moe.cl align): the grouped

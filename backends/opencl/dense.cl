@@ -1,4 +1,4 @@
-/* Dense kernels: embed (row gather), matmul / GEMV, rmsnorm, rope, add, scale.
+/* Dense kernels: embed (row gather), matmul / GEMV, head_matmul (per-head GEMV), rmsnorm, rope, add, scale.
  * Built per matrix type: float32, half (WF16=1), bfloat16 (WBF16=1), int8 (WI8=1), q8_0 and q4_0
  * (WQ8_0=1, WQ4_0=1: row n at WROW(w, n, K)); see common.cl.
  * Every matrix argument w comes with wscale, its int8 row scales [N] (any buffer, unread, otherwise). */
@@ -91,6 +91,59 @@ __kernel void matmul3(ARG(float, out0), ARG(float, out1), ARG(float, out2), CARG
     if (t0 + 2 < T) out[(size_t)(t0 + 2) * N + n] = acc.z;
     if (t0 + 3 < T) out[(size_t)(t0 + 3) * N + n] = acc.w;
 }
+
+#if !WBLOCK && !WI8
+/* Per-head projections (latent attention's absorbed up-projections), the float types only:
+ *   out[t, g, n] = sum_k x[t, g, k] * w[g, n, k]
+ *   out [T,G,N], x [T,G,K] contiguous, w [G,N,K] float32, half or bfloat16 (head g's [N,K] matrix
+ *   contiguous, row-major)
+ * One work-item per (n, g) and ROWS_PER_ITEM tokens: each weight row is read once per four tokens
+ * (decode: once, by the single-row dot). The weights are widened to float and multiplied in float
+ * whatever COLIBRI_HALF_MATH: the products are fp32 as the reference's.
+ * global (N, G, ceil(T / ROWS_PER_ITEM)) */
+__kernel void head_matmul(ARG(float, out), CARG(float, x), CARG(WTYPE, w), const int T, const int G, const int N,
+                          const int K)
+{
+    const int n = get_global_id(0), g = get_global_id(1), t0 = ROWS_PER_ITEM * get_global_id(2);
+    if (n >= N || t0 >= T)
+        return;
+    BIND(float, out); CBIND(float, x); CBIND(WTYPE, w);
+    __global const WTYPE* wr = w + ((size_t)g * N + n) * K;
+    const size_t ldx = (size_t)G * K;                       /* x's token stride */
+    __global const float* x0 = x + ((size_t)t0 * G + g) * K;
+    __global float* o = out + ((size_t)t0 * G + g) * N + n;
+    const int rows = min(ROWS_PER_ITEM, T - t0);
+    int k = 0;
+    if (rows == 1) {
+        float acc = 0.0f;
+        for (; k + 4 <= K; k += 4)
+            acc += dot(LDW4(wr, k), vload4(0, x0 + k));
+        for (; k < K; ++k)
+            acc += LDW(wr, k) * x0[k];
+        o[0] = acc;
+        return;
+    }
+    /* rows past T are clamped to the last one (valid memory, result discarded) */
+    __global const float* x1 = x0 + ldx * min(1, rows - 1);
+    __global const float* x2 = x0 + ldx * min(2, rows - 1);
+    __global const float* x3 = x0 + ldx * min(3, rows - 1);
+    float4 acc = (float4)(0.0f);
+    for (; k + 4 <= K; k += 4) {
+        const float4 wv = LDW4(wr, k);
+        acc += (float4)(dot(wv, vload4(0, x0 + k)), dot(wv, vload4(0, x1 + k)), dot(wv, vload4(0, x2 + k)),
+                        dot(wv, vload4(0, x3 + k)));
+    }
+    for (; k < K; ++k) {
+        const float wk = LDW(wr, k);
+        acc += wk * (float4)(x0[k], x1[k], x2[k], x3[k]);
+    }
+    const size_t ldo = (size_t)G * N;                       /* out's token stride */
+    o[0] = acc.x;
+    if (rows > 1) o[ldo] = acc.y;
+    if (rows > 2) o[2 * ldo] = acc.z;
+    if (rows > 3) o[3 * ldo] = acc.w;
+}
+#endif
 
 /* int8 activations (WACT8 builds; quant.py quantize_activations is the definition): per block b of 32 of
  * row t of x, dx = max|x| / 127, q = clamp(rint(x / dx), -127, 127) (dx = 0: q = 0), xs = dx sum q,

@@ -2,17 +2,31 @@
  * gpt-oss's clamped SwiGLU or GeGLU: expert_act), combine.
  * Built per matrix type like dense.cl (only ffn_gate_up reads matrices here). */
 
-/* Router, fp32. p = softmax(logits[t, :]) = exp(x - max) / sum exp(x - max)
- *   topk  (gated == 0): out_ids[t, :] = the k largest scores s = p (+ choice_bias[e] when
- *                       has_bias: the choice only), descending, ties to the lower expert id;
- *                       out_w = their p, divided by max(their sum, norm_min) when normalize,
- *                       then times expert_scale[id] when has_scale (Gemma 4's per_expert_scale)
+/* Router, fp32. p = softmax(logits[t, :]) = exp(x - max) / sum exp(x - max), or with sigmoid
+ * p_e = 1 / (1 + exp(-x_e)) per expert (DeepSeek-V3, GLM);  c = p + choice_bias (has_bias: the choice
+ * only; otherwise c = p)
+ *   topk  (gated == 0): with ngroups > 1 (DeepSeek / GLM group-limited routing) the experts come in
+ *                       ngroups groups of E / ngroups consecutive ones; group q scores gs[q] = the sum
+ *                       of its `top` (1 or 2) largest c, the `keep` best groups (gs descending, ties to
+ *                       the lower group id) stay and the others' experts are out of the choice;
+ *                       out_ids[t, :] = the k largest c of what stays, descending, ties to the lower
+ *                       expert id; out_w = their p, divided by max(their sum, norm_min) when normalize,
+ *                       times scaling (routed_scaling_factor), then times expert_scale[id] when
+ *                       has_scale (Gemma 4's per_expert_scale)
  *   gated (gated == 1): k == E, out_ids[t, j] = j, out_w[t, j] = p_j
- * logits [T,E]; choice_bias, expert_scale [E]; out_ids [T,k] int; out_w [T,k]. One work-item per token.
+ * logits [T,E]; choice_bias, expert_scale [E]; out_ids [T,k] int; out_w [T,k]. One work-item per token;
+ * gscore: ngroups local floats per work-item (its token's group scores; unread without groups).
  * global (T) */
+inline float route_p(const float x, const int sigm, const float m, const float sum)
+{
+    return sigm ? 1.0f / (1.0f + exp(-x)) : exp(x - m) / sum;
+}
+
 __kernel void route(ARG(int, out_ids), ARG(float, out_w), CARG(float, logits), CARG(float, choice_bias),
                     CARG(float, expert_scale), const int T, const int E, const int k, const int gated,
-                    const int normalize, const int has_bias, const float norm_min, const int has_scale)
+                    const int normalize, const int has_bias, const float norm_min, const int has_scale,
+                    const int sigm, const int ngroups, const int keep, const int top, const float scaling,
+                    __local float* gscore)
 {
     const int t = get_global_id(0);
     if (t >= T)
@@ -20,20 +34,70 @@ __kernel void route(ARG(int, out_ids), ARG(float, out_w), CARG(float, logits), C
     BIND(int, out_ids); BIND(float, out_w); CBIND(float, logits); CBIND(float, choice_bias);
     CBIND(float, expert_scale);
     __global const float* x = logits + (size_t)t * E;
-    float m = x[0];
-    for (int e = 1; e < E; ++e)
-        m = fmax(m, x[e]);
-    float sum = 0.0f;
-    for (int e = 0; e < E; ++e)
-        sum += exp(x[e] - m);
+    float m = 0.0f, sum = 1.0f;
+    if (!sigm) {
+        m = x[0];
+        for (int e = 1; e < E; ++e)
+            m = fmax(m, x[e]);
+        /* compensated (Kahan) sum: a running sum of many small terms onto a large one drifts by
+         * many ulps; the reference's pairwise sum does not */
+        sum = 0.0f;
+        float comp = 0.0f;
+        for (int e = 0; e < E; ++e) {
+            const float y = exp(x[e] - m) - comp, s = sum + y;
+            comp = (s - sum) - y;
+            sum = s;
+        }
+    }
     if (gated) {
         for (int e = 0; e < E; ++e) {
             out_ids[(size_t)t * k + e] = e;
-            out_w[(size_t)t * k + e] = exp(x[e] - m) / sum;
+            out_w[(size_t)t * k + e] = route_p(x[e], sigm, m, sum);
         }
         return;
     }
-    /* selection in the order (s descending, id ascending): the j-th pick is the best candidate
+    /* the groups: ng of gsz experts (one group of E without group-limited routing) */
+    const int ng = ngroups > 1 ? ngroups : 1, gsz = E / ng;
+    __local float* gs = gscore + (size_t)get_local_id(0) * ng;
+    /* the keep-th best group (ls, lid): group q stays when it does not come after it in the order
+     * (gs descending, id ascending) */
+    float ls = -INFINITY;
+    int lid = ng - 1;
+    if (ng > 1) {
+        for (int g = 0; g < ng; ++g) {
+            float a1 = -INFINITY, a2 = -INFINITY;          /* the group's largest and second largest c */
+            for (int e = g * gsz; e < (g + 1) * gsz; ++e) {
+                const float pe = route_p(x[e], sigm, m, sum);
+                const float ce = has_bias ? pe + choice_bias[e] : pe;
+                if (ce > a1) {
+                    a2 = a1;
+                    a1 = ce;
+                } else if (ce > a2) {
+                    a2 = ce;
+                }
+            }
+            gs[g] = top == 2 ? a1 + a2 : a1;
+        }
+        /* the keep best groups, picked as the experts below: each pick the best strictly after the last */
+        float prev_s = INFINITY;
+        int prev_id = -1;
+        for (int j = 0; j < min(keep, ng); ++j) {
+            int best = -1;
+            float best_s = 0.0f;
+            for (int g = 0; g < ng; ++g) {
+                const float sg = gs[g];
+                if (((sg < prev_s) || (sg == prev_s && g > prev_id)) && (best < 0 || sg > best_s)) {
+                    best = g;
+                    best_s = sg;
+                }
+            }
+            prev_s = best_s;
+            prev_id = best;
+        }
+        ls = prev_s;
+        lid = prev_id;
+    }
+    /* selection in the order (c descending, id ascending): the j-th pick is the best candidate
      * strictly after the (j-1)-th in that order, so no private "taken" array is needed */
     float prev_s = INFINITY;
     int prev_id = -1;
@@ -41,14 +105,18 @@ __kernel void route(ARG(int, out_ids), ARG(float, out_w), CARG(float, logits), C
     for (int j = 0; j < k; ++j) {
         int best = -1;
         float best_s = 0.0f, best_p = 0.0f;
-        for (int e = 0; e < E; ++e) {
-            const float pe = exp(x[e] - m) / sum;
-            const float se = has_bias ? pe + choice_bias[e] : pe;
-            const int after_prev = (se < prev_s) || (se == prev_s && e > prev_id);
-            if (after_prev && (best < 0 || se > best_s)) {     /* strict >: ties keep the lower id */
-                best = e;
-                best_s = se;
-                best_p = pe;
+        for (int g = 0; g < ng; ++g) {
+            if (ng > 1 && !(gs[g] > ls || (gs[g] == ls && g <= lid)))
+                continue;                                  /* a group out of the choice */
+            for (int e = g * gsz; e < (g + 1) * gsz; ++e) {
+                const float pe = route_p(x[e], sigm, m, sum);
+                const float se = has_bias ? pe + choice_bias[e] : pe;
+                const int after_prev = (se < prev_s) || (se == prev_s && e > prev_id);
+                if (after_prev && (best < 0 || se > best_s)) {     /* strict >: ties keep the lower id */
+                    best = e;
+                    best_s = se;
+                    best_p = pe;
+                }
             }
         }
         out_ids[(size_t)t * k + j] = best;
@@ -57,12 +125,15 @@ __kernel void route(ARG(int, out_ids), ARG(float, out_w), CARG(float, logits), C
         prev_s = best_s;
         prev_id = best;
     }
-    if (normalize)
-        for (int j = 0; j < k; ++j)
-            out_w[(size_t)t * k + j] /= fmax(wsum, norm_min);
-    if (has_scale)
-        for (int j = 0; j < k; ++j)
-            out_w[(size_t)t * k + j] *= expert_scale[out_ids[(size_t)t * k + j]];
+    for (int j = 0; j < k; ++j) {
+        float w = out_w[(size_t)t * k + j];
+        if (normalize)
+            w /= fmax(wsum, norm_min);
+        w *= scaling;
+        if (has_scale)
+            w *= expert_scale[out_ids[(size_t)t * k + j]];
+        out_w[(size_t)t * k + j] = w;
+    }
 }
 
 /* align: counting sort of the N = T*k assignments a = t*k + j by expert ids[a] (stable), then the

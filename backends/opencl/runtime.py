@@ -3,8 +3,9 @@ The ops (backend.py) sit on top of it; nothing here knows what a layer is.
 
 Kernels live in the .cl files beside this module (OpenCL C 1.2, built with -cl-std=CL1.2):
     common.cl     macros shared by all (buffer+offset arguments, half loads, dot products)
-    dense.cl      embed, matmul1/matmul4 (GEMV / 4-token blocks), rmsnorm, rope, add, scale, zero
-    attention.cl  kv_write, paged_attention
+    dense.cl      embed, matmul1/matmul4 (GEMV / 4-token blocks), head_matmul (per-head GEMV, float types),
+                  rmsnorm, rope, add, scale, zero
+    attention.cl  kv_write, paged_attention, latent_attention
     moe.cl        route, align, ffn_gate_up (+ _grouped, ffn_down_grouped; activation by kind), combine
 dense.cl and moe.cl are built per weight type (float32; WF16=1: half read with vload_half; WBF16=1:
 bfloat16 widened in-register; WI8=1: int8 widened, each row's float32 scale applied to its sum;

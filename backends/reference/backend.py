@@ -152,10 +152,24 @@ class Backend(BackendBase):
             p = routing.softmax(s)[:, :len(j)]
             out[t] = np.einsum("hn,nhd->hd", p, v)
 
+    def head_matmul(self, out, x, w):
+        wf = _f32(w).reshape(w.shape)                    # [G, N, K]
+        for g in range(wf.shape[0]):
+            _rows_matmul(out[:, g], x[:, g], wf[g])
+
+    def latent_attention(self, out, q, q_rope, C, R, block_tables, seq_index, positions, block_size, scale):
+        for t in range(q.shape[0]):
+            j = np.arange(int(positions[t]) + 1)
+            slots = block_tables[seq_index[t], j // block_size] * block_size + j % block_size
+            c, r = C[slots, 0], R[slots, 0]              # [n, Dc], [n, Dr]
+            s = (np.einsum("hd,nd->hn", q[t], c) + np.einsum("hd,nd->hn", q_rope[t], r)) * np.float32(scale)
+            out[t] = routing.softmax(s) @ c
+
     # MoE
-    def route(self, out_ids, out_w, logits, k, mode, normalize, choice_bias=None, norm_min=0.0, expert_scale=None):
+    def route(self, out_ids, out_w, logits, k, mode, normalize, choice_bias=None, norm_min=0.0, expert_scale=None,
+              score="softmax", groups=None, scaling=1.0):
         ids, w = routing.route(logits, k, mode, normalize, None if choice_bias is None else choice_bias.data, norm_min,
-                               None if expert_scale is None else expert_scale.data)
+                               None if expert_scale is None else expert_scale.data, score, groups, scaling)
         out_ids[...] = ids
         out_w[...] = w
 

@@ -25,10 +25,18 @@ import tempfile
 from colibri_edge.backends.opencl import runtime as ocl
 
 KERNELS = {
-    "dense.cl": ["embed", "matmul1", "matmul4", "rmsnorm", "rope", "add", "scale", "zero"],
-    "attention.cl": ["kv_write", "paged_attention"],
+    "dense.cl": ["embed", "matmul1", "matmul4", "matmul3", "quantize_act", "rmsnorm", "rope", "add", "scale", "zero"],
+    "attention.cl": ["kv_write", "paged_attention", "latent_attention"],
     "moe.cl": ["route", "align", "ffn_gate_up", "ffn_gate_up_grouped", "ffn_down_grouped", "combine"],
 }
+# kernels built only in the float weight types' variants (float32, half, bfloat16: -DWF16=..., -DWBF16=1)
+FLOAT_KERNELS = {"dense.cl": ["head_matmul"]}
+
+
+def expected_kernels(name, opts):
+    """The kernels the variant (file, build options) must hold."""
+    floats = "-DWF16=" in opts or "-DWBF16=1" in opts
+    return KERNELS[name] + (FLOAT_KERNELS.get(name, []) if floats else [])
 
 
 def device_builds():
@@ -56,7 +64,7 @@ def device_builds():
                 prg = cl.Program(ctx, ocl.kernel_source(name)).build(options=opts.split())
                 log = prg.get_build_info(dev, cl.program_build_info.LOG).strip()
                 names = set(prg.get_info(cl.program_info.KERNEL_NAMES).split(";"))
-                missing = [k for k in KERNELS[name] if k not in names]
+                missing = [k for k in expected_kernels(name, opts) if k not in names]
                 if missing:
                     raise RuntimeError(f"kernels missing: {missing}")
                 if "warning" in log.lower() or "error" in log.lower():

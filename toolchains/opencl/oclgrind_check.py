@@ -50,6 +50,11 @@ MICRO = [
      {"int8_activations": False}),
     ("mixtral", {"hidden_size": 256, "intermediate_size": 256, "head_dim": 64}, "q5_k",
      {"expert_slots": 2, "int8_activations": True}),
+    # latent attention (kv_write of the latent and the rope key, head_matmul, latent_attention) and the
+    # DeepSeek routers: softmax within the best groups by their maximum (V2), sigmoid + a choice bias
+    # within the best groups by their top two (V3), with half per-head matrices
+    ("deepseek_v2", {}, None, {}),
+    ("deepseek_v3", {}, "float16", {}),
 ]
 PROMPT_TOKENS = 8      # <= 8 tokens: prefill in chunks of 5 (a chunk at position > 0), then decode
 DECODE_TOKENS = 3
