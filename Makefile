@@ -4,6 +4,10 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 export PIP_DISABLE_PIP_VERSION_CHECK = 1
+# pytest workers (pytest-xdist): one a core, at most 4 (each holds torch and a model or two in memory).
+# A test file stays on one worker (--dist loadfile), so its module fixtures are built once.
+NPROC   := $(shell nproc 2>/dev/null || echo 2)
+WORKERS ?= $(shell n=$(NPROC); [ $$n -gt 4 ] && n=4; echo $$n)
 
 .PHONY: demo test test-fast bench fuzz toolchains gpu-check capi bundle-aarch64 clean help
 
@@ -36,10 +40,10 @@ demo: $(VENV)/.base
 
 test: $(VENV)/.test
 	$(MAKE) toolchains
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra -n $(WORKERS) --dist loadfile
 
 test-fast: $(VENV)/.test
-	$(PY) -m pytest -q -ra -x -m "not slow"
+	$(PY) -m pytest -q -ra -x -m "not slow" -n $(WORKERS) --dist loadfile
 
 toolchains: $(VENV)/.test
 	$(MAKE) -C toolchains all PY=$(abspath $(PY))

@@ -242,6 +242,7 @@ def simulator_check(col, s, new, policy, slot_counts, files):
     drops the pages it reads), and the simulated slot counters against the engine's."""
     from colibri_edge import Engine
     from colibri_edge.probe import probe
+    from colibri_edge.simulate import estimate
     from colibri_edge.slots import SlotCache
     import models
     prompts = models.prompts(s, 32, 3)
@@ -255,26 +256,29 @@ def simulator_check(col, s, new, policy, slot_counts, files):
     rows = []
     for n in slot_counts:
         cache = SlotCache(n, policy, blob) if n else None
-        timed_misses, timed_tokens = 0, 0
+        timed = {"slots": n, "misses": 0, "cold_misses": 0, "tokens": 0}
         for _, idx in tr.steps():
             decode = len(idx) == 1 and int(tr.seq_ids[idx[0]]) in seqs[1:]
-            before = cache.c.misses if cache else 0
+            before = (cache.c.misses, cache.c.cold_misses) if cache else (0, 0)
             for j in range(L):
                 if cache:
                     cache.access_layer(int(tr.layer_ids[j]), np.unique(tr.expert_ids[idx, j].astype(np.int64)))
             if decode and int(tr.positions[idx[0]]) >= 32:
-                timed_tokens += 1
-                timed_misses += (cache.c.misses if cache else 0) - before
-        read_ms = tr.meta["bytes_per_decoded_token"] / (prof["memory_bandwidth_gbs"] * 1e9) * 1e3
-        miss_ms = timed_misses * blob / max(timed_tokens, 1) / (prof["miss_bandwidth_gbs"] * 1e9) * 1e3
-        pred = read_ms + miss_ms + prof["layer_overhead_ms"] * s["num_hidden_layers"]
+                timed["tokens"] += 1
+                if cache:
+                    timed["misses"] += cache.c.misses - before[0]
+                    timed["cold_misses"] += cache.c.cold_misses - before[1]
+        est = estimate(timed, tr, prof, 32 + new)           # `colibri simulate --device this`'s formula
+        pred, read_ms, miss_ms = est["est_ms_per_token"], est["est_read_ms"], est["est_miss_ms"]
         meas = run_colibri(None, col, str(n), policy, new, files, resident=not n)
         if "error" in meas:
             rows.append({"slots": n, "error": meas["error"]})
             continue
         got = 1e3 / meas["decode_tok_s"]
         row = {"slots": n or "all resident", "predicted_ms": pred, "measured_ms": got,
-               "error_pct": 100 * (pred - got) / got, "read_ms": read_ms, "miss_ms": miss_ms}
+               "error_pct": 100 * (pred - got) / got, "read_ms": read_ms, "miss_ms": miss_ms,
+               "timed_misses": timed["misses"], "timed_cold_misses": timed["cold_misses"],
+               "timed_tokens": timed["tokens"]}
         if n:
             ss = meas["slot_stats"]
             row.update(sim_hits=cache.c.hits, sim_misses=cache.c.misses, engine_hits=ss["hits"],
@@ -298,7 +302,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--model")
-    ap.add_argument("--slots", default="0,auto,18", help="Colibri runs: slot counts, auto, or 0 (every expert resident)")
+    ap.add_argument("--slots", default="0,auto,18", help="Colibri runs: slot counts, auto, or 0 (every expert "
+                                                        "resident); empty: none")
     ap.add_argument("--policy", default="lfu")
     ap.add_argument("--new", type=int, default=48)
     ap.add_argument("--limit-mib", type=int, default=600, help="the cgroup's memory limit")
@@ -325,7 +330,7 @@ def main(argv=None):
     log(f"cgroup {cg.dir}: limit {a.limit_mib} MiB; weights {sizes['colibri_weights_bytes'] / 2**20:.0f} MiB "
         f"(Colibri), {sizes['gguf_bytes'] / 2**20:.0f} MiB (GGUF)")
     try:
-        for sl in a.slots.split(","):
+        for sl in filter(None, a.slots.split(",")):        # --slots '': the simulator check alone
             r = run_colibri(cg, col, sl, a.policy, a.new, [weights])
             log(json.dumps({k: v for k, v in r.items() if k != "expert_counts"})[:600])
             res["runs"].append(r)
@@ -364,18 +369,22 @@ def main(argv=None):
         p = res["simulator"]["profile"]
         lines += ["", f"The simulator against measured runs (lru, without the cgroup, misses from storage): "
                       f"`colibri probe-device` measured {p['memory_bandwidth_gbs']} GB/s (cpu GEMV), "
-                      f"{p['miss_bandwidth_gbs']} GB/s storage reads of one expert, {p['layer_overhead_ms']} ms "
-                      "overhead a layer.", "",
-                  "| slots | predicted ms/token | measured ms/token | error | simulated hits / misses | engine hits / misses |",
-                  "|---|---:|---:|---:|---|---|"]
+                      f"{p['miss_bandwidth_gbs']} GB/s storage reads of one expert (cold), "
+                      f"{p.get('reread_bandwidth_gbs', p['miss_bandwidth_gbs'])} GB/s re-reads after the pages were "
+                      f"dropped again, {p['layer_overhead_ms']} ms overhead a layer.", "",
+                  "| slots | predicted ms/token | measured ms/token | error | timed misses / token (cold) | "
+                  "simulated hits / misses | engine hits / misses |",
+                  "|---|---:|---:|---:|---|---|---|"]
         for r in res["simulator"]["rows"]:
             if "error" in r:
-                lines.append(f"| {r['slots']} | failed: {r['error'][-120:]!r} | | | | |")
+                lines.append(f"| {r['slots']} | failed: {r['error'][-120:]!r} | | | | | |")
                 continue
             hm = (f"{r['sim_hits']} / {r['sim_misses']} | {r['engine_hits']} / {r['engine_misses']}"
                   if "sim_hits" in r else "- | -")
+            tm = r.get("timed_misses", 0)
+            per = f"{tm / max(r['timed_tokens'], 1):.1f} ({r['timed_cold_misses']} cold)" if tm else "0"
             lines.append(f"| {r['slots']} | {r['predicted_ms']:.1f} | {r['measured_ms']:.1f} | "
-                         f"{r['error_pct']:+.0f}% | {hm} |")
+                         f"{r['error_pct']:+.0f}% | {per} | {hm} |")
     with open(os.path.join(a.out, "pressure.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -7,6 +7,7 @@ exercises the whole engine but prints noise, and `colibri run` says so.
 from __future__ import annotations
 
 import os
+import shutil
 
 import numpy as np
 
@@ -26,7 +27,17 @@ def ensure_default_model():
     cache = os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
     path = os.path.join(cache, "colibri-edge", f"default-random-v{RANDOM_VERSION}")
     if not os.path.exists(os.path.join(path, "config.json")):
-        build_random_model(path)
+        # built aside and renamed into place, so that processes starting together (test workers,
+        # two CLI runs) never read a half-written model; the first rename wins
+        part = f"{path}.part-{os.getpid()}"
+        shutil.rmtree(part, ignore_errors=True)
+        build_random_model(part)
+        try:
+            os.rename(part, path)
+        except OSError:
+            shutil.rmtree(part, ignore_errors=True)
+            if not os.path.exists(os.path.join(path, "config.json")):
+                raise
     return path, ("a small deterministic model with random weights: its text is noise until the trained "
                   "demo model is shipped")
 

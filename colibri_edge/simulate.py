@@ -5,8 +5,13 @@ engine reports for the same trace and slot count; belady (offline optimum for de
 them; prefetch uses the trace's predicted_ids (layer L+1's router on layer L's hidden state).
 
 With a device profile it estimates the time per token and whether the model fits:
-    ms/token = bytes read per token / (bandwidth x efficiency) + demand-miss bytes per token / miss bandwidth
+    ms/token = bytes read per token / (bandwidth x efficiency)
+               + (cold misses / miss bandwidth + other misses / re-read bandwidth) x blob bytes / tokens
                + layer_overhead_ms x layers (a profile from `colibri probe-device` has it)
+a cold miss is the first load of an expert; a later miss re-reads a blob the pool dropped, which a
+cache under the page cache may still hold (probe-device measures that rate: reread_bandwidth_gbs;
+a profile without it re-reads at miss_bandwidth_gbs). Under thrash nearly every miss is a re-read:
+the 2026-12-02 pressure run at 8 slots was predicted 222 ms/token at the cold rate, measured 60.
 """
 from __future__ import annotations
 
@@ -49,7 +54,8 @@ def replay(tr: Trace, slots: int, policy: str, min_p: float = PREFETCH_MIN_P) ->
     for _, layer, experts, prefetch in _layer_accesses(tr, min_p):
         cache.access_layer(layer, experts, prefetch if policy == "prefetch" else None)
     c = cache.c.as_dict()
-    return {"policy": policy, "slots": slots, "hits": c["hits"], "misses": c["misses"], "hit_rate": c["hit_rate"],
+    return {"policy": policy, "slots": slots, "hits": c["hits"], "misses": c["misses"],
+            "cold_misses": c["cold_misses"], "hit_rate": c["hit_rate"],
             "prefetch_hits": c["prefetch_hits"], "prefetches": c["prefetches"], "evictions": c["evictions"],
             "bytes_moved": c["bytes_loaded"], "stall_misses": c["misses"], "tokens": int(tr.expert_ids.shape[0])}
 
@@ -73,6 +79,9 @@ def load_profile(name_or_path: str) -> dict:
         prof = json.load(open(path))
         for f in ("memory_bytes", "memory_bandwidth_gbs", "miss_bandwidth_gbs"):
             float(prof[f])
+        for f in ("reread_bandwidth_gbs", "layer_overhead_ms", "bandwidth_efficiency"):   # optional
+            if f in prof:
+                float(prof[f])
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{path}: bad device profile ({e})") from None
     return prof
@@ -83,7 +92,10 @@ def estimate(result: dict, tr: Trace, prof: dict, context: int) -> dict:
     eff = float(prof.get("bandwidth_efficiency", 1.0))
     tokens = max(result["tokens"], 1)
     read_s = m["bytes_per_decoded_token"] / (prof["memory_bandwidth_gbs"] * 1e9 * eff)
-    miss_s = result["misses"] * m["bytes_per_expert"] / tokens / (prof["miss_bandwidth_gbs"] * 1e9)
+    cold = result.get("cold_misses", result["misses"])
+    reread_bw = float(prof.get("reread_bandwidth_gbs", prof["miss_bandwidth_gbs"]))
+    miss_s = m["bytes_per_expert"] / tokens * (cold / (prof["miss_bandwidth_gbs"] * 1e9) +
+                                               (result["misses"] - cold) / (reread_bw * 1e9))
     need = m["non_expert_bytes"] + result["slots"] * m["bytes_per_expert"] + context * m["kv_bytes_per_token"] \
         + m.get("kv_window_bytes_per_sequence", 0) + m.get("scratch_bytes", 0)
     # per-layer overhead, measured by probe-device (0 when the profile has none) x the model's layers

@@ -33,6 +33,9 @@ ENGINE_POLICIES = ("lru", "lfu", "prefetch")
 class Counters:
     hits: int = 0
     misses: int = 0            # demand misses: the step waits for the load (they stall)
+    cold_misses: int = 0       # demand misses of an expert never loaded before (its first read from storage;
+                               # the others re-read a blob that was in a slot once: a cache under the page
+                               # cache, a VM host's or a drive's, may still hold it)
     prefetch_hits: int = 0     # hits on an expert that prefetch brought in
     bytes_loaded: int = 0
     evictions: int = 0
@@ -64,6 +67,7 @@ class SlotCache:
         self.freq: dict = {}
         self.prefetched: set = set()                 # resident because prefetch loaded them, not yet used
         self.c = Counters()
+        self.loaded: set = set()                     # every key ever loaded (cold_misses)
         self._future = None                          # belady: key -> sorted positions of its uses
         self._t = 0                                  # belady: index into the access sequence
 
@@ -106,6 +110,7 @@ class SlotCache:
             self.c.evictions += 1
         self.key_of[slot] = key
         self.where[key] = slot
+        self.loaded.add(key)
         self.recency[key] = None
         self.c.bytes_loaded += self.blob_bytes
 
@@ -138,6 +143,8 @@ class SlotCache:
                     wave, pinned = [], set()
                     slot = self._victim(pinned)
                 self.c.misses += 1
+                if key not in self.loaded:
+                    self.c.cold_misses += 1
                 self._install(key, slot)
                 hit = False
             self._touch(key)

@@ -345,7 +345,7 @@ class RawModule:
         so = os.path.join(d, "module.so")
         with _compile_lock:
             os.makedirs(d, exist_ok=True)
-            src = os.path.join(d, "kernels.cu")
+            src = os.path.join(d, f"kernels.{os.getpid()}.cu")    # per process: test workers share the cache
             with open(src, "w") as f:
                 f.write(self.code)
             defines = [o for o in self.options if o.startswith("-D")]   # NVRTC's -D options, as given
@@ -364,7 +364,7 @@ class RawModule:
                         f'unsigned by, unsigned bz, void** args) {{\n'
                         f'  std::function<void()> fn = [&]() {{ {name}({call}); }};\n'
                         f'  return emu::run_grid(gx, gy, gz, bx, by, bz, fn, "{name}");\n}}')
-                full = os.path.join(d, "module.cpp")
+                full = os.path.join(d, f"module.{os.getpid()}.cpp")
                 with open(full, "w") as f:
                     f.write(self.code + "\n".join(wrappers) + "\n")
                 tmp = so + f".{os.getpid()}.tmp"
