@@ -2,9 +2,9 @@
 
     python benchmarks/serve_bench.py [--small] [--clients 1,4,16] [--prompt 64] [--new 64]
 
-Both servers run the Mixtral-shaped benchmark model (models.py) in float16 -- Colibri from its model
-directory, llama-server from the f16 GGUF of the same checkpoint -- one at a time, each on 2
-threads, bound to 127.0.0.1. llama-server (benchmarks/llama_server.py builds it once) runs with
+Both servers run the Mixtral-shaped benchmark model (models.py) at the same precision -- f16: Colibri
+float16 from its model directory, llama-server the f16 GGUF of the same checkpoint; int8: Colibri int8
+against GGUF q8_0 (--precision) -- one at a time, each on 2 threads, bound to 127.0.0.1. llama-server (benchmarks/llama_server.py builds it once) runs with
 `--parallel 16 --cont-batching` and a context of 16 x the request's; Colibri with max_batch 16.
 At each concurrency c, c clients each send requests back to back (streamed /v1/completions,
 token-id prompts of --prompt ids, --new tokens with ignore_eos, temperature 0) until 2c requests
@@ -150,6 +150,8 @@ def main(argv=None):
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--precision", default="f16,int8", help="f16 (Colibri float16 / GGUF f16) and int8 "
+                                                           "(Colibri int8 / GGUF q8_0), comma-separated")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     a = ap.parse_args(argv)
     import models
@@ -159,9 +161,6 @@ def main(argv=None):
     root = models.cache_dir(a.small)
     os.makedirs(root, exist_ok=True)
     hf = models.build_hf(os.path.join(root, "hf"), s, log)
-    col = with_tokenizer(models.build_colibri(hf, os.path.join(root, "colibri-float16"), "float16", log), s)
-    gguf = os.path.join(root, "model-f16.gguf")
-    models.build_gguf(hf, gguf, "f16", s, log)
     exe = llama_server.binary(log)
     prompts = models.prompts(s, a.prompt, 32)
     ctx = a.prompt + a.new
@@ -169,37 +168,50 @@ def main(argv=None):
            "OMP_NUM_THREADS": str(a.threads)}
     res = {"model": {k: s[k] for k in ("num_hidden_layers", "hidden_size", "num_local_experts",
                                        "num_experts_per_tok", "intermediate_size")},
-           "prompt_tokens": a.prompt, "new_tokens": a.new, "threads": a.threads, "date": time.strftime("%Y-%m-%d")}
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    colibri = os.path.join(os.path.dirname(sys.executable), "colibri")
-    res["colibri"] = run_server([colibri, "serve", "--model", f"bench={col}", "--port", str(port),
-                                 "--backend", "cpu", "--max-batch", str(max(clients)),
-                                 "--max-seq-len", str(ctx)], env, url, "colibri f16", "bench", prompts, clients, a.new)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    res["llama_server"] = run_server([exe, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t",
-                                      str(a.threads), "-tb", str(a.threads), "--parallel", str(max(clients)),
-                                      "--cont-batching", "-c", str(max(clients) * ctx), "--no-warmup"],
-                                     env, url, "llama-server f16", "bench", prompts, clients, a.new)
+           "prompt_tokens": a.prompt, "new_tokens": a.new, "threads": a.threads, "date": time.strftime("%Y-%m-%d"),
+           "runs": {}}
     lines = [f"# colibri serve vs llama-server ({res['date']})", "",
              f"Mixtral-shaped benchmark model ({s['num_hidden_layers']} layers, hidden {s['hidden_size']}, "
-             f"{s['num_local_experts']} experts top-{s['num_experts_per_tok']}), float16 on both, {a.threads} "
-             f"threads, 127.0.0.1; each request {a.prompt} prompt ids -> {a.new} tokens (ignore_eos, temperature "
-             f"0, streamed); llama-server --parallel {max(clients)} --cont-batching -c {max(clients) * ctx}.", "",
-             "| clients | Colibri tok/s | llama-server tok/s | ratio | Colibri TTFT p50 / p99 ms | "
-             "llama-server TTFT p50 / p99 ms |", "|---:|---:|---:|---:|---|---|"]
-    for c, l in zip(res["colibri"], res["llama_server"]):
-        lines.append(f"| {c['clients']} | {c['output_tok_s']:.1f} | {l['output_tok_s']:.1f} | "
-                     f"{c['output_tok_s'] / l['output_tok_s']:.2f} | {c['ttft_p50_ms']:.0f} / {c['ttft_p99_ms']:.0f} | "
-                     f"{l['ttft_p50_ms']:.0f} / {l['ttft_p99_ms']:.0f} |")
+             f"{s['num_local_experts']} experts top-{s['num_experts_per_tok']}), {a.threads} threads, 127.0.0.1; "
+             f"each request {a.prompt} prompt ids -> {a.new} tokens (ignore_eos, temperature 0, streamed); "
+             f"llama-server --parallel {max(clients)} --cont-batching -c {max(clients) * ctx}. One checkpoint, "
+             f"converted for each: f16 is Colibri float16 against GGUF f16; int8 is Colibri's per-row int8 "
+             f"against GGUF q8_0 (per-32 blocks: the nearest llama.cpp format)."]
+    links = []
+    for prec in a.precision.split(","):
+        dtype, qtype = {"f16": ("float16", "f16"), "int8": ("int8", "q8_0")}[prec]
+        col = with_tokenizer(models.build_colibri(hf, os.path.join(root, f"colibri-{dtype}"), dtype, log), s)
+        links.append(col)
+        gguf = os.path.join(root, f"model-{qtype}.gguf")
+        models.build_gguf(hf, gguf, qtype, s, log)
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        colibri = os.path.join(os.path.dirname(sys.executable), "colibri")
+        c_runs = run_server([colibri, "serve", "--model", f"bench={col}", "--port", str(port),
+                             "--backend", "cpu", "--max-batch", str(max(clients)),
+                             "--max-seq-len", str(ctx)], env, url, f"colibri {dtype}", "bench", prompts, clients, a.new)
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        l_runs = run_server([exe, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t",
+                             str(a.threads), "-tb", str(a.threads), "--parallel", str(max(clients)),
+                             "--cont-batching", "-c", str(max(clients) * ctx), "--no-warmup"],
+                            env, url, f"llama-server {qtype}", "bench", prompts, clients, a.new)
+        res["runs"][prec] = {"colibri_dtype": dtype, "gguf_type": qtype, "colibri": c_runs, "llama_server": l_runs}
+        lines += ["", f"## Colibri {dtype} against llama-server {qtype}", "",
+                  "| clients | Colibri tok/s | llama-server tok/s | ratio | Colibri TTFT p50 / p99 ms | "
+                  "llama-server TTFT p50 / p99 ms |", "|---:|---:|---:|---:|---|---|"]
+        for c, l in zip(c_runs, l_runs):
+            lines.append(f"| {c['clients']} | {c['output_tok_s']:.1f} | {l['output_tok_s']:.1f} | "
+                         f"{c['output_tok_s'] / l['output_tok_s']:.2f} | {c['ttft_p50_ms']:.0f} / "
+                         f"{c['ttft_p99_ms']:.0f} | {l['ttft_p50_ms']:.0f} / {l['ttft_p99_ms']:.0f} |")
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "serve.json"), "w") as f:
         json.dump(res, f, indent=1)
     with open(os.path.join(a.out, "serve.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
-    shutil.rmtree(col, ignore_errors=True)            # hard links only: the model directory stays
+    for col in links:
+        shutil.rmtree(col, ignore_errors=True)        # hard links only: the model directory stays
 
 
 if __name__ == "__main__":
