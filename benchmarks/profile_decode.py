@@ -1,5 +1,6 @@
 """Where Colibri's decode time goes: every backend operation wrapped with a timer (monkeypatched on
-the engine's backend instance), over a few batch-1 decode steps of a warm engine.
+the engine's backend instance), over a few decode steps of a warm engine: one sequence, or
+(`batch=`) several decoded together.
 
 Weight-reading operations also count the weight bytes they read, so each gets its own GB/s:
 matmul by the weight it multiplies (attention q/k/v/o, router, lm_head), grouped_ffn by the
@@ -22,7 +23,10 @@ def _weight_nbytes(w):
     return int(d.nbytes) if d is not None else 0
 
 
-def profile(engine, prompt, steps: int) -> dict:
+def profile(engine, prompt, steps: int, batch: list | None = None) -> dict:
+    """prompt: one sequence's ids (batch-1 decode steps); batch: prompts decoded together instead
+    (engine.generate_batch), timed on the steps that only decode (the request core staggers the
+    prompts' prefill, so their batch grows and shrinks: batch_p50 is its median)."""
     be, runner = engine.backend, engine.runner
     names = {}
     prog = runner.program
@@ -65,10 +69,14 @@ def profile(engine, prompt, steps: int) -> dict:
     for op in OPS:
         saved[op] = getattr(be, op)
         setattr(be, op, wrap(op, saved[op]))
-    step_times = []
+    step_times, sizes = [], []
     inner = runner.step
 
     def timed_step(entries, all_logits=False):
+        if batch is not None:                        # timers on for the steps that only decode
+            on["v"] = all(len(t) == 1 for _, t in entries)
+            if on["v"]:
+                sizes.append(len(entries))
         cur.clear()
         t0 = time.perf_counter()
         r = inner(entries, all_logits=all_logits)
@@ -90,7 +98,10 @@ def profile(engine, prompt, steps: int) -> dict:
     engine._prefill = prefill
     t0 = time.perf_counter()
     try:
-        engine.generate(prompt, max_new_tokens=steps + 1, ignore_eos=True)
+        if batch is None:
+            engine.generate(prompt, max_new_tokens=steps + 1, ignore_eos=True)
+        else:
+            engine.generate_batch(batch, max_new_tokens=steps + 1, ignore_eos=True)
     finally:
         wall = time.perf_counter() - t0
         on["v"] = False
@@ -112,5 +123,5 @@ def profile(engine, prompt, steps: int) -> dict:
     other = float(np.median([t - sum(d.values()) for t, d in zip(step_times, per_step)]))
     rows.append({"op": "python/other (step minus ops)", "ms_per_step": other * 1e3, "mean_ms_per_step": None,
                  "share": other / med_step, "calls_per_step": None, "weight_mb_per_step": 0, "gbps": None})
-    return {"steps": steps_done, "step_ms": med_step * 1e3, "step_mean_ms": float(np.mean(step_times)) * 1e3,
+    return {"steps": steps_done, "batch_p50": float(np.median(sizes)) if sizes else 1.0, "step_ms": med_step * 1e3, "step_mean_ms": float(np.mean(step_times)) * 1e3,
             "rows": rows, "note": "medians over the steps; timers add ~1 us a call"}

@@ -152,6 +152,8 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--precision", default="f16,int8", help="f16 (Colibri float16 / GGUF f16) and int8 "
                                                            "(Colibri int8 / GGUF q8_0), comma-separated")
+    ap.add_argument("--colibri-flags", default="", help="extra `colibri serve` flags, e.g. '--interleave 0 "
+                                                         "--prefill-chunk 1024' (throughput over time between tokens)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     a = ap.parse_args(argv)
     import models
@@ -169,14 +171,15 @@ def main(argv=None):
     res = {"model": {k: s[k] for k in ("num_hidden_layers", "hidden_size", "num_local_experts",
                                        "num_experts_per_tok", "intermediate_size")},
            "prompt_tokens": a.prompt, "new_tokens": a.new, "threads": a.threads, "date": time.strftime("%Y-%m-%d"),
-           "runs": {}}
+           "colibri_flags": a.colibri_flags, "runs": {}}
     lines = [f"# colibri serve vs llama-server ({res['date']})", "",
              f"Mixtral-shaped benchmark model ({s['num_hidden_layers']} layers, hidden {s['hidden_size']}, "
              f"{s['num_local_experts']} experts top-{s['num_experts_per_tok']}), {a.threads} threads, 127.0.0.1; "
              f"each request {a.prompt} prompt ids -> {a.new} tokens (ignore_eos, temperature 0, streamed); "
              f"llama-server --parallel {max(clients)} --cont-batching -c {max(clients) * ctx}. One checkpoint, "
              f"converted for each: f16 is Colibri float16 against GGUF f16; int8 is Colibri's per-row int8 "
-             f"against GGUF q8_0 (per-32 blocks: the nearest llama.cpp format)."]
+             f"against GGUF q8_0 (per-32 blocks: the nearest llama.cpp format)." +
+             (f" Colibri serve with {a.colibri_flags}." if a.colibri_flags else "")]
     links = []
     for prec in a.precision.split(","):
         dtype, qtype = {"f16": ("float16", "f16"), "int8": ("int8", "q8_0")}[prec]
@@ -189,7 +192,7 @@ def main(argv=None):
         colibri = os.path.join(os.path.dirname(sys.executable), "colibri")
         c_runs = run_server([colibri, "serve", "--model", f"bench={col}", "--port", str(port),
                              "--backend", "cpu", "--max-batch", str(max(clients)),
-                             "--max-seq-len", str(ctx)], env, url, f"colibri {dtype}", "bench", prompts, clients, a.new)
+                             "--max-seq-len", str(ctx), *a.colibri_flags.split()], env, url, f"colibri {dtype}", "bench", prompts, clients, a.new)
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         l_runs = run_server([exe, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t",
