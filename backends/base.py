@@ -11,6 +11,7 @@ Required -- abstract here; there is no per-op fallback, so the suite proves each
     memory     alloc, to_device, view, upload_into, download
     dense      embed, matmul, rmsnorm, rope, add, scale
     attention  kv_write, paged_attention, latent_attention, head_matmul
+    recurrent  causal_conv, delta_rule, gate_mul
     MoE        route, align, grouped_ffn, combine
 Optional -- each has its default below, and the core never probes a backend with hasattr:
     OPTIONS                         the Engine.open options it takes                 ()
@@ -332,6 +333,47 @@ class Backend:
         query head h reads KV head h // (Hq/Hkv).  out = softmax(q K^T * scale) V (fp32).
         sinks: a float32 Weight [Hq] of per-head logits that join every softmax's denominator and
         nothing else (gpt-oss):  out = sum_j e^{s_j} V_j / (e^{sink_h} + sum_j e^{s_j})."""
+        raise NotImplementedError
+
+    # -- recurrent mixers (required) ---------------------------------------------------------
+    # A step's tokens are grouped by sequence: entry s owns tokens starts[s] .. starts[s+1]-1, at
+    # consecutive positions, and a fixed-size state slot slots[s] (colibri_edge.state.FixedPool). A
+    # sequence whose first token in the step is at position 0 starts from a zero state and never reads
+    # its slot (a slot needs no clearing when it is handed out); the state left in the slot after the
+    # step is the one after the sequence's last token, so prefill chunks and decode steps continue it.
+    def causal_conv(self, out, x, weight, state, starts, slots, positions):
+        """Depthwise causal conv1d + SiLU over each sequence, its last K-1 inputs carried in the state:
+            out[t, c] = silu(sum_{i<K} weight[c, i] * u(p - K + 1 + i, c)),  p = positions[t]
+        u(q, c) is the input at position q of t's sequence: x[t - (p - q), c] for the step's tokens
+        (q >= p0, the position of the sequence's first token in the step); before them the state,
+        state[slot, K - 1 - (p0 - q), c] for p0 - K + 1 <= q < p0 when p0 > 0 (it holds 0 where q < 0:
+        the first step wrote them), 0 when p0 = 0 (the slot is not read). Afterwards state[slot, i, c] =
+        u(pl - K + 2 + i, c), i < K - 1 (pl: the sequence's last position): the K-1 inputs ending there.
+        x, out [T, C] float32 (distinct buffers); weight a float32 Weight [C, K]; state [num_slots, K-1, C];
+        starts [S+1], slots [S], positions [T] int32 (S sequences in the step: len(slots))."""
+        raise NotImplementedError
+
+    def delta_rule(self, out, qkv, a, b, a_neg, dt_bias, state, starts, slots, positions, heads):
+        """The gated delta rule (Qwen3.5 / Qwen3-Next linear attention) over each sequence, its
+        recurrent state S [Hv, dk, dv] carried in the state slot. heads = (Hk, Hv, dk, dv, group): value
+        head h reads key head (h // group) % Hk (group Hv / Hk: the checkpoint's grouped order, where
+        consecutive value heads share a key head; 1: llama.cpp's tiled order). Per token t and value
+        head h, in fp32:
+            q = l2(qkv[t, q part, head]) / sqrt(dk),  k = l2(qkv[t, k part, head]),  v = qkv[t, v part, h]
+            l2(x) = x / sqrt(sum(x^2) + 1e-6)
+            beta = sigmoid(b[t, h]),  g = a_neg[h] * softplus(a[t, h] + dt_bias[h])   (softplus(y) = y past 20)
+            S = e^g S;  S += k (beta (v - S^T k))^T;  out[t, h] = S^T q
+        qkv [T, 2*Hk*dk + Hv*dv] (q heads | k heads | v heads, each head's dims contiguous); a, b [T, Hv];
+        a_neg (= -exp(A_log)), dt_bias float32 Weights [Hv]; out [T, Hv*dv]; state [num_slots, Hv, dk, dv].
+        S starts at 0 for a sequence whose step starts at position 0, else at state[slot]; the final S
+        is written back. A backend may run a sequence's tokens in chunks of C (the chunked form: the
+        intra-chunk work as C x C and C x dk products, S carried between chunks) instead of one at a
+        time: the same function (the reference runs both: reference.delta_rule_recurrent)."""
+        raise NotImplementedError
+
+    def gate_mul(self, out, x, gate, act: str):
+        """out = x * act(gate), elementwise over [R, N] contiguous float32 (may alias x): act "silu"
+        (the gated RMSNorm's output gate) or "sigmoid" (Qwen3.5's attention output gate)."""
         raise NotImplementedError
 
     # -- MoE (required) ----------------------------------------------------------------------

@@ -29,6 +29,7 @@ class Limits:
     max_batch: int      # S
     table_width: int    # W
     paged_pools: int    # P
+    fixed_pools: int = 0    # F: fixed-size state pools (recurrent layers)
 
 
 def fan(cfg: dict) -> int:
@@ -41,6 +42,8 @@ def input_layout(lim: Limits) -> dict:
     parts = [("tok", (R,)), ("pos", (R,)), ("seq", (R,)), ("rows", (R,))]
     for p in range(lim.paged_pools):
         parts += [(f"slots{p}", (R,)), (f"tables{p}", (S, W))]
+    if lim.fixed_pools:                         # each sequence's tokens starts[s]..starts[s+1]-1, its slots
+        parts += [("starts", (S + 1,))] + [(f"fslots{p}", (S,)) for p in range(lim.fixed_pools)]
     out, off = {}, 0
     for name, shape in parts:
         out[name] = (off, shape)
@@ -73,6 +76,14 @@ def buffers(cfg: dict, lim: Limits) -> dict:
         "expert_counts": ((max(M, 1), E), i32),                                 # tokens routed, on the device
         "inputs": ((sum(math.prod(s) for _, s in input_layout(lim).values()),), i32),
     }
+    if cfg.get("attention_output_gate"):
+        spec["attn_gate"] = ((R, QW), f32)                                      # sigmoid gate of attention's output
+    lin = cfg.get("linear_attention")
+    if lin and lim.fixed_pools:                                                 # gated delta-net (rows only: the
+        Hk, Hv, dk, dv = (lin[k] for k in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim"))
+        C = 2 * Hk * dk + Hv * dv                                               # state is the fixed pool's)
+        for name, width in (("qkv", C), ("conv", C), ("z", Hv * dv), ("a", Hv), ("b", Hv), ("core", Hv * dv)):
+            spec[f"lin.{name}"] = ((R, width), f32)
     la = cfg.get("latent_attention")
     if la:                                                                      # latent attention (rows only:
         nh, r, dr = cfg["num_attention_heads"], la["kv_lora_rank"], la["qk_rope_head_dim"]   # nothing here grows

@@ -85,6 +85,13 @@ def _cmd_inspect(a):
         extra = "" if l["type"] == "dense" else f" {l['moe_expert_start']}..{l['moe_expert_start'] + l['moe_num_experts'] - 1}"
         mixer = f"sliding-window attention ({cfg['sliding_window']}){sinks}" \
             if types[l["layer_id"]] == "sliding_attention" else "latent attention" if la else f"attention{sinks}"
+        if types[l["layer_id"]] == "linear_attention":
+            li = cfg["linear_attention"]
+            mixer = (f"gated delta-net ({li['num_key_heads']} key / {li['num_value_heads']} value heads of "
+                     f"{li['key_head_dim']} / {li['value_head_dim']}, conv {li['conv_kernel']})")
+        elif cfg.get("attention_output_gate"):
+            mixer += " with an output gate" + (f", rope on {cfg['rope_dim']} of {cfg['head_dim']} dims"
+                                               if cfg.get("rope_dim") else "")
         if "head_dim" in l or "num_key_value_heads" in l:
             from .validate import geometry
             _, nkv, hd = geometry(cfg, l)
@@ -97,9 +104,12 @@ def _cmd_inspect(a):
     print(f"  weight bytes read per decoded token: {human(s['bytes_per_decoded_token'])}")
     print(f"  KV cache: {s['kv_bytes_per_token']} bytes per token"
           + (f" (full-attention layers) + at most {s['kv_window_bytes_per_sequence']} bytes per sequence in the "
-             f"sliding-window layers (blocks of {a.block_size})" if s["kv_window_bytes_per_sequence"] else ""))
+             f"sliding-window layers (blocks of {a.block_size})" if s["kv_window_bytes_per_sequence"] else "")
+          + (f"; recurrent state: {s['state_bytes_per_sequence']} bytes per sequence at any length (conv + delta "
+             f"rule, {sum(t == 'linear_attention' for t in types)} layers)" if s["state_bytes_per_sequence"] else ""))
     print(f"  memory at context {a.context} x batch {a.max_batch} (prefill chunk {a.prefill_chunk}, KV blocks of "
-          f"{a.block_size}): weights {human(s['non_expert_bytes'])} + experts {human(s['expert_bytes'])} + KV cache "
+          f"{a.block_size}): weights {human(s['non_expert_bytes'])} + experts {human(s['expert_bytes'])} + "
+          f"{'KV cache and recurrent state' if s['state_bytes_per_sequence'] else 'KV cache'} "
           f"{human(s['kv_cache_bytes'])} + scratch {human(s['scratch_bytes'])} = {human(s['total_bytes'])}")
     print(f"  allocated at open: arena {s['scratch_bytes']} bytes, KV cache {s['kv_cache_bytes']} bytes "
           f"(Engine.open(max_seq_len={a.context}, max_batch={a.max_batch}, prefill_chunk={a.prefill_chunk}, "

@@ -261,6 +261,83 @@ def _gemma4_config(hf: dict, gen: dict, path: str, dtype) -> dict:
 
 
 MLA_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
+QWEN35_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+QWEN35_SKIPPED = ("model.visual.", "mtp.", "model.mtp.")   # the vision tower, multi-token prediction
+
+
+def _qwen35_config(hf: dict, gen: dict, path: str, dtype) -> dict:
+    """Qwen3.5 / 3.6-MoE (transformers' qwen3_5_moe, its text model under text_config, or
+    qwen3_5_moe_text), the layer of modeling_qwen3_5_moe.Qwen3_5MoeDecoderLayer:
+        x += mixer(norm(x));  x += moe(norm(x)) + sigmoid(shared_gate @ h) shared(h)
+    mixer: a gated delta-net on layer_types "linear_attention" (program.GatedDeltaNet), else attention
+    whose q projection emits a query and an output gate per head (sigmoid, before o_proj), per-head q/k
+    norms, partial rotary (the first partial_rotary_factor of the head's dims; M-RoPE, which for text
+    is the 1-D rope). Norms are zero-centred (x^ (1 + w)): the converter folds the 1 into the weights;
+    the router always renormalises its top-k."""
+    mt = hf["model_type"]
+    if mt == "qwen3_5_moe":
+        tc = hf.get("text_config")
+        if not isinstance(tc, dict):
+            raise invalid_model(path, "text_config", "missing (a qwen3_5_moe checkpoint nests its text model's config)")
+        hf = {**tc, "model_type": "qwen3_5_moe_text", "tie_word_embeddings": hf.get(
+            "tie_word_embeddings", tc.get("tie_word_embeddings", False))}
+    H, nh, L = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]
+    nkv = _get(hf, "num_key_value_heads", default=nh)
+    hd = _get(hf, "head_dim", default=H // nh)
+    if hf.get("hidden_act", "silu") != "silu":
+        _refuse(path, "hidden_act", f"activation {hf['hidden_act']!r} (only silu / SwiGLU)")
+    if hf.get("attention_bias"):
+        _refuse(path, "attention_bias", "biases in the attention projections")
+    rope = hf.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        _refuse(path, "rope_parameters.rope_type", f"rope type {rope.get('rope_type')!r}")
+    partial = float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25)))
+    rope_dim = int(hd * partial)
+    if not 2 <= rope_dim <= hd or rope_dim % 2:
+        raise invalid_model(path, "rope_parameters.partial_rotary_factor", f"{partial} of head_dim {hd} gives "
+                            f"{rope_dim} rotated dims: expected an even number from 2 to {hd}")
+    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10_000_000.0)))
+    types = hf.get("layer_types") or ["linear_attention" if (i + 1) % hf.get("full_attention_interval", 4)
+                                      else "full_attention" for i in range(L)]
+    if len(types) != L or any(t not in ("linear_attention", "full_attention") for t in types):
+        _refuse(path, "layer_types", f"layer types {types!r}")
+    if "full_attention" not in types:
+        _refuse(path, "layer_types", "a model without any full-attention layer")
+    E, top_k = hf.get("num_experts") or 0, hf.get("num_experts_per_tok", 8)
+    if not E or not 1 <= top_k <= E:
+        raise invalid_model(path, "num_experts_per_tok", f"{top_k} is not in 1..{E}")
+    si = hf.get("shared_expert_intermediate_size") or 0
+    layers = [{"layer_id": i, "type": "moe_shared" if si else "moe", "moe_expert_start": i * E,
+               "moe_num_experts": E} for i in range(L)]
+    lin = {"conv_kernel": hf.get("linear_conv_kernel_dim", 4), "num_key_heads": hf.get("linear_num_key_heads", 16),
+           "num_value_heads": hf.get("linear_num_value_heads", 32), "key_head_dim": hf.get("linear_key_head_dim", 128),
+           "value_head_dim": hf.get("linear_value_head_dim", 128)}
+    order = hf.get("linear_value_head_order", "grouped")          # "tiled": llama.cpp's GGUF layout
+    if order != "grouped":
+        lin["value_head_order"] = order
+    eos, bos = _eos_bos(hf, gen)
+    return {
+        "format_version": 1, "model_type": mt, "architectures": hf.get("architectures") or [],
+        "num_hidden_layers": L, "hidden_size": H, "intermediate_size": hf.get("intermediate_size") or 0,
+        "moe_intermediate_size": hf["moe_intermediate_size"], "num_attention_heads": nh,
+        "num_key_value_heads": nkv, "head_dim": hd, "vocab_size": hf["vocab_size"],
+        "max_position_embeddings": hf.get("max_position_embeddings", 32768), "rope_theta": theta,
+        "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "experts_per_layer": E, "top_k": top_k, "router_dtype": "float32", "router_mode": "topk",
+        "norm_topk_prob": True, "shared_expert_intermediate_size": si, "shared_expert_gate": bool(si),
+        "attention_bias": False, "attention_out_bias": False, "qk_norm": "per_head",
+        "eos_token_ids": eos, "bos_token_id": bos, "weight_dtype": dtype, "layers": layers,
+        "layer_types": list(types), "linear_attention": lin, "attention_output_gate": True,
+        **({"rope_dim": rope_dim} if rope_dim < hd else {}),
+    }
+
+
+def rope_dim_order(D: int, r: int) -> np.ndarray:
+    """The head's dims in the order that puts partial rotary's pairs (i, i + r/2), i < r/2, at the
+    half-split places (i, i + D/2): new dim -> old dim. The unrotated dims fill the rest in order."""
+    h, p = r // 2, (D - r) // 2
+    return np.concatenate([np.arange(h), r + np.arange(p), h + np.arange(h), r + p + np.arange(D - r - p)])
 
 
 def _yarn(rope: dict, max_pos: int, path: str):
@@ -393,6 +470,8 @@ def translate_config(hf: dict, gen: dict, path: str = "config.json", dtype: str 
         return _gemma4_config(hf, gen, path, dtype)
     if mt in MLA_TYPES:
         return _mla_config(hf, gen, path, dtype)
+    if mt in QWEN35_TYPES:
+        return _qwen35_config(hf, gen, path, dtype)
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ColibriError(COLIBRI_ERR_INVALID_MODEL_TYPE,
                            f"{path}: field 'model_type': {mt!r} is not supported; supported: "
@@ -635,9 +714,44 @@ def _source_names(cfg: dict, src=None) -> dict:
         if cfg.get("latent_attention"):
             m.update(_latent_sources(cfg, p, s))
             m[p + "router_choice_bias"] = s + "mlp.gate.e_score_correction_bias"
+    if cfg.get("linear_attention"):
+        m.update(_qwen35_sources(cfg))
     if src is not None and "lm_head.weight" not in src and not cfg["tie_word_embeddings"] and \
             cfg.get("folded_multipliers"):
         m["lm_head"] = "model.embed_tokens.weight"         # tied in the checkpoint, untied by folding
+    return m
+
+
+def _qwen35_sources(cfg: dict) -> dict:
+    """Qwen3.5's tensors from the checkpoint's: zero-centred norms + 1; q_proj's rows per head [query D |
+    gate D] split into attn.wq and attn.wq_gate; with partial rotary the q/k rows (and the q/k norms) of
+    each head reordered by rope_dim_order (q.k unchanged); conv1d [C, 1, K] -> [C, K]; A_log -> -exp(A_log)."""
+    nh, nkv, D = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    order = rope_dim_order(D, cfg.get("rope_dim", D))
+    one = lambda a: (a + np.float32(1)).astype(np.float32)           # noqa: E731
+    rows = lambda a, n: a.reshape(n, D, -1)[:, order].reshape(a.shape).copy()  # noqa: E731
+    m = {"norm": ("model.norm.weight", one)}
+    for l in cfg["layers"]:
+        i = l["layer_id"]
+        p, s = f"layers.{i}.", f"model.layers.{i}."
+        m[p + "input_norm"] = (s + "input_layernorm.weight", one)
+        m[p + "post_attention_norm"] = (s + "post_attention_layernorm.weight", one)
+        if cfg["layer_types"][i] == "linear_attention":
+            a = s + "linear_attn."
+            m.update({p + "lin.wqkv": a + "in_proj_qkv.weight", p + "lin.wz": a + "in_proj_z.weight",
+                      p + "lin.wa": a + "in_proj_a.weight", p + "lin.wb": a + "in_proj_b.weight",
+                      p + "lin.wo": a + "out_proj.weight", p + "lin.dt_bias": a + "dt_bias",
+                      p + "lin.norm": a + "norm.weight",
+                      p + "lin.conv": (a + "conv1d.weight", lambda x: x.reshape(x.shape[0], -1).copy()),
+                      p + "lin.a_neg": (a + "A_log", lambda x: (-np.exp(x.astype(np.float64))).astype(np.float32))})
+        else:
+            a = s + "self_attn."
+            q = lambda x, j: x.reshape(nh, 2, D, -1)[:, j].reshape(nh * D, -1)   # noqa: E731
+            m[p + "attn.wq"] = (a + "q_proj.weight", lambda x: rows(q(x, 0), nh))
+            m[p + "attn.wq_gate"] = (a + "q_proj.weight", lambda x: q(x, 1).copy())
+            m[p + "attn.wk"] = (a + "k_proj.weight", lambda x: rows(x, nkv))
+            m[p + "attn.q_norm"] = (a + "q_norm.weight", lambda x: one(x)[order].copy())
+            m[p + "attn.k_norm"] = (a + "k_norm.weight", lambda x: one(x)[order].copy())
     return m
 
 
@@ -862,6 +976,11 @@ def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool 
         if dropped and progress:
             print(f"convert: {dropped} vision/audio tower tensors skipped (Colibri runs the text model)",
                   file=sys.stderr)
+    if hf.get("model_type") in QWEN35_TYPES:   # text weights under model.language_model (or not), towers skipped
+        dropped = src.rebase("model.language_model.", "model.", QWEN35_SKIPPED)
+        if dropped and progress:
+            print(f"convert: {dropped} vision-tower / multi-token-prediction tensors skipped (Colibri runs the "
+                  "text model without speculative heads)", file=sys.stderr)
     skip_mtp = mtp_layers(hf)
     if skip_mtp:                      # multi-token-prediction layers after the decoder's: not run, skipped
         L = cfg["num_hidden_layers"]

@@ -482,7 +482,7 @@ class Engine:
                                           "read_bytes": pool.read_bytes, "memory": pool.locked}
 
     def trace_meta(self) -> dict:
-        from .planning import kv_window_bytes, summary
+        from .planning import kv_window_bytes, state_bytes_per_sequence, summary
         c, s = self.config, summary(self.model, 1)
         return {"model": self.path, "model_type": c["model_type"], "backend": self.backend.name,
                 "top_k": self.runner.top_k, "experts_per_layer": c["experts_per_layer"],
@@ -490,6 +490,7 @@ class Engine:
                 "non_expert_bytes": s["non_expert_bytes"], "expert_bytes": s["expert_bytes"],
                 "bytes_per_decoded_token": s["bytes_per_decoded_token"], "kv_bytes_per_token": s["kv_bytes_per_token"],
                 "kv_window_bytes_per_sequence": kv_window_bytes(c, self.runner.states.paged[0].block_size),
+                "state_bytes_per_sequence": state_bytes_per_sequence(c),
                 "scratch_bytes": self.runner.arena_bytes}
 
     def trace(self, prompts, max_new_tokens=0, **gen):

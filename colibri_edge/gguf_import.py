@@ -34,6 +34,12 @@ no requantisation, so Colibri runs exactly the weights llama.cpp runs. What is t
                            expert_group_count / _used_count, expert_weights_scale / _norm; leading dense
                            layers; YaRN's yarn_log_multiplier (0.1 mscale_all_dim); nextn_predict_layers
                            (multi-token prediction) skipped
+  qwen35moe   qwen3_5_moe_text  (Qwen3.5 / 3.6-MoE) gated delta-nets on attention.recurrent_layers: ssm.*
+                           sizes, attn_qkv / attn_gate (z) / ssm_alpha / ssm_beta / ssm_a (= -exp(A_log)) /
+                           ssm_dt / ssm_conv1d / ssm_norm / ssm_out, value heads kept in the file's tiled
+                           order; full layers' attn_q rows split into query and output gate per head and
+                           the partial rotary rows reordered (whole rows); softmax top-k, renormalised,
+                           a shared expert with sigmoid gate; nextn_predict_layers skipped
 (`{arch}.expert_weights_norm`, when a file has it, overrides the renormalisation.)
 
 Every failure is a ColibriError naming the file and the key or tensor: a GGUF that is not one, a
@@ -56,7 +62,7 @@ from .modeldir import ALIGN, HEAD_TYPES, ModelWriter, check_disk, tensor_roles
 
 ARCHS = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
          "ernie4_5-moe": "ernie4_5_moe", "gpt-oss": "gpt_oss", "gemma4": "gemma4_text",
-         "deepseek2": "deepseek_v2 / deepseek_v3"}
+         "deepseek2": "deepseek_v2 / deepseek_v3", "qwen35moe": "qwen3_5_moe_text"}
 NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "ernie4_5-moe": True,
              "gpt-oss": True, "gemma4": True}
 # archs whose q/k rows the file holds with adjacent rope pairs (llama.cpp's rope type NORM): un-permuted
@@ -224,6 +230,8 @@ def hf_config(m: GGUFModel) -> tuple[dict, str]:
         return _gemma4_config(m), arch
     if arch == "deepseek2":
         return _deepseek2_config(m), arch
+    if arch == "qwen35moe":
+        return _qwen35moe_config(m), arch
     a = arch + "."
     g = lambda k, kind=int, **kw: m.get(a + k, kind, **kw)            # noqa: E731
     L = _pos(m, a + "block_count", g("block_count"), 1, validate.MAX_LAYERS)
@@ -337,15 +345,22 @@ def hf_config(m: GGUFModel) -> tuple[dict, str]:
     return hf, arch
 
 
-def _deepseek2_config(m: GGUFModel) -> dict:
-    """llama.cpp's deepseek2 metadata -> a deepseek_v2 (softmax gating) or deepseek_v3 (sigmoid) config
-    for convert._mla_config. The MTP layers a file appends (nextn_predict_layers) are not in the plan."""
-    a = "deepseek2."
+def _decoder_shape(m: GGUFModel, arch: str) -> tuple:
+    """(key prefix, getter, decoder layers, hidden, heads) of an arch whose file may append
+    multi-token-prediction layers after the decoder's (nextn_predict_layers: not in the plan)."""
+    a = arch + "."
     g = lambda k, kind=int, **kw: m.get(a + k, kind, **kw)            # noqa: E731
     nextn = _pos(m, a + "nextn_predict_layers", g("nextn_predict_layers", required=False, default=0), 0, 64)
     L = _pos(m, a + "block_count", g("block_count"), 1 + nextn, validate.MAX_LAYERS) - nextn
     H = _pos(m, a + "embedding_length", g("embedding_length"))
     nh = _pos(m, a + "attention.head_count", g("attention.head_count"), 1, validate.MAX_HEADS)
+    return a, g, L, H, nh
+
+
+def _deepseek2_config(m: GGUFModel) -> dict:
+    """llama.cpp's deepseek2 metadata -> a deepseek_v2 (softmax gating) or deepseek_v3 (sigmoid) config
+    for convert._mla_config. The MTP layers a file appends (nextn_predict_layers) are not in the plan."""
+    a, g, L, H, nh = _decoder_shape(m, "deepseek2")
     r = _pos(m, a + "attention.kv_lora_rank", g("attention.kv_lora_rank"))
     rq = _pos(m, a + "attention.q_lora_rank", g("attention.q_lora_rank", required=False, default=0), 0)
     dr = _pos(m, a + "rope.dimension_count", g("rope.dimension_count"))
@@ -410,6 +425,63 @@ def _deepseek2_config(m: GGUFModel) -> dict:
             raise invalid_model(m.path, a + "expert_weights_norm", "renormalised softmax routing in a deepseek2 file: "
                                 "DeepSeek-V2's router (transformers') never renormalises")
     return hf
+
+
+def _qwen35moe_config(m: GGUFModel) -> dict:
+    """llama.cpp's qwen35moe metadata -> a qwen3_5_moe_text config (convert._qwen35_config's input): the
+    recurrent_layers array (the gated delta-nets), ssm.* (conv_kernel, state_size = key head dim,
+    group_count = key heads, time_step_rank = value heads, inner_size = value heads x value dim), partial
+    rotary (rope.dimension_count of key_length), the shared expert. The appended multi-token-prediction
+    layers (nextn_predict_layers) are not in the plan. llama.cpp stores the value heads tiled by key head
+    (value head j * Hk + k reads key head k) where Hk < Hv: kept as stored (linear_value_head_order)."""
+    a, g, L, H, nh = _decoder_shape(m, "qwen35moe")
+    nextn = g("nextn_predict_layers", required=False, default=0)
+    nkv = _pos(m, a + "attention.head_count_kv", g("attention.head_count_kv", required=False, default=nh), 1, nh)
+    hd = _pos(m, a + "attention.key_length", g("attention.key_length", required=False, default=H // nh))
+    if g("attention.value_length", required=False, default=hd) != hd:
+        raise invalid_model(m.path, a + "attention.value_length", "differs from key_length; Colibri's attention "
+                            "needs them equal")
+    rot = _pos(m, a + "rope.dimension_count", g("rope.dimension_count", required=False, default=hd), 2, hd)
+    E = _pos(m, a + "expert_count", g("expert_count"), 1, validate.MAX_EXPERTS)
+    rec = g("attention.recurrent_layers", list, required=False)
+    if rec is None:
+        step = _pos(m, a + "full_attention_interval", g("full_attention_interval", required=False, default=4), 1, L)
+        rec = [bool((i + 1) % step) for i in range(L)]
+    if len(rec) < L or not all(isinstance(x, (bool, np.bool_)) for x in rec):
+        raise invalid_model(m.path, a + "attention.recurrent_layers", f"expected {L} (+ {nextn}) booleans")
+    Hk = _pos(m, a + "ssm.group_count", g("ssm.group_count"), 1, validate.MAX_HEADS)
+    Hv = _pos(m, a + "ssm.time_step_rank", g("ssm.time_step_rank"), 1, validate.MAX_HEADS)
+    inner = _pos(m, a + "ssm.inner_size", g("ssm.inner_size"))
+    if inner % Hv or Hv % Hk:
+        raise invalid_model(m.path, a + "ssm.inner_size", f"{inner} over {Hv} value heads of {Hk} key heads")
+    eps = g("attention.layer_norm_rms_epsilon", float)
+    if not 0 < eps < 1:
+        raise invalid_model(m.path, a + "attention.layer_norm_rms_epsilon", f"{eps} is not in (0, 1)")
+    scaling = g("rope.scaling.type", str, required=False, default="none")
+    if scaling not in ("none", "") and g("rope.scaling.factor", float, required=False, default=1.0) != 1.0:
+        raise invalid_model(m.path, a + "rope.scaling.type", f"rope scaling {scaling!r} is not implemented")
+    if g("expert_weights_scale", float, required=False, default=1.0) != 1.0:
+        raise invalid_model(m.path, a + "expert_weights_scale", "scaled expert weights are not implemented")
+    if "token_embd.weight" not in m.tensors:
+        raise invalid_model(m.path, "token_embd.weight", "missing tensor")
+    V = int(m.tensor("token_embd.weight").shape[1])
+    return {"model_type": "qwen3_5_moe_text", "architectures": [], "num_hidden_layers": L, "hidden_size": H,
+            "num_attention_heads": nh, "num_key_value_heads": nkv, "head_dim": hd, "vocab_size": V,
+            "max_position_embeddings": _pos(m, a + "context_length", g("context_length", required=False,
+                                                                          default=4096), 1, validate.MAX_POSITIONS),
+            "rms_norm_eps": eps, "tie_word_embeddings": "output.weight" not in m.tensors,
+            "rope_parameters": {"rope_type": "default", "partial_rotary_factor": rot / hd,
+                                "rope_theta": g("rope.freq_base", float, required=False, default=10_000_000.0)},
+            "layer_types": ["linear_attention" if x else "full_attention" for x in rec[:L]],
+            "num_experts": E, "num_experts_per_tok": _pos(m, a + "expert_used_count", g("expert_used_count"), 1, E),
+            "moe_intermediate_size": _pos(m, a + "expert_feed_forward_length", g("expert_feed_forward_length")),
+            "shared_expert_intermediate_size": _pos(m, a + "expert_shared_feed_forward_length",
+                                                    g("expert_shared_feed_forward_length", required=False,
+                                                      default=0), 0),
+            "linear_conv_kernel_dim": _pos(m, a + "ssm.conv_kernel", g("ssm.conv_kernel"), 2, validate.MAX_CONV_KERNEL),
+            "linear_key_head_dim": _pos(m, a + "ssm.state_size", g("ssm.state_size")),
+            "linear_value_head_dim": inner // Hv, "linear_num_key_heads": Hk, "linear_num_value_heads": Hv,
+            "linear_value_head_order": "tiled" if Hk != Hv else "grouped"}
 
 
 def _gemma4_config(m: GGUFModel) -> dict:
@@ -516,6 +588,13 @@ def gguf_names(cfg: dict) -> dict:
             q = b + ("attn_q_b.weight" if cfg["latent_attention"]["q_lora_rank"] else "attn_q.weight")
             m[p + "mla.wq"] = m[p + "mla.wq_rope"] = q
             m[p + "mla.wkv_a"] = m[p + "mla.wk_rope"] = b + "attn_kv_a_mqa.weight"
+        if cfg.get("linear_attention"):
+            m[p + "post_attention_norm"] = b + "post_attention_norm.weight"
+            m.update({p + "lin.wqkv": b + "attn_qkv.weight", p + "lin.wz": b + "attn_gate.weight",
+                      p + "lin.wa": b + "ssm_alpha.weight", p + "lin.wb": b + "ssm_beta.weight",
+                      p + "lin.a_neg": b + "ssm_a", p + "lin.dt_bias": b + "ssm_dt.bias",
+                      p + "lin.conv": b + "ssm_conv1d.weight", p + "lin.norm": b + "ssm_norm.weight",
+                      p + "lin.wo": b + "ssm_out.weight", p + "attn.wq_gate": b + "attn_q.weight"})
         if cfg["model_type"] == "gpt_oss":
             m[p + "post_attention_norm"] = b + "post_attention_norm.weight"
             m[p + "attn.sinks"] = b + "attn_sinks.weight"
@@ -607,6 +686,32 @@ def latent_rows(tz: _Tensors, cfg: dict, what: str, name: str, shape):
     else:
         data, _ = tz.stored(name, shape, float32=True)
     return narrow(data, out), out
+
+
+QWEN35_ROWS = ("attn.wq", "attn.wq_gate", "attn.wk", "attn.q_norm", "attn.k_norm")
+
+
+def qwen35_rows(tz: _Tensors, cfg: dict, what: str, name: str, role):
+    """(data, format) of a Qwen3.5 full-attention tensor from llama.cpp's: attn_q [Hq * 2D, H] holds each
+    head's query rows then its output gate's (split here); the query and key rows (and the q/k norms) of
+    each head reordered for partial rotary (convert.rope_dim_order: llama.cpp's rope rotates pairs
+    (i, i + r/2) of the first r dims, ours the pairs (i, i + D/2)). Whole rows move: a quantised row is
+    copied, never requantised. The norms are stored with the + 1 folded in (as ours)."""
+    from .convert import rope_dim_order
+    nh, nkv, D = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    order = rope_dim_order(D, cfg.get("rope_dim", D))
+    part, (shape, r) = what.split(".", 2)[-1], role
+    if part in ("attn.wq", "attn.wq_gate"):
+        data, fmt = tz.stored(name, (nh * 2 * D, shape[1]))
+        heads = data.reshape(nh, 2, D, *data.shape[1:])
+        if part == "attn.wq_gate":
+            return heads[:, 1].reshape(nh * D, *data.shape[1:]).copy(), fmt
+        return heads[:, 0][:, order].reshape(nh * D, *data.shape[1:]).copy(), fmt
+    if part == "attn.wk":
+        data, fmt = tz.stored(name, shape)
+        return data.reshape(nkv, D, *data.shape[1:])[:, order].reshape(data.shape).copy(), fmt
+    data, fmt = tz.stored(name, shape, float32=True)          # q_norm / k_norm [D]
+    return data[order].copy(), fmt
 
 
 def _expert_matrices(tz: _Tensors, layer: int, E: int, H: int, I: int):
@@ -718,6 +823,9 @@ def convert_gguf(path: str, out_dir: str, progress: bool = True) -> dict:
         if kind == "tensor" and what.split(".", 2)[-1].startswith("mla.") and roles[what][1] != "float32":
             data, fmt = latent_rows(tz, cfg, what, names[what], roles[what][0])
             w.add_tensor(what, data, fmt, shape=roles[what][0])
+        elif kind == "tensor" and cfg.get("linear_attention") and what.split(".", 2)[-1] in QWEN35_ROWS:
+            data, fmt = qwen35_rows(tz, cfg, what, names[what], roles[what])
+            w.add_tensor(what, data, fmt, shape=roles[what][0])
         elif kind == "tensor":
             shape, role = roles[what]
             data, fmt = tz.stored(names[what], shape, float32=role == "float32")
@@ -733,7 +841,8 @@ def convert_gguf(path: str, out_dir: str, progress: bool = True) -> dict:
                 w.add_expert(what, j, *(x[j] for x in mats), fmts, hidden=H, inter=I)
     if arch == "gemma4":
         tz.used.add("rope_freqs.weight")        # read into the full layers' rope (hf_config)
-    nextn = m.get("deepseek2.nextn_predict_layers", int, required=False, default=0) if arch == "deepseek2" else 0
+    nextn = m.get(arch + ".nextn_predict_layers", int, required=False, default=0) \
+        if arch in ("deepseek2", "qwen35moe") else 0
     if nextn:                                   # the appended multi-token-prediction layers: not run
         L = cfg["num_hidden_layers"]
         mtp = [n for n in m.tensors if re.match(rf"blk\.({'|'.join(str(L + j) for j in range(nextn))})\.", n)]

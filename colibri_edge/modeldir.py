@@ -103,12 +103,33 @@ def latent_tensors(cfg: dict, p: str) -> dict:
     return t
 
 
+def linear_tensors(cfg: dict, p: str) -> dict:
+    """A gated delta-net layer's tensors (Qwen3.5's linear attention; H hidden, Hk / Hv key / value heads
+    of dk / dv dims, K the conv kernel, C = 2 Hk dk + Hv dv the conv's channels), each [out, in]:
+        lin.wqkv [C, H]          q | k | v heads, the conv's input
+        lin.conv [C, K]          the depthwise causal conv's taps (SiLU after)
+        lin.wz [Hv*dv, H]        the output gate: out = norm(o) * silu(z)
+        lin.wa, lin.wb [Hv, H]   decay and update-rate inputs: g = a_neg * softplus(a + dt_bias), beta = sigmoid(b)
+        lin.a_neg, lin.dt_bias [Hv]   a_neg = -exp(A_log)
+        lin.norm [dv]            the gated RMSNorm's weight (per value head)
+        lin.wo [H, Hv*dv]"""
+    la, H, W, f32 = cfg["linear_attention"], cfg["hidden_size"], "weight", "float32"
+    Hk, Hv, dk, dv = (la[k] for k in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim"))
+    C = 2 * Hk * dk + Hv * dv
+    return {p + "lin.wqkv": ((C, H), W), p + "lin.conv": ((C, la["conv_kernel"]), f32),
+            p + "lin.wz": ((Hv * dv, H), W), p + "lin.wa": ((Hv, H), f32), p + "lin.wb": ((Hv, H), f32),
+            p + "lin.a_neg": ((Hv,), f32), p + "lin.dt_bias": ((Hv,), f32), p + "lin.norm": ((dv,), f32),
+            p + "lin.wo": ((H, Hv * dv), W)}
+
+
 def _attention_tensors(cfg: dict, layer: dict, p: str) -> dict:
     """A GQA layer's attention tensors."""
     H, W, f32 = cfg["hidden_size"], "weight", "float32"
     nh, nkv, hd = validate.geometry(cfg, layer)
     t = {}
     t[p + "attn.wq"] = ((nh * hd, H), W)
+    if cfg.get("attention_output_gate"):
+        t[p + "attn.wq_gate"] = ((nh * hd, H), W)     # the output gate's rows of a fused q projection
     t[p + "attn.wk"] = ((nkv * hd, H), W)
     if not layer.get("k_eq_v"):
         t[p + "attn.wv"] = ((nkv * hd, H), W)
@@ -159,6 +180,8 @@ def tensor_roles(cfg: dict) -> dict:
             t[p + "scalar"] = ((1,), f32)
         if cfg.get("latent_attention"):
             t.update(latent_tensors(cfg, p))
+        elif validate.is_linear(cfg, layer):
+            t.update(linear_tensors(cfg, p))
         else:
             t.update(_attention_tensors(cfg, layer, p))
         if layer["type"] in ("dense", "moe_dense"):

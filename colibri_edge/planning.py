@@ -33,6 +33,14 @@ def kv_window_bytes(cfg: dict, block_size: int) -> int:
     return sum(p.bytes_per_token() * (-(-p.window // block_size) + 1) * block_size for p in states.paged if p.window)
 
 
+def state_bytes_per_sequence(cfg: dict) -> int:
+    """What each sequence holds in fixed-size state whatever its length (the recurrent layers' conv and
+    delta-rule state: Qwen3.5's gated delta-nets), 0 without recurrent layers. Memory at a context is
+    then this constant term plus kv_full_bytes_per_token x tokens."""
+    _, states = layout(cfg, 1, 1, 1, 1, 1)
+    return sum(p.bytes_per_seq() for p in states.fixed)
+
+
 def engine_memory(cfg: dict, max_seq_len: int, max_batch: int, prefill_chunk: int, kv_tokens: int,
                   block_size: int = 16) -> dict:
     """Bytes the engine allocates at start for these limits: arena and state pools, exactly."""
@@ -67,6 +75,7 @@ def summary(model: ModelDir, context: int, max_batch: int = 1, prefill_chunk: in
         "kv_cache_bytes": mem["state_bytes"],
         "kv_bytes_per_token": kv_full_bytes_per_token(cfg),
         "kv_window_bytes_per_sequence": kv_window_bytes(cfg, block_size),
+        "state_bytes_per_sequence": state_bytes_per_sequence(cfg),
         "scratch_bytes": mem["arena_bytes"], "context": context, "max_batch": max_batch,
         "prefill_chunk": prefill_chunk, "block_size": block_size,
         "total_bytes": non_expert + experts + mem["state_bytes"] + mem["arena_bytes"],

@@ -59,6 +59,7 @@ class Attention:
     geo: tuple = ()             # (Hq, Hkv, D): which of the step's views (StepViews.geo) it runs in
     v_norm: Weight | None = None  # [D] ones: v RMS-normed per head without a weight (Gemma 4)
     out_norm: Weight | None = None  # [H]: the output normed before the residual add (sandwich norms)
+    wq_gate: Weight | None = None   # [Hq*D, H]: the output times sigmoid(wq_gate @ h) before wo (Qwen3.5)
 
     def bind(self, storage: dict, layer: int):
         self.K, self.V = storage[(self.pool, layer, "k")], storage[(self.pool, layer, "v")]
@@ -68,6 +69,8 @@ class Attention:
         written to the cache. Keys reused as values (Gemma 4's k_eq_v) are wv = wk, one Weight."""
         g = s.geo[self.geo]
         be.matmuls((g.q2, g.k2, g.v2), s.h, (self.wq, self.wk, self.wv), (self.bq, self.bk, self.bv))
+        if self.wq_gate is not None:
+            be.matmul(g.gate2, s.h, self.wq_gate)
         if self.qk_norm == "per_head":
             be.rmsnorm(g.q_heads, g.q_heads, self.q_norm, self.eps)
             be.rmsnorm(g.k_heads, g.k_heads, self.k_norm, self.eps)
@@ -81,6 +84,8 @@ class Attention:
         be.kv_write(self.K, self.V, g.k, g.v, s.slots[self.pool])
         be.paged_attention(g.attn, g.q, self.K, self.V, s.tables[self.pool], s.seq, s.pos, self.block_size,
                            self.scale, self.window, self.sinks)
+        if self.wq_gate is not None:
+            be.gate_mul(g.attn2, g.attn2, g.gate2, "sigmoid")
         be.matmul(s.o, g.attn2, self.wo, self.bo)
         if self.out_norm is not None:
             be.rmsnorm(s.o, s.o, self.out_norm, self.eps)
@@ -146,6 +151,47 @@ class LatentAttention:
 
     def bind(self, storage: dict, layer: int):
         self.C, self.R = storage[(self.pool, layer, "c")], storage[(self.pool, layer, "r")]
+
+
+@dataclass
+class GatedDeltaNet:
+    """Gated delta-net linear attention (Qwen3.5 / Qwen3-Next): Hk key heads and Hv value heads of dk / dv
+    dims, a fixed-size state per sequence (the recurrent pool's slot: the conv's last K-1 inputs and the
+    delta rule's S [Hv, dk, dv]) instead of a KV cache:
+        qkv = conv_silu(wqkv @ h)                                 q | k | v, a depthwise causal conv of K taps
+        S   = e^g S + k (beta (v - S^T k))^T,  o = S^T q         per value head (base.delta_rule: q, k l2-normed,
+              g = a_neg softplus(wa @ h + dt_bias), beta = sigmoid(wb @ h))   key heads repeated)
+        x  += wo @ (rmsnorm(o) * norm * silu(wz @ h))           the gated RMSNorm, per value head"""
+    wqkv: Weight                # [2*Hk*dk + Hv*dv, H]
+    conv: Weight                # [2*Hk*dk + Hv*dv, K] float32
+    wz: Weight                  # [Hv*dv, H]
+    wa: Weight                  # [Hv, H] float32
+    wb: Weight                  # [Hv, H] float32
+    a_neg: Weight               # [Hv]  -exp(A_log)
+    dt_bias: Weight             # [Hv]
+    norm: Weight                # [dv]
+    wo: Weight                  # [H, Hv*dv]
+    heads: tuple                # (Hk, Hv, dk, dv, group): value head h reads key head (h // group) % Hk
+    eps: float
+    pool: int                   # the recurrent pool's index among the engine's pools (its storage)
+    fixed: int                  # ... and among the fixed pools (the step's slots)
+    conv_state: object = None   # [slots, K-1, C]
+    ssm_state: object = None    # [slots, Hv, dk, dv]
+
+    def bind(self, storage: dict, layer: int):
+        self.conv_state, self.ssm_state = storage[(self.pool, layer, "conv")], storage[(self.pool, layer, "ssm")]
+
+    def forward(self, be, s):
+        L, slots = s.lin, s.fslots[self.fixed]
+        be.matmuls((L.qkv, L.z), s.h, (self.wqkv, self.wz), (None, None))
+        be.matmuls((L.a, L.b), s.h, (self.wa, self.wb), (None, None))
+        be.causal_conv(L.conv, L.qkv, self.conv, self.conv_state, s.starts, slots, s.pos)
+        be.delta_rule(L.core, L.conv, L.a, L.b, self.a_neg, self.dt_bias, self.ssm_state, s.starts, slots, s.pos,
+                      self.heads)
+        be.rmsnorm(L.core_heads, L.core_heads, self.norm, self.eps)
+        be.gate_mul(L.core_heads, L.core_heads, L.z_heads, "silu")
+        be.matmul(s.o, L.core, self.wo)
+        be.add(s.x, s.x, s.o)
 
 
 @dataclass
@@ -277,7 +323,7 @@ class ParallelFFN:
 class Layer:
     index: int
     input_norm: Weight          # [H]
-    mixer: object               # Attention | LatentAttention
+    mixer: object               # Attention | LatentAttention | GatedDeltaNet
     post_norm: Weight           # [H]
     ffns: tuple                 # FFN parts, run in order, each adding into the residual
     scalar: float = 1.0         # x *= scalar after the layer (Gemma 4's layer_scalar)
@@ -299,10 +345,11 @@ class Program:
                 for m in ((p,) if isinstance(p, MoE) else (p.moe,) if isinstance(p, ParallelFFN) and p.moe else ())]
 
 
-def build(model, be, pools, resident: bool) -> Program:
+def build(model, be, pools, resident: bool, fixed_pools=()) -> Program:
     """The program of a model directory with its weights made resident on backend `be`.
     pools: the engine's paged pools (one per attention group); resident: every routed expert on the
-    backend (False: the slot pool holds them)."""
+    backend (False: the slot pool holds them); fixed_pools: its fixed-size state pools (recurrent
+    layers), after the paged ones in the engine's pool order."""
     cfg = model.config
 
     def w(name):
@@ -335,7 +382,14 @@ def build(model, be, pools, resident: bool) -> Program:
         theta = spec.get("rope_theta", cfg["rope_theta"])
         key = (theta, hd, spec.get("rope_partial"))
         if key not in tables:                   # one array per kind: device backends keep copies by identity
-            if spec.get("rope_partial") is not None:
+            if cfg.get("rope_dim") and cfg["rope_dim"] < hd:
+                # partial rotary (Qwen3.5): the first rope_dim dims rotate at theta^(-2i/rope_dim); the
+                # converter moved them to the pairs (i, i + D/2), i < rope_dim/2; the other pairs stay put
+                f = np.zeros(hd // 2, np.float32)
+                r = cfg["rope_dim"]
+                f[:r // 2] = 1.0 / (theta ** (np.arange(0, r, 2, dtype=np.float64) / r))
+                tables[key] = (f, 1.0)
+            elif spec.get("rope_partial") is not None:
                 f, _ = rope.inv_freq(theta, hd)
                 f[int(spec["rope_partial"] * hd // 2):] = 0.0
                 tables[key] = (f, 1.0)
@@ -354,6 +408,12 @@ def build(model, be, pools, resident: bool) -> Program:
     if la:          # softmax scale: 1/sqrt(dn + dr), times YaRN's mscale(factor, mscale_all_dim)^2
         latent_scale = (la["qk_nope_head_dim"] + la["qk_rope_head_dim"]) ** -0.5 * rope.mscale_all_dim(
             cfg.get("rope_scaling")) ** 2
+    lin = cfg.get("linear_attention")
+    lin_layers = set(fixed_pools[0].layers) if lin and fixed_pools else set()
+    lin_heads = tuple(lin[k] for k in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim")) \
+        if lin else ()
+    if lin:       # value head h reads key head (h // group) % Hk: grouped (HF) group = Hv / Hk, tiled (GGUF) 1
+        lin_heads += (1 if lin.get("value_head_order") == "tiled" else lin_heads[1] // lin_heads[0],)
     groups = cfg.get("router_groups")
     groups = (groups["n_group"], groups["topk_group"], groups["group_top"]) if groups else None
     layers, moe_index = [], 0
@@ -361,7 +421,11 @@ def build(model, be, pools, resident: bool) -> Program:
         i, p = spec["layer_id"], f"layers.{spec['layer_id']}."
         nh, nkv, hd = geometry(cfg, spec)
         theta, inv_freq, attn_factor = rope_of(spec, hd)
-        if la:
+        if lin_layers and i in lin_layers:
+            mixer = GatedDeltaNet(w(p + "lin.wqkv"), w(p + "lin.conv"), w(p + "lin.wz"), w(p + "lin.wa"),
+                                  w(p + "lin.wb"), w(p + "lin.a_neg"), w(p + "lin.dt_bias"), w(p + "lin.norm"),
+                                  w(p + "lin.wo"), lin_heads, eps, len(pools), 0)
+        elif la:
             mixer = LatentAttention(w(p + "mla.wq_a"), w(p + "mla.q_a_norm"), w(p + "mla.wq"), w(p + "mla.wq_rope"),
                                     w(p + "mla.wkv_a"), w(p + "mla.kv_a_norm"), w(p + "mla.wk_rope"),
                                     w(p + "mla.wk_b"), w(p + "mla.wv_b"), w(p + "attn.wo"), nh, theta, inv_freq,
@@ -376,7 +440,7 @@ def build(model, be, pools, resident: bool) -> Program:
                               cfg.get("attention_scale", hd ** -0.5) * attn_factor ** 2, eps, pool_of[i],
                               pools[pool_of[i]].block_size, window=pools[pool_of[i]].window, sinks=w(p + "attn.sinks"),
                               inv_freq=inv_freq, geo=(nh, nkv, hd), v_norm=ones_of(hd) if cfg.get("v_norm") else None,
-                              out_norm=w(p + "attn.out_norm"))
+                              out_norm=w(p + "attn.out_norm"), wq_gate=w(p + "attn.wq_gate"))
         moe = None
         if spec["type"] != "dense":
             fm = model.layer_formats[i]

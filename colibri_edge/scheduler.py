@@ -24,7 +24,7 @@ from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_OUT_
 from .modeldir import ModelDir
 from .hooks import RoutingHook  # noqa: F401  (re-exported: the hook interface)
 from .slots import likely_experts
-from .state import States, attention_pools
+from .state import States, state_pools
 from .validate import geometries
 
 
@@ -34,11 +34,19 @@ def latent_widths(cfg: dict) -> list:
     return [la["q_lora_rank"], la["kv_lora_rank"], cfg["num_attention_heads"] * la["v_head_dim"]] if la else []
 
 
+def linear_widths(cfg: dict) -> list:
+    """The matrix row widths a gated delta-net adds (its q|k|v channels, Hv x dv)."""
+    la = cfg.get("linear_attention")
+    return [2 * la["num_key_heads"] * la["key_head_dim"] + la["num_value_heads"] * la["value_head_dim"],
+            la["num_value_heads"] * la["value_head_dim"]] if la else []
+
+
 def layout(cfg: dict, max_rows: int, max_batch: int, max_seq_len: int, num_kv_blocks: int, block_size: int):
     """The engine's limits and per-sequence state pools: what the Runner allocates and what
     `colibri inspect` (planning.py) sizes, from the one place."""
-    states = States(attention_pools(cfg, num_kv_blocks, block_size), max_seq_len)
-    return arena.Limits(max_rows, max_batch, -(-max_seq_len // block_size), len(states.paged)), states
+    states = States(state_pools(cfg, num_kv_blocks, block_size, max_batch), max_seq_len)
+    return arena.Limits(max_rows, max_batch, -(-max_seq_len // block_size), len(states.paged),
+                        len(states.fixed)), states
 
 
 class AttnViews:
@@ -56,12 +64,14 @@ class AttnViews:
         self.q_heads, self.k_heads = self.q.reshape(T * nh, hd), self.k.reshape(T * nkv, hd)
         self.v_heads = self.v.reshape(T * nkv, hd)
         self.attn2 = self.attn.reshape(T, nh * hd)
+        self.gate2 = a["attn_gate"].reshape(-1)[:T * nh * hd].reshape(T, nh * hd) if "attn_gate" in a else None
 
 
 class StepViews:
     """The arena's buffers cut to a step of T tokens and `nrows` logit rows: made once per shape."""
 
-    def __init__(self, a: dict, inputs: dict, cfg: dict, k: int, pools: int, T: int, nrows: int):
+    def __init__(self, a: dict, inputs: dict, cfg: dict, k: int, pools: int, T: int, nrows: int,
+                 fixed: int = 0, nseq: int = 0):
         self.T, self.nrows = T, nrows
         self.x, self.h, self.o = a["x"][:T], a["h"][:T], a["o"][:T]
         self.geo = {g: AttnViews(a, T, g) for g in geometries(cfg)}
@@ -76,6 +86,23 @@ class StepViews:
         self.rows, self.sel, self.logits = inputs["rows"][:nrows], a["sel"][:nrows], a["logits"][:nrows]
         self.dense_plan = None          # the 1-expert plan of shared experts and dense MLPs, per step
         self.mla = LatentViews(a, cfg, T) if cfg.get("latent_attention") else None
+        self.attn_gate = a["attn_gate"][:T] if "attn_gate" in a else None
+        self.lin = LinearViews(a, cfg, T) if fixed else None
+        self.starts = inputs["starts"][:nseq + 1] if fixed else None    # sequences' token ranges, their state
+        self.fslots = [inputs[f"fslots{p}"][:nseq] for p in range(fixed)]   # slot in each fixed pool
+
+
+class LinearViews:
+    """The gated delta-net's step buffers (arena "lin.*") cut to T tokens: the q|k|v projection and its
+    conv, the output gate z, the decay / rate inputs a and b, the delta rule's output (as [T*Hv, dv] rows
+    for the per-head gated norm)."""
+
+    def __init__(self, a: dict, cfg: dict, T: int):
+        la = cfg["linear_attention"]
+        Hv, dv = la["num_value_heads"], la["value_head_dim"]
+        self.qkv, self.conv, self.z, self.a, self.b, self.core = (a[f"lin.{n}"][:T] for n in
+                                                                  ("qkv", "conv", "z", "a", "b", "core"))
+        self.core_heads, self.z_heads = self.core.reshape(T * Hv, dv), self.z.reshape(T * Hv, dv)
 
 
 class LatentViews:
@@ -126,9 +153,11 @@ class Runner:
                 self.slot_pool = SlotPool(backend, model, expert_slots, slot_policy)
             backend.prepare(model.formats, max([cfg["hidden_size"], cfg["moe_intermediate_size"],
                                                  cfg["intermediate_size"], cfg["shared_expert_intermediate_size"]] +
-                                                [nh * hd for nh, _, hd in geometries(cfg)] + latent_widths(cfg)),
+                                                [nh * hd for nh, _, hd in geometries(cfg)] + latent_widths(cfg) +
+                                                linear_widths(cfg)),
                             max_rows)
-            self.program = program.build(model, backend, self.states.paged, resident=self.slot_pool is None)
+            self.program = program.build(model, backend, self.states.paged, resident=self.slot_pool is None,
+                                         fixed_pools=self.states.fixed)
             self._alloc()
         except MemoryError:                 # what the check could not see (another process took it)
             raise ColibriError(COLIBRI_ERR_OUT_OF_MEMORY, f"allocating the engine's memory failed: "
@@ -209,12 +238,14 @@ class Runner:
         self.h = {n: self.h_inputs[o:o + math.prod(s)].reshape(s) for n, (o, s) in layout.items()}
         self.h_slots = [self.h[f"slots{p}"] for p in range(len(self.states.paged))]
         self.h_tables = [self.h[f"tables{p}"] for p in range(len(self.states.paged))]
+        self.h_fslots = [self.h[f"fslots{p}"] for p in range(len(self.states.fixed))]
         self.plan_bufs = {n[5:]: buf for n, buf in a.items() if n.startswith("plan.")}
         self.dense_plan_bufs = {n[11:]: buf for n, buf in a.items() if n.startswith("dense_plan.")}
         self.state_storage = {key: be.alloc(shape, np.float32) for key, shape in self.states.storage().items()}
         self.state_bytes = sum(4 * math.prod(s) for s in self.states.storage().values())
         for layer in self.program.layers:
             layer.mixer.bind(self.state_storage, layer.index)
+        self.state_bytes_per_seq = sum(p.bytes_per_seq() for p in self.states.fixed)
         for moe in self.program.moe:
             moe.tally = a["expert_counts"][moe.index]
 
@@ -246,13 +277,15 @@ class Runner:
         return out
 
     # -- the step ---------------------------------------------------------------------------
-    def views(self, T, nrows) -> StepViews:
-        v = self._views.get((T, nrows))
+    def views(self, T, nrows, nseq=0) -> StepViews:
+        fixed = len(self.states.fixed)
+        key = (T, nrows, nseq if fixed else 0)
+        v = self._views.get(key)
         if v is None:
             if len(self._views) > 512:
                 self._views.clear()
-            v = self._views[(T, nrows)] = StepViews(self.a, self.inputs, self.cfg, self.top_k,
-                                                    len(self.states.paged), T, nrows)
+            v = self._views[key] = StepViews(self.a, self.inputs, self.cfg, self.top_k, len(self.states.paged), T,
+                                             nrows, fixed, nseq)
         return v
 
     def step(self, entries, all_logits=False):
@@ -285,13 +318,17 @@ class Runner:
             else:
                 h_rows[nrows] = t + n - 1
                 nrows += 1
+            if self.h_fslots:
+                h["starts"][s + 1] = t + n
+                for slots, slot in zip(self.h_fslots, seq.slots):
+                    slots[s] = slot
             seq.cached += n
             t += n
         for hook in self.hooks:
             hook.begin_step(entries, h_pos[:T])
         self.be.begin_step()
         self.be.upload_into(self.a["inputs"], self.h_inputs)
-        s = self.views(T, nrows)
+        s = self.views(T, nrows, len(entries))
         if not all_logits and nrows == T and not self.hooks and self.slot_pool is None:
             # a decode step (one token per sequence): a GPU backend captures it once per shape and
             # replays it (CUDA graphs); only when nothing needs the host inside the step

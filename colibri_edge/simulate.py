@@ -97,7 +97,7 @@ def estimate(result: dict, tr: Trace, prof: dict, context: int) -> dict:
     miss_s = m["bytes_per_expert"] / tokens * (cold / (prof["miss_bandwidth_gbs"] * 1e9) +
                                                (result["misses"] - cold) / (reread_bw * 1e9))
     need = m["non_expert_bytes"] + result["slots"] * m["bytes_per_expert"] + context * m["kv_bytes_per_token"] \
-        + m.get("kv_window_bytes_per_sequence", 0) + m.get("scratch_bytes", 0)
+        + m.get("kv_window_bytes_per_sequence", 0) + m.get("state_bytes_per_sequence", 0) + m.get("scratch_bytes", 0)
     # per-layer overhead, measured by probe-device (0 when the profile has none) x the model's layers
     step_s = float(prof.get("layer_overhead_ms", 0.0)) * int(m.get("num_hidden_layers", 0)) / 1e3
     return {"device": prof.get("name", "custom"), "est_ms_per_token": 1e3 * (read_s + miss_s + step_s),

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, field
 
 from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_OUT_OF_MEMORY
-from .validate import geometry
+from .validate import geometry, is_linear
 
 
 @dataclass
@@ -280,6 +280,8 @@ def attention_pools(cfg: dict, num_blocks: int, block_size: int) -> list:
     groups = {}                                     # (window, per-token shape) -> layers, full layers first
     for full in (True, False):
         for l in cfg["layers"]:
+            if is_linear(cfg, l):
+                continue
             if (types[l["layer_id"]] == "full_attention") == full:
                 _, nkv, hd = geometry(cfg, l)
                 groups.setdefault((0 if full else cfg["sliding_window"], (nkv, hd)), []).append(l["layer_id"])
@@ -289,3 +291,25 @@ def attention_pools(cfg: dict, num_blocks: int, block_size: int) -> list:
                                                             any(p.window == W for p in pools) else "")
         pools.append(PagedPool(name, layers, num_blocks, block_size, per, window=W))
     return pools
+
+
+def recurrent_pool(cfg: dict, num_slots: int) -> FixedPool | None:
+    """The fixed-size state of the recurrent layers (layer_types "linear_attention": gated delta-nets), one
+    slot per sequence for all of them: per layer the conv's last K-1 inputs [K-1, C] (C = 2 Hk dk + Hv dv
+    channels) and the delta rule's state [Hv, dk, dv]. None when the model has no recurrent layer."""
+    la = cfg.get("linear_attention")
+    layers = [l["layer_id"] for l in cfg["layers"] if is_linear(cfg, l)]
+    if not la or not layers:
+        return None
+    Hk, Hv, dk, dv = (la[k] for k in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim"))
+    return FixedPool("recurrent state", layers, num_slots,
+                     {"conv": (la["conv_kernel"] - 1, 2 * Hk * dk + Hv * dv), "ssm": (Hv, dk, dv)})
+
+
+def state_pools(cfg: dict, num_blocks: int, block_size: int, num_slots: int) -> list:
+    """Every per-sequence state pool of a model: the paged KV pools (attention_pools), then the
+    recurrent layers' fixed slots (num_slots of them: the engine gives max_batch, the sequences that
+    run at once)."""
+    pools = attention_pools(cfg, num_blocks, block_size)
+    fixed = recurrent_pool(cfg, num_slots)
+    return pools + ([fixed] if fixed is not None else [])

@@ -27,7 +27,7 @@ FORMAT_VERSION = 2            # written; 1 (one weight type for the directory) i
 READ_VERSIONS = (1, 2)
 SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared",
                          "ernie4_5_moe", "gpt_oss", "gemma4_text", "gemma4", "deepseek_v2", "deepseek_v3",
-                         "glm4_moe_lite")
+                         "glm4_moe_lite", "qwen3_5_moe", "qwen3_5_moe_text")
 LAYER_TYPES = ("dense", "moe", "moe_shared", "moe_dense")   # moe_dense: experts beside a dense MLP (Gemma 4)
 LAYER_FIELDS = ("layer_id", "type", "moe_expert_start", "moe_num_experts")
 # a layer's own attention geometry and rope where it differs from the config's (Gemma 4's full layers):
@@ -42,11 +42,18 @@ def geometry(cfg: dict, layer: dict) -> tuple:
         layer.get("head_dim", cfg["head_dim"])
 
 
+def is_linear(cfg: dict, layer: dict) -> bool:
+    """Whether a layer's mixer is a recurrent one (gated delta-net: layer_types "linear_attention")."""
+    types = cfg.get("layer_types")
+    return bool(types) and types[layer["layer_id"]] == "linear_attention"
+
+
 def geometries(cfg: dict) -> set:
-    """Every attention geometry (Hq, Hkv, D) the layer plan has (Gemma 4: two; latent attention: none)."""
+    """Every attention geometry (Hq, Hkv, D) the layer plan has (Gemma 4: two; latent attention: none;
+    recurrent layers have none)."""
     if cfg.get("latent_attention"):
         return set()
-    return {geometry(cfg, l) for l in cfg["layers"]}
+    return {geometry(cfg, l) for l in cfg["layers"] if not is_linear(cfg, l)}
 ROUTER_MODES = ("topk", "gated")
 QK_NORMS = ("none", "per_head", "full")
 WEIGHT_TYPES = dtypes.WEIGHT_DTYPES
@@ -202,7 +209,13 @@ CONFIG_FIELDS = (
     "layer_types", "sliding_window", "attention_sinks", "rope_scaling", "router_bias", "expert_bias", "expert_act",
     "swiglu_alpha", "swiglu_limit", "norm_layout", "ffn_act", "embed_scale", "final_logit_softcap", "v_norm",
     "layer_scalar", "router_input_norm", "expert_scale", "latent_attention", "router_score", "router_groups",
-    "routed_scaling_factor")
+    "routed_scaling_factor", "linear_attention", "attention_output_gate", "rope_dim")
+# linear_attention (Qwen3.5 / Qwen3-Next): the layers of layer_types "linear_attention" are gated delta-nets
+# with a fixed-size state per sequence: conv_kernel K (a depthwise causal conv over the q|k|v channels, its
+# last K-1 inputs kept), num_key_heads Hk, num_value_heads Hv, key_head_dim dk, value_head_dim dv (a recurrent
+# state [Hv, dk, dv]), value_head_order (grouped | tiled: which key head a value head reads); attention_output_gate: the full-attention layers' output times sigmoid(attn.wq_gate @ h)
+# before wo; rope_dim: only the first rope_dim of each head's dims rotate (partial rotary), the converter having
+# moved them to the half-split places (pairs i, i + D/2 for i < rope_dim / 2), frequencies theta^(-2i/rope_dim)
 # latent_attention (DeepSeek-V2/V3, GLM-4.7-Flash): every layer's mixer is multi-head latent attention
 # with kv_lora_rank (the cached latent's width), q_lora_rank (0: a plain q projection),
 # qk_nope_head_dim, qk_rope_head_dim (head_dim, the rotated part), v_head_dim, norm_eps; router_score: softmax
@@ -228,10 +241,15 @@ OPTIONAL = ("architectures", "bos_token_id", "attention_scale", "folded_multipli
             "router_norm_min", "rope_pairs", "layer_types", "sliding_window", "attention_sinks", "rope_scaling",
             "router_bias", "expert_bias", "expert_act", "swiglu_alpha", "swiglu_limit", "norm_layout", "ffn_act",
             "embed_scale", "final_logit_softcap", "v_norm", "layer_scalar", "router_input_norm", "expert_scale",
-            "latent_attention", "router_score", "router_groups", "routed_scaling_factor")
+            "latent_attention", "router_score", "router_groups", "routed_scaling_factor", "linear_attention",
+            "attention_output_gate", "rope_dim")
+LINEAR_FIELDS = ("conv_kernel", "num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim",
+                 "value_head_order")    # optional: grouped (value head h reads key head h // (Hv/Hk), HF's
+                                        # layout) or tiled (h % Hk: llama.cpp's GGUF files)
+MAX_CONV_KERNEL = 8
 LATENT_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "norm_eps")
 GROUP_FIELDS = ("n_group", "topk_group", "group_top")
-ATTENTION_TYPES = ("full_attention", "sliding_attention")
+ATTENTION_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 EXPERT_ACTS = ("silu", "swiglu_oai", "gelu_tanh")
 FOLDED = ("embedding_multiplier", "residual_multiplier", "logits_scaling")
 
@@ -302,6 +320,7 @@ def config(cfg, path: str = "config.json") -> dict:
                             "renormalisation floor (topk does)")
     _attention_fields(path, cfg, L)
     _latent_fields(path, cfg)
+    _linear_fields(path, cfg)
     _router_fields(path, cfg, E)
     layers = _list(path, "layers", cfg["layers"], MAX_LAYERS)
     if len(layers) != L:
@@ -390,6 +409,42 @@ def _latent_fields(path, cfg):
                             "'pre' (its own norms are the latents')")
     if any(k in l for l in cfg["layers"] for k in LAYER_OPTIONAL):
         raise invalid_model(path, "layers", "per-layer attention geometry does not combine with latent_attention")
+
+
+def _linear_fields(path, cfg):
+    """linear_attention (gated delta-net layers), attention_output_gate, rope_dim."""
+    if "attention_output_gate" in cfg:
+        _bool(path, "attention_output_gate", cfg["attention_output_gate"])
+    if "rope_dim" in cfg:
+        r = _int(path, "rope_dim", cfg["rope_dim"], 2, cfg["head_dim"])
+        if r % 2:
+            raise invalid_model(path, "rope_dim", f"{r} is odd; rotary embeddings rotate pairs of dims")
+        if any("head_dim" in l or "rope_partial" in l for l in cfg["layers"]):
+            raise invalid_model(path, "rope_dim", "does not combine with per-layer head dims or rope_partial")
+    linear = "linear_attention" in (cfg.get("layer_types") or ())
+    if "linear_attention" not in cfg:
+        if linear:
+            raise invalid_model(path, "linear_attention", "missing (layer_types has linear_attention layers)")
+        return
+    if not linear:
+        raise invalid_model(path, "layer_types", "has no linear_attention layer, but linear_attention is given")
+    la = _obj(path, "linear_attention", cfg["linear_attention"])
+    _known(path, "linear_attention.", la, LINEAR_FIELDS)
+    _enum(path, "linear_attention.value_head_order", la.get("value_head_order", "grouped"), ("grouped", "tiled"))
+    for f in LINEAR_FIELDS:
+        if f == "value_head_order":
+            continue
+        if f not in la:
+            raise invalid_model(path, f"linear_attention.{f}", "missing")
+        _int(path, f"linear_attention.{f}", la[f], 2 if f == "conv_kernel" else 1,
+             MAX_CONV_KERNEL if f == "conv_kernel" else MAX_HEADS if f.startswith("num") else 1 << 10)
+    if la["num_value_heads"] % la["num_key_heads"]:
+        raise invalid_model(path, "linear_attention.num_value_heads", f"{la['num_value_heads']} is not a multiple "
+                            f"of num_key_heads={la['num_key_heads']} (each key head serves whole value heads)")
+    if cfg.get("latent_attention") or cfg.get("norm_layout", "pre") != "pre":
+        raise invalid_model(path, "linear_attention", "does not combine with latent_attention or sandwich norms")
+    if any(k in l for l in cfg["layers"] for k in LAYER_OPTIONAL):
+        raise invalid_model(path, "layers", "per-layer attention geometry does not combine with linear_attention")
 
 
 def _router_fields(path, cfg, E):

@@ -140,6 +140,30 @@ FAMILY_CASES = {
                                             max_position_embeddings=256,
                                             rope_parameters=dict(rope_type="default", rope_theta=1000000.0))),
 }
+# Qwen3.5-MoE (issue 18): gated delta-net layers (3 of 4 by default; here a pattern with two full layers),
+# key heads repeating to value heads (2 -> 4), dk != dv, a conv of 4 taps; full layers with the output gate,
+# per-head q/k norms, partial rotary (a quarter of head_dim 16); top-3 of 6, always renormalised, a gated
+# shared expert; the wrapped checkpoint (qwen3_5_moe: a small vision tower, the text model under
+# model.language_model, multi-token-prediction weights added) with 1 key head for 3 value heads, conv of 2
+QWEN35_TEXT = dict(vocab_size=97, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=12, linear_value_head_dim=8,
+                   linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=24,
+                   shared_expert_intermediate_size=40, num_experts=6, num_experts_per_tok=3,
+                   max_position_embeddings=256, tie_word_embeddings=False,
+                   layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                   rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+                                        mrope_section=[1, 1, 0], mrope_interleaved=True))
+FAMILY_CASES.update({
+    "qwen3_5_moe": ("qwen3_5_moe_text", QWEN35_TEXT),
+    "qwen3_5_moe_4k": ("qwen3_5_moe_text", dict(QWEN35_TEXT, max_position_embeddings=4096)),   # memory plans
+    "qwen3_5_moe_vl": ("qwen3_5_moe", dict(QWEN35_TEXT, vocab_size=89, hidden_size=48, linear_num_key_heads=1,
+                                           linear_num_value_heads=3, linear_key_head_dim=16, linear_value_head_dim=16,
+                                           linear_conv_kernel_dim=2, num_experts=5, num_experts_per_tok=2,
+                                           layer_types=["linear_attention", "linear_attention", "full_attention"],
+                                           num_hidden_layers=3, num_attention_heads=3, num_key_value_heads=1)),
+})
+QWEN35_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=48, patch_size=4,
+                     temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
 GEMMA4_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                      num_key_value_heads=2, head_dim=16)
 MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "ernie4_5_moe")
@@ -155,7 +179,10 @@ def config_for(model_type: str, **overrides):
            "gemma4_text": transformers.Gemma4TextConfig, "deepseek_v2": transformers.DeepseekV2Config,
            "deepseek_v3": transformers.DeepseekV3Config, "glm4_moe_lite": transformers.Glm4MoeLiteConfig,
            "gemma4": lambda **kw: transformers.Gemma4Config(text_config=kw, vision_config=GEMMA4_VISION,
-                                                            audio_config=None)}[model_type]
+                                                            audio_config=None),
+           "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig,
+           "qwen3_5_moe": lambda **kw: transformers.Qwen3_5MoeConfig(text_config=kw, vision_config=QWEN35_VISION,
+                                                                    tie_word_embeddings=False)}[model_type]
     return cls(**overrides)
 
 
@@ -187,13 +214,50 @@ def build_hf(path: str, case: str, dtype: str = "float32", seed: int = 0, **over
     model_type, cfg_kw = {**CASES, **FAMILY_CASES}[case]
     cfg = config_for(model_type, **{**cfg_kw, **overrides})
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    model = model_class(model_type)._from_config(cfg, attn_implementation="eager") if model_type == "qwen3_5_moe" \
+        else AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
     randomize(model, cfg)
     model = model.to(getattr(torch, dtype))
     eos = cfg_kw.get("eos_token_id", 2)
     model.generation_config = GenerationConfig(eos_token_id=eos, bos_token_id=cfg_kw.get("bos_token_id", 1))
     model.save_pretrained(path)
+    if model_type in ("qwen3_5_moe", "qwen3_5_moe_text"):
+        add_mtp_weights(path, getattr(cfg, "text_config", cfg))
     return path
+
+
+def model_class(model_type: str):
+    """The class a checkpoint of model_type is built and run with: the wrapped vision-language
+    Qwen3.5-MoE as itself (its text weights under model.language_model), the rest causal LMs."""
+    import transformers
+    if model_type == "qwen3_5_moe":
+        return transformers.Qwen3_5MoeForConditionalGeneration
+    return transformers.AutoModelForCausalLM
+
+
+def checkpoint_class(path: str):
+    import json
+    archs = json.load(open(os.path.join(path, "config.json"))).get("architectures") or []
+    return model_class("qwen3_5_moe" if "Qwen3_5MoeForConditionalGeneration" in archs else "")
+
+
+def add_mtp_weights(path: str, tc):
+    """Qwen3.5's multi-token-prediction head as its checkpoints store it (mtp.fc [H, 2H], mtp.norm, the
+    two pre-fc norms and one decoder layer under mtp.layers.0, shaped as the model's last layer): random
+    tensors added to the saved file (transformers ignores ^mtp.*; the converters must skip them)."""
+    from safetensors.numpy import load_file, save_file
+    f = os.path.join(path, "model.safetensors")
+    t = load_file(f)
+    H, rng = tc.hidden_size, np.random.default_rng(1)
+    dt = t[next(n for n in t if n.endswith("embed_tokens.weight"))].dtype
+    last = next(p for p in (f"model.language_model.layers.{tc.num_hidden_layers - 1}.",
+                            f"model.layers.{tc.num_hidden_layers - 1}.") if any(n.startswith(p) for n in t))
+    extra = {"mtp.fc.weight": (H, 2 * H), "mtp.norm.weight": (H,), "mtp.pre_fc_norm_embedding.weight": (H,),
+             "mtp.pre_fc_norm_hidden.weight": (H,)}
+    extra.update({"mtp.layers.0." + n[len(last):]: t[n].shape for n in t if n.startswith(last)})
+    for name, shape in extra.items():
+        t[name] = (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32).astype(dt)
+    save_file(t, f, metadata={"format": "pt"})
 
 
 def hf_logits(path: str, ids: np.ndarray, **config) -> np.ndarray:
@@ -201,7 +265,7 @@ def hf_logits(path: str, ids: np.ndarray, **config) -> np.ndarray:
     config: attributes that override the checkpoint's config (num_experts_per_tok=1, ...)."""
     import torch
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager", **config)
+    model = checkpoint_class(path).from_pretrained(path, dtype=torch.float32, attn_implementation="eager", **config)
     model.eval()
     with torch.no_grad():
         return model(torch.as_tensor(np.asarray(ids), dtype=torch.long)).logits.float().numpy()
@@ -210,7 +274,7 @@ def hf_logits(path: str, ids: np.ndarray, **config) -> np.ndarray:
 def hf_greedy(path: str, ids, n: int) -> list:
     import torch
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    model = checkpoint_class(path).from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     model.eval()
     with torch.no_grad():
         out = model.generate(torch.as_tensor([list(ids)]), max_new_tokens=n, do_sample=False,

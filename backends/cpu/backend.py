@@ -1,4 +1,5 @@
-"""The cpu backend: Numba kernels (kernels.py: dense and attention; moe_kernels.py) over NumPy buffers, on any x86-64 or ARM64 CPU.
+"""The cpu backend: Numba kernels (kernels.py: dense and attention; moe_kernels.py; recurrent.py: the recurrent
+mixers) over NumPy buffers, on any x86-64 or ARM64 CPU.
 
 Memory is host memory. Weights stay the read-only memmap views given to `to_device`, only re-viewed
 as their stored bits (float16 -> uint16, bfloat16 -> int16; see kernels.py), so pages of experts
@@ -96,8 +97,8 @@ class Backend(BackendBase):
 
     def __init__(self, num_threads=0, int8_activations=True):
         import numba
-        from . import kernels, moe_kernels, qkernels
-        self.numba, self.k, self.m, self.q = numba, kernels, moe_kernels, qkernels
+        from . import kernels, moe_kernels, qkernels, recurrent
+        self.numba, self.k, self.m, self.q, self.r = numba, kernels, moe_kernels, qkernels, recurrent
         _threading_defaults()
         pool = numba.config.NUMBA_NUM_THREADS
         num_threads = int(num_threads or 0)
@@ -123,6 +124,7 @@ class Backend(BackendBase):
         self._route_c = np.zeros(0, np.float32)     # route's choice and group scores [E + groups]
         self._ml = np.zeros((0, 2), np.float32)     # latent attention's running (max, sum) [T*Hq, 2]
         self._heads_warm = set()                    # the types head_matmul was warmed in
+        self._delta = {}                            # (dk, dv) -> delta_rule's chunk scratch (_delta_scratch)
         self._warm_up(("float32",), common=True)
 
     def prepare(self, formats, max_cols, max_rows=2):
@@ -365,6 +367,36 @@ class Backend(BackendBase):
         self._use_threads()
         self.k.paged_attention(out, q, K, V, block_tables, seq_index, positions, int(block_size), float(scale),
                                int(window), self.none if sinks is None else sinks.data)
+
+    # -- recurrent mixers --------------------------------------------------------------------
+    def causal_conv(self, out, x, weight, state, starts, slots, positions):
+        self._use_threads()
+        self.r.causal_conv(out, x, weight.data, state, starts, slots, positions)
+
+    def _delta_scratch(self, dk, dv):
+        """delta_rule's chunk scratch for heads of dk x dv, one set per thread (recurrent.delta_rule:
+        Q, K, W [C, dk]; U [C, dv]; A, M [C, C]; G, beta [C]; C = 16: 34 KB at dk = dv = 128):
+        allocated the first time the shape is seen, then reused by every call (a decode step uses one
+        [dv] row of it a thread: recurrent.delta_step's X)."""
+        s = self._delta.get((dk, dv))
+        if s is None:
+            n, C = self.num_threads, self.r.DELTA_CHUNK
+            s = self._delta[(dk, dv)] = (np.zeros((n, 3, C, dk), np.float32), np.zeros((n, C, dv), np.float32),
+                                         np.zeros((n, 2, C, C), np.float32), np.zeros((n, 2, C), np.float32))
+        return s
+
+    def delta_rule(self, out, qkv, a, b, a_neg, dt_bias, state, starts, slots, positions, heads):
+        """Parallel over (sequence, value head) pairs: one token by the recurrence, more in chunks of 16
+        (recurrent.delta_rule)."""
+        self._use_threads()
+        Hk, Hv, dk, dv = heads[:4]
+        group = heads[4] if len(heads) > 4 else Hv // Hk        # value head h reads key head (h // group) % Hk
+        self.r.delta_rule(out, qkv, a, b, a_neg.data, dt_bias.data, state, starts, slots, positions, int(Hk),
+                          int(group), self.work, self.threads, *self._delta_scratch(int(dk), int(dv)))
+
+    def gate_mul(self, out, x, gate, act):
+        self._use_threads()
+        self.r.gate_mul(out, x, gate, act == "silu")
 
     # -- MoE ---------------------------------------------------------------------------------
     def route(self, out_ids, out_w, logits, k, mode, normalize, choice_bias=None, norm_min=0.0, expert_scale=None,

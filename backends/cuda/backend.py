@@ -14,6 +14,12 @@ The grouped kernels are launched with a grid sized by an upper bound on the bloc
 host copy of the plan is needed to launch them; the counts stay on the device (Plan.fetch_counts
 copies them for the host paths that need them: the slot pool).
 
+The recurrent mixers (recurrent.cu, Qwen3.5 / Qwen3-Next gated delta-net) keep each sequence's state in its
+slot: causal_conv a thread per (sequence, channel) over its tokens, the last K-1 inputs in registers;
+delta_rule a CTA per (sequence, value head), a thread per value column of S [dk, dv], the token by token
+recurrence for a decode token and the chunked form (chunks of 16, as the reference) for a prefill; gate_mul
+elementwise. None of them needs the host: decode steps capture.
+
 Precision: activations, the KV cache, the router and every accumulation are fp32; fp16 and bf16
 weights stay 16-bit on the device (half the bytes to stream) and our kernels widen them as they
 read (bf16 never goes through cuBLAS: CuPy has no bf16 type). By default ("fp16 compute")
@@ -38,6 +44,7 @@ TBM, TBN = sources.DEFINES["TBM"], sources.DEFINES["TBN"]
 ALIGN_THREADS = sources.DEFINES["ALIGN_THREADS"]
 LAT_WARPS = sources.DEFINES["LAT_WARPS"]
 SKINNY_MAX_T = 32                  # dense matmuls of up to this many rows use the skinny kernel
+CONV_THREADS = 128                 # causal_conv: channels per CTA (a thread per channel and sequence)
 _NULL = np.uint64(0)               # a null pointer argument
 _i32, _f32 = np.int32, np.float32
 
@@ -185,6 +192,60 @@ class Backend(CudaRuntime):
         self._launch("latent_attention", (Hq, T), (32 * LAT_WARPS,),
                      (out, q, q_rope, C, R, block_tables, seq_index, positions, _i32(Hq), _i32(Dc), _i32(Dr),
                       _i32(block_size), _i32(block_tables.shape[1]), _f32(scale)))
+
+    # -- recurrent mixers (recurrent.cu) -------------------------------------------------------
+    delta_chunk = sources.DEFINES["DELTA_CHUNK"]     # tokens per chunk of delta_rule's prefill form
+
+    @guarded
+    def causal_conv(self, out, x, weight, state, starts, slots, positions):
+        T, C = x.shape
+        K = weight.shape[1] if isinstance(weight, Weight) and len(weight.shape) == 2 else 0
+        S = slots.shape[0]
+        if not isinstance(weight, Weight) or weight.dtype != "float32" or tuple(weight.shape) != (C, K) or \
+                not 1 <= K <= sources.CONV_MAX_K or out.shape != (T, C) or state.ndim != 3 or \
+                state.shape[1:] != (K - 1, C) or starts.shape[0] < S + 1 or positions.shape[0] < T or \
+                not all(a.flags.c_contiguous for a in (out, x, weight.data, state)):
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"causal_conv: x {x.shape} -> out {out.shape} through a "
+                               f"{getattr(weight, 'dtype', type(weight).__name__)} weight "
+                               f"{tuple(getattr(weight, 'shape', ()))}, state {state.shape}, {S} sequences (needs "
+                               f"contiguous [T,C] buffers, a float32 [C,K] weight with K <= {sources.CONV_MAX_K}, a "
+                               "[slots,K-1,C] state, starts [S+1], positions [T])")
+        if T and S:
+            self._launch("causal_conv", (cdiv(C, CONV_THREADS), S), (CONV_THREADS,),
+                         (out, x, weight.data, state, starts, slots, positions, _i32(C), _i32(K)))
+
+    @guarded
+    def delta_rule(self, out, qkv, a, b, a_neg, dt_bias, state, starts, slots, positions, heads):
+        Hk, Hv, dk, dv = (int(h) for h in heads[:4])
+        group = int(heads[4]) if len(heads) > 4 else Hv // max(Hk, 1)   # value head h reads key head (h//group) % Hk
+        T, S = qkv.shape[0], slots.shape[0]
+        vecs = (a_neg, dt_bias)
+        if not (1 <= dk <= sources.DELTA_MAX_DK and 1 <= dv <= sources.DELTA_MAX_DV and Hk >= 1 and Hv % Hk == 0 and
+                group >= 1) or \
+                qkv.shape != (T, 2 * Hk * dk + Hv * dv) or out.shape != (T, Hv * dv) or a.shape != (T, Hv) or \
+                b.shape != (T, Hv) or state.ndim != 4 or state.shape[1:] != (Hv, dk, dv) or S > 65535 or \
+                starts.shape[0] < S + 1 or positions.shape[0] < T or \
+                any(_storage(w) != "float32" or (w.data if isinstance(w, Weight) else w).size != Hv for w in vecs) or \
+                not all(x.flags.c_contiguous for x in (out, qkv, a, b, state)):
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"delta_rule: heads (Hk, Hv, dk, dv) = {tuple(heads)} "
+                               f"(dk <= {sources.DELTA_MAX_DK}, dv <= {sources.DELTA_MAX_DV}, Hk dividing Hv), qkv "
+                               f"{qkv.shape}, out {out.shape}, a {a.shape}, b {b.shape}, state {state.shape}, {S} "
+                               "sequences (needs contiguous qkv [T, 2 Hk dk + Hv dv], out [T, Hv dv], a, b [T, Hv], "
+                               "state [slots, Hv, dk, dv], float32 a_neg, dt_bias [Hv], at most 65535 sequences)")
+        if T and S:
+            self._launch("delta_rule", (Hv, S), (cdiv(dv, 32) * 32,),
+                         (out, qkv, a, b, *(w.data if isinstance(w, Weight) else w for w in vecs), state, starts,
+                          slots, positions, _i32(Hk), _i32(Hv), _i32(dk), _i32(dv), _i32(group), _f32(dk ** -0.5)))
+
+    @guarded
+    def gate_mul(self, out, x, gate, act):
+        n = x.size
+        if act not in ("silu", "sigmoid") or out.size != n or gate.size != n or \
+                not all(a.flags.c_contiguous for a in (out, x, gate)):
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"gate_mul: act {act!r} (silu or sigmoid) over out "
+                               f"{out.shape}, x {x.shape}, gate {gate.shape} (contiguous buffers of one size)")
+        if n:
+            self._launch("gate_mul", (cdiv(n, 256),), (256,), (out, x, gate, np.int64(n), _i32(act == "sigmoid")))
 
     # -- MoE ---------------------------------------------------------------------------------
     @guarded

@@ -30,6 +30,10 @@ DEFINES = {
     "ACT_SILU": 0,         # FFN activation codes of the MODE 1 tiles (expert_act): SwiGLU,
     "ACT_SWIGLU_OAI": 1,   # gpt-oss's clamped SwiGLU,
     "ACT_GELU_TANH": 2,    # GeGLU (Gemma)
+    "CONV_MAX_K": 8,       # causal_conv taps: K <= 8 (Qwen3.5 / Qwen3-Next: 4), the window in registers
+    "DELTA_CHUNK": 16,     # tokens per chunk of delta_rule's chunked (prefill) form, as the reference's
+    "DELTA_MAX_DK": 256,   # delta_rule key head dim: the chunk's q and k rows in shared memory (32 KiB at 256)
+    "DELTA_MAX_DV": 256,   # delta_rule value head dim: a thread per value column, one block per (sequence, head)
 }
 # base.Act.kind -> its code (None: plain SwiGLU)
 ACT_KINDS = {"silu": DEFINES["ACT_SILU"], "swiglu_oai": DEFINES["ACT_SWIGLU_OAI"], "gelu_tanh": DEFINES["ACT_GELU_TANH"]}
@@ -37,6 +41,7 @@ MAX_HEAD_DIM = 32 * DEFINES["ATT_MAX_DPL"]
 MAX_LATENT_DIM, MAX_LATENT_ROPE = 32 * DEFINES["LAT_MAX_DPL"], 32 * DEFINES["LAT_RPL"]
 MAX_ROUTE_EXPERTS = 32 * DEFINES["ROUTE_MAXJ"]
 MAX_ALIGN_EXPERTS = DEFINES["ALIGN_THREADS"] * DEFINES["ALIGN_EPT"]
+CONV_MAX_K, DELTA_MAX_DK, DELTA_MAX_DV = DEFINES["CONV_MAX_K"], DEFINES["DELTA_MAX_DK"], DEFINES["DELTA_MAX_DV"]
 
 # options the backend passes to cupy.RawModule (CuPy adds the -arch of the device it runs on)
 NVRTC_OPTIONS = ("-std=c++17", *(f"-D{k}={v}" for k, v in DEFINES.items()))
@@ -52,6 +57,7 @@ KERNELS = {
                  "rmsnorm", "rope", "add", "scale", "f32_to_f16", "f16_to_f32_bias", "bias_add",
                  *(f"{k}_{f}" for f in BLOCK_FORMATS for k in ("embed", "matmul_skinny", "matmul_tiled"))),
     "attention.cu": ("kv_write", "paged_attention", "latent_attention"),
+    "recurrent.cu": ("causal_conv", "delta_rule", "gate_mul"),
     "moe.cu": ("moe_route", "moe_align", "moe_combine",
                "moe_gate_up_skinny_f32", "moe_gate_up_skinny_f16", "moe_gate_up_skinny_bf16", "moe_gate_up_skinny_i8",
                "moe_down_skinny_f32", "moe_down_skinny_f16", "moe_down_skinny_bf16", "moe_down_skinny_i8",

@@ -7,8 +7,10 @@ The MoE layer runs on the device: router logits, top-k (softmax or sigmoid score
 the best expert groups; ties to the lower expert id), align (a
 deterministic counting sort in one work-group), each chosen expert's gated FFN over its rows (SwiGLU,
 gpt-oss's clamped SwiGLU or GeGLU, by an activation-kind code: moe.cl expert_act),
-combine. COLIBRI_NUM_STREAMS (`num_streams`) command queues: independent experts of a layer go
-round-robin to the queues (run_parts), so results never depend on the number of queues.
+combine. Recurrent mixers (Qwen3.5 / Qwen3-Next's gated delta-net, recurrent.cl): the causal conv, the
+gated delta rule (per value head, S in the state slot; decode by the recurrence, prefill in chunks of
+DELTA_CHUNK tokens), the output gate. COLIBRI_NUM_STREAMS (`num_streams`) command queues: independent
+experts of a layer go round-robin to the queues (run_parts), so results never depend on the number of queues.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import numpy as np
 from colibri_edge.errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_UNAVAILABLE
 from ..base import Plan, Weight
 from .platforms import probe  # noqa: F401  (the registry's entry)
-from .runtime import ACT8, BLOCK_DTYPES, OpenCLRuntime, ROWS_PER_ITEM, roundup
+from .runtime import ACT8, BLOCK_DTYPES, CONV_KMAX, DELTA_CHUNK, OpenCLRuntime, ROWS_PER_ITEM, roundup
 
 
 class Backend(OpenCLRuntime):
@@ -236,6 +238,80 @@ class Backend(OpenCLRuntime):
         self._launch(k, (L * Hq, T), (L, 1), out, q, q_rope, C, R, block_tables, block_tables.shape[1], seq_index,
                      positions, Hq, Dc, Dr, block_size, float(scale), lm(4 * Dc), lm(4 * Dr), lm(4 * Dc), lm(4 * L),
                      lm(4 * L), lm(4 * L))
+
+    # -- recurrent mixers --------------------------------------------------------------------------
+    def _float32(self, op, what, w):
+        """A float32 Weight's (or a plain float32 buffer's) data; anything else is refused."""
+        if self._wdtype(w) != "float32":
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{op}: {what} must be float32, not {self._wdtype(w)}")
+        return self._data(w)
+
+    def causal_conv(self, out, x, weight, state, starts, slots, positions):
+        T, C = x.shape
+        K = weight.shape[1] if len(weight.shape) == 2 else -1
+        S = slots.shape[0]
+        if tuple(weight.shape) != (C, K) or tuple(out.shape) != (T, C) or tuple(state.shape[1:]) != (K - 1, C) or \
+                starts.shape[0] != S + 1:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"causal_conv shapes out {out.shape}, x {x.shape}, "
+                               f"weight {weight.shape}, state {state.shape}, starts {starts.shape}, "
+                               f"slots {slots.shape} do not agree")
+        if not 1 <= K <= CONV_KMAX:
+            raise ColibriError(COLIBRI_ERR_UNAVAILABLE, f"causal_conv: a conv of {K} taps; the opencl backend "
+                               f"runs 1 to {CONV_KMAX} (recurrent.cl keeps the window in registers)")
+        w = self._float32("causal_conv", "the conv weight", weight)
+        k = self._kernel("recurrent.cl", "causal_conv")
+        g, l = self._2d(k, C, S)
+        self._launch(k, g, l, out, x, w, state, starts, slots, positions, S, C, K)
+
+    def delta_local_bytes(self, dk, L, Cm=DELTA_CHUNK):
+        """Local memory of one delta_rule work-group (recurrent.cl): q, k, W [Cm, dk], A, QK [Cm, Cm],
+        the per-token G, beta and norms [4 DELTA_CHUNK], the reduction's [L] (floats)."""
+        return 4 * (3 * Cm * dk + 2 * Cm * Cm + 4 * DELTA_CHUNK + L)
+
+    def delta_rule(self, out, qkv, a, b, a_neg, dt_bias, state, starts, slots, positions, heads):
+        Hk, Hv, dk, dv = (int(v) for v in heads[:4])
+        # value head h reads key head (h // group) % Hk: group Hv / Hk (grouped, the default) or 1 (tiled)
+        group = int(heads[4]) if len(heads) > 4 else Hv // max(Hk, 1)
+        T = qkv.shape[0]
+        S = slots.shape[0]
+        if min(Hk, Hv, dk, dv, group) < 1 or (len(heads) == 4 and Hv % Hk) or \
+                tuple(qkv.shape) != (T, 2 * Hk * dk + Hv * dv) or \
+                tuple(out.shape[:1]) != (T,) or out.size != T * Hv * dv or tuple(a.shape) != (T, Hv) or \
+                tuple(b.shape) != (T, Hv) or tuple(state.shape[1:]) != (Hv, dk, dv) or starts.shape[0] != S + 1 or \
+                tuple(a_neg.shape) != (Hv,) or tuple(dt_bias.shape) != (Hv,):
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"delta_rule: heads {heads} and the shapes out "
+                               f"{out.shape}, qkv {qkv.shape}, a {a.shape}, b {b.shape}, a_neg {a_neg.shape}, "
+                               f"dt_bias {dt_bias.shape}, state {state.shape}, starts {starts.shape}, "
+                               f"slots {slots.shape} do not agree")
+        an = self._float32("delta_rule", "a_neg", a_neg)
+        dt = self._float32("delta_rule", "dt_bias", dt_bias)
+        k = self._kernel("recurrent.cl", "delta_rule")
+        # a work-group per (value head, sequence); its work-items own the columns of S (a power of two
+        # for the norms' tree reduction: dv rounded up, within what the device runs)
+        L = self._local(k, min(256, 1 << max(0, dv - 1).bit_length()), pow2=True)
+        Cm = min(DELTA_CHUNK, T)           # no sequence has more tokens than the step
+        need = self.delta_local_bytes(dk, L, Cm)
+        if need > self.local_mem:
+            raise ColibriError(COLIBRI_ERR_UNAVAILABLE, f"delta_rule: key heads of {dk} dims need {need} bytes of "
+                               f"local memory (chunks of {Cm} tokens), the OpenCL device has {self.local_mem}")
+        lm = self.cl.LocalMemory
+        self._launch(k, (L * Hv, S), (L, 1), out, qkv, a, b, an, dt, state, starts, slots, positions,
+                     Hk, Hv, dk, dv, group, float(np.float32(dk ** -0.5)),
+                     lm(4 * Cm * dk), lm(4 * Cm * dk), lm(4 * Cm * dk), lm(4 * Cm * Cm), lm(4 * Cm * Cm),
+                     lm(4 * 4 * DELTA_CHUNK), lm(4 * L))
+
+    GATE_ACTS = ("silu", "sigmoid")
+
+    def gate_mul(self, out, x, gate, act):
+        n = out.size
+        if act not in self.GATE_ACTS:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"gate_mul: act {act!r} (silu or sigmoid)")
+        if x.size != n or gate.size != n:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"gate_mul shapes out {out.shape}, x {x.shape}, "
+                               f"gate {gate.shape} do not agree")
+        k = self._kernel("recurrent.cl", "gate_mul")
+        L = self._local(k, 128)
+        self._launch(k, (n,), (L,), out, x, gate, n, act == "silu")
 
     # -- MoE ---------------------------------------------------------------------------------------
     def route(self, out_ids, out_w, logits, k, mode, normalize, choice_bias=None, norm_min=0.0, expert_scale=None,

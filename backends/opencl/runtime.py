@@ -7,6 +7,8 @@ Kernels live in the .cl files beside this module (OpenCL C 1.2, built with -cl-s
                   rmsnorm, rope, add, scale, zero
     attention.cl  kv_write, paged_attention, latent_attention
     moe.cl        route, align, ffn_gate_up (+ _grouped, ffn_down_grouped; activation by kind), combine
+    recurrent.cl  causal_conv, delta_rule (the gated delta rule: recurrence for decode, chunked for prefill),
+                  gate_mul
 dense.cl and moe.cl are built per weight type (float32; WF16=1: half read with vload_half; WBF16=1:
 bfloat16 widened in-register; WI8=1: int8 widened, each row's float32 scale applied to its sum;
 WQ8_0=1 ... WQ6_K=1, WMXFP4=1: ggml's blocks decoded in registers chunk by chunk of 32 weights), and, for half weights on a device that reports cl_khr_fp16 (unless
@@ -29,11 +31,13 @@ from ..base import Backend as BackendBase
 from .platforms import INSTALL_HINT, _all_devices, _cl, _is_gpu_like, format_platforms
 
 KERNEL_DIR = os.path.dirname(os.path.abspath(__file__))
-KERNEL_FILES = ("dense.cl", "attention.cl", "moe.cl")
+KERNEL_FILES = ("dense.cl", "attention.cl", "moe.cl", "recurrent.cl")
 WEIGHT_PROGRAMS = ("dense.cl", "moe.cl")        # built once per weight type
 CL_STD = "-cl-std=CL1.2"
 ROWS_PER_ITEM = 4                               # tokens per work-item of matmul4 / ffn_gate_up
-DEFINES = f"-DROWS_PER_ITEM={ROWS_PER_ITEM}"
+DELTA_CHUNK = 16                                # tokens per chunk of delta_rule's chunked form (prefill)
+CONV_KMAX = 8                                   # the most taps causal_conv runs (a window in registers)
+DEFINES = f"-DROWS_PER_ITEM={ROWS_PER_ITEM} -DDELTA_CHUNK={DELTA_CHUNK} -DCONV_KMAX={CONV_KMAX}"
 BLOCK_DTYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4", "q4_k", "q5_k", "q6_k")   # quant.BLOCK's
 WEIGHT_DTYPES = ("float32", "float16", "bfloat16", "int8") + BLOCK_DTYPES
 _HOST = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "int8": np.int8, "uint8": np.uint8,

@@ -66,6 +66,81 @@ def activation(g, u, act, e):
     return swiglu_oai(g, u, act, e)
 
 
+DELTA_CHUNK = 16        # tokens per chunk of the chunked delta rule (the reference's prefill form)
+
+
+def softplus(y):
+    """torch's softplus (beta 1, threshold 20): log(1 + e^y), y itself past 20."""
+    return np.where(y > 20, y, np.log1p(np.exp(np.minimum(y, 20)))).astype(np.float32)
+
+
+def delta_inputs(qkv, a, b, a_neg, dt_bias, heads):
+    """One sequence's tokens [n] -> q, k [n, Hv, dk] (l2-normed, q / sqrt(dk), key heads repeated to
+    the value heads), v [n, Hv, dv], g (log decay) and beta [n, Hv]: base.delta_rule's per-token terms."""
+    Hk, Hv, dk, dv = heads[:4]
+    group = heads[4] if len(heads) > 4 else Hv // Hk
+    n = qkv.shape[0]
+    q = qkv[:, :Hk * dk].reshape(n, Hk, dk)
+    k = qkv[:, Hk * dk:2 * Hk * dk].reshape(n, Hk, dk)
+    v = qkv[:, 2 * Hk * dk:].reshape(n, Hv, dv)
+
+    def l2(y):
+        return y / np.sqrt((y * y).sum(-1, keepdims=True) + np.float32(1e-6))
+    kh = (np.arange(Hv) // group) % Hk                  # the key head each value head reads
+    q = l2(q)[:, kh] * np.float32(dk ** -0.5)
+    k = l2(k)[:, kh]
+    beta = np.float32(1) / (np.float32(1) + np.exp(-b))
+    g = _f32(a_neg)[None, :] * softplus(a + _f32(dt_bias)[None, :])
+    return q.astype(np.float32), k.astype(np.float32), v, g.astype(np.float32), beta.astype(np.float32)
+
+
+def delta_rule_recurrent(q, k, v, g, beta, S):
+    """The token-by-token recurrence (the oracle of the chunked form): S [Hv, dk, dv] is updated in
+    place; returns out [n, Hv, dv].  S = e^g S;  S += k (beta (v - S^T k))^T;  o = S^T q."""
+    out = np.empty(v.shape, np.float32)
+    for t in range(q.shape[0]):
+        S *= np.exp(g[t])[:, None, None]
+        kv = np.einsum("hkv,hk->hv", S, k[t])
+        delta = (v[t] - kv) * beta[t][:, None]
+        S += k[t][:, :, None] * delta[:, None, :]
+        out[t] = np.einsum("hkv,hk->hv", S, q[t])
+    return out
+
+
+def delta_rule_chunked(q, k, v, g, beta, S, chunk=DELTA_CHUNK):
+    """The chunked form (DeltaNet's WY / UT transform, as transformers' torch_chunk_gated_delta_rule):
+    within a chunk of c tokens, with G the cumulative log decay and D[i, j] = e^(G_i - G_j) (i >= j),
+        A = strictly_lower((beta k) k^T * D)                         [c, c]
+        U = (I + A)^-1 (beta v),  W = (I + A)^-1 (beta k e^G)        (forward substitution)
+        v' = U - W S;  out = (q e^G) S + lower(q k^T * D) v'
+        S  = e^(G_last) S + (k e^(G_last - G))^T v'
+    every token's update folded into c x c and c x dk products; S [Hv, dk, dv] in place; the last
+    chunk may be shorter (no padding)."""
+    n = q.shape[0]
+    out = np.empty(v.shape, np.float32)
+    for c0 in range(0, n, chunk):
+        c1 = min(n, c0 + chunk)
+        qh, kh, vh = (x[c0:c1].transpose(1, 0, 2) for x in (q, k, v))        # [Hv, c, d]
+        G = np.cumsum(g[c0:c1], axis=0).T                                      # [Hv, c]
+        bh = beta[c0:c1].T
+        c = c1 - c0
+        low = np.tril(np.ones((c, c), bool))
+        D = np.where(low, np.exp(np.where(low, G[:, :, None] - G[:, None, :], 0)), 0).astype(np.float32)
+        kb = kh * bh[..., None]
+        A = np.where(np.tril(np.ones((c, c), bool), -1), (kb @ kh.transpose(0, 2, 1)) * D, 0)
+        U, W = vh * bh[..., None], kb * np.exp(G)[..., None]
+        for i in range(1, c):                  # (I + A) X = R, row by row
+            U[:, i] -= np.einsum("hj,hjd->hd", A[:, i, :i], U[:, :i])
+            W[:, i] -= np.einsum("hj,hjd->hd", A[:, i, :i], W[:, :i])
+        vn = U - W @ S                                                         # [Hv, c, dv]
+        o = (qh * np.exp(G)[..., None]) @ S + ((qh @ kh.transpose(0, 2, 1)) * D) @ vn
+        out[c0:c1] = o.transpose(1, 0, 2)
+        last = G[:, -1]
+        S *= np.exp(last)[:, None, None]
+        S += (kh * np.exp(last[:, None] - G)[..., None]).transpose(0, 2, 1) @ vn
+    return out
+
+
 class Backend(BackendBase):
     name = "reference"
     weight_dtypes = WEIGHT_DTYPES
@@ -164,6 +239,42 @@ class Backend(BackendBase):
             c, r = C[slots, 0], R[slots, 0]              # [n, Dc], [n, Dr]
             s = (np.einsum("hd,nd->hn", q[t], c) + np.einsum("hd,nd->hn", q_rope[t], r)) * np.float32(scale)
             out[t] = routing.softmax(s) @ c
+
+    # recurrent mixers
+    def causal_conv(self, out, x, weight, state, starts, slots, positions):
+        w = _f32(weight)                                   # [C, K]
+        K = w.shape[1]
+        for s in range(len(slots)):
+            a, b = int(starts[s]), int(starts[s + 1])
+            if b <= a:
+                continue
+            prev = np.zeros((K - 1, x.shape[1]), np.float32) if positions[a] == 0 else state[slots[s]].copy()
+            u = np.concatenate([prev, x[a:b]])             # positions p0-K+1 .. pl
+            for j in range(b - a):
+                y = np.einsum("ic,ci->c", u[j:j + K], w)
+                out[a + j] = y / (np.float32(1) + np.exp(-y))
+            state[slots[s]] = u[u.shape[0] - (K - 1):]
+
+    delta_chunk = DELTA_CHUNK
+
+    def delta_rule(self, out, qkv, a, b, a_neg, dt_bias, state, starts, slots, positions, heads):
+        Hk, Hv, dk, dv = heads[:4]
+        for s in range(len(slots)):
+            r0, r1 = int(starts[s]), int(starts[s + 1])
+            if r1 <= r0:
+                continue
+            S = np.zeros((Hv, dk, dv), np.float32) if positions[r0] == 0 else state[slots[s]].copy()
+            q, k, v, g, beta = delta_inputs(qkv[r0:r1], a[r0:r1], b[r0:r1], a_neg, dt_bias, heads)
+            o = delta_rule_recurrent(q, k, v, g, beta, S) if r1 - r0 == 1 else \
+                delta_rule_chunked(q, k, v, g, beta, S, self.delta_chunk)
+            out[r0:r1] = o.reshape(r1 - r0, Hv * dv)
+            state[slots[s]] = S
+
+    def gate_mul(self, out, x, gate, act):
+        if act == "silu":
+            out[...] = x * (gate / (np.float32(1) + np.exp(-gate)))
+        else:
+            out[...] = x / (np.float32(1) + np.exp(-gate))
 
     # MoE
     def route(self, out_ids, out_w, logits, k, mode, normalize, choice_bias=None, norm_min=0.0, expert_scale=None,

@@ -28,6 +28,7 @@ KERNELS = {
     "dense.cl": ["embed", "matmul1", "matmul4", "matmul3", "quantize_act", "rmsnorm", "rope", "add", "scale", "zero"],
     "attention.cl": ["kv_write", "paged_attention", "latent_attention"],
     "moe.cl": ["route", "align", "ffn_gate_up", "ffn_gate_up_grouped", "ffn_down_grouped", "combine"],
+    "recurrent.cl": ["causal_conv", "delta_rule", "gate_mul"],
 }
 # kernels built only in the float weight types' variants (float32, half, bfloat16: -DWF16=..., -DWBF16=1)
 FLOAT_KERNELS = {"dense.cl": ["head_matmul"]}

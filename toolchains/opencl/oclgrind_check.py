@@ -4,6 +4,8 @@ Oclgrind exits 0 even when it reports errors, so this reads its log instead: any
 access ("Invalid read/write"), data race, uninitialized value or any other diagnostic fails.
 
     python oclgrind_check.py models            micro models: prefill + decode, every kernel variant
+    python oclgrind_check.py ops               the recurrent mixers' kernels (causal_conv, delta_rule,
+                                               gate_mul) on mixed steps, against the reference backend
     python oclgrind_check.py run -- CMD ...    any command (the test's planted out-of-bounds kernel)
 
 The command runs as `oclgrind --data-races --uninitialized --log LOG CMD`: Oclgrind's wrapper
@@ -55,6 +57,9 @@ MICRO = [
     # within the best groups by their top two (V3), with half per-head matrices
     ("deepseek_v2", {}, None, {}),
     ("deepseek_v3", {}, "float16", {}),
+    # gated delta-net layers (Qwen3.5): causal_conv, delta_rule (chunked prefill continued across chunks,
+    # then the decode recurrence), gate_mul, beside full attention layers with an output gate
+    ("qwen3_5_moe", {}, None, {}),
 ]
 PROMPT_TOKENS = 8      # <= 8 tokens: prefill in chunks of 5 (a chunk at position > 0), then decode
 DECODE_TOKENS = 3
@@ -192,13 +197,107 @@ def check_models(workdir):
     return failures
 
 
+# -- the recurrent mixers' kernels, op by op ------------------------------------------------------
+# Steps as the scheduler packs them (sequence lengths, first positions): a prompt from position 0 across
+# delta_rule's chunk boundary (16) with a short last chunk, a continued prefill chunk, decode tokens;
+# then a decode-only step (delta_rule's recurrence). Odd widths: no work-group divides them.
+OPS_STEPS = [([19, 3, 1], [0, 5, 9]), ([1, 1], [22, 0])]
+OPS_DELTA_HEADS = [(2, 4, 16, 12), (1, 2, 8, 20, 1)]     # grouped key heads; tiled (GGUF's order)
+OPS_CONV = (37, 4)                                        # channels, taps
+
+
+def _ops_child(out_path):
+    """Runs under Oclgrind: each op on the opencl backend and the reference; saves the largest error."""
+    import numpy as np
+    from colibri_edge.backends import create
+    ref, be = create("reference"), create("opencl")
+    print(SENTINEL + be.dev.platform.name.strip(), flush=True)
+    rng = np.random.default_rng(0)
+
+    def dev(b, host):
+        buf = b.alloc(host.shape, host.dtype)
+        b.upload_into(buf, np.ascontiguousarray(host))
+        return buf
+
+    errs = {}
+
+    def err(name, got, want):
+        e = float(np.abs(got - want).max() / max(1.0, np.abs(want).max()))
+        errs[name] = max(errs.get(name, 0.0), e)
+    for lengths, at in OPS_STEPS:
+        starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        pos = np.concatenate([np.arange(p, p + n) for n, p in zip(lengths, at)]).astype(np.int32)
+        T, S = int(starts[-1]), len(lengths)
+        slots = rng.permutation(S + 1)[:S].astype(np.int32)
+        C, K = OPS_CONV
+        x = rng.standard_normal((T, C)).astype(np.float32)
+        w = rng.standard_normal((C, K)).astype(np.float32)
+        st0 = rng.standard_normal((S + 1, K - 1, C)).astype(np.float32)
+        got = []
+        for b in (be, ref):
+            out, st = b.alloc((T, C)), dev(b, st0)
+            b.causal_conv(out, dev(b, x), b.upload(w), st, dev(b, starts), dev(b, slots), dev(b, pos))
+            got.append((b.download(out), b.download(st)))
+        err("causal_conv", got[0][0], got[1][0])
+        err("causal_conv state", got[0][1], got[1][1])
+        for heads in OPS_DELTA_HEADS:
+            Hk, Hv, dk, dv = heads[:4]
+            qkv = rng.standard_normal((T, 2 * Hk * dk + Hv * dv)).astype(np.float32)
+            a = rng.standard_normal((T, Hv)).astype(np.float32)
+            bb = (2 * rng.standard_normal((T, Hv))).astype(np.float32)
+            a_neg = -np.exp(rng.uniform(-2, 1.5, Hv)).astype(np.float32)
+            dt = rng.standard_normal(Hv).astype(np.float32)
+            s0 = (0.3 * rng.standard_normal((S + 1, Hv, dk, dv))).astype(np.float32)
+            got = []
+            for b in (be, ref):
+                out, st = b.alloc((T, Hv * dv)), dev(b, s0)
+                b.delta_rule(out, dev(b, qkv), dev(b, a), dev(b, bb), b.upload(a_neg), b.upload(dt), st,
+                             dev(b, starts), dev(b, slots), dev(b, pos), heads)
+                got.append((b.download(out), b.download(st)))
+            err("delta_rule", got[0][0], got[1][0])
+            err("delta_rule state", got[0][1], got[1][1])
+    x = rng.standard_normal((5, 33)).astype(np.float32)
+    g = (3 * rng.standard_normal((5, 33))).astype(np.float32)
+    for act in ("silu", "sigmoid"):
+        want = np.empty_like(x)
+        ref.gate_mul(want, x, g, act)
+        xb = dev(be, x)                                   # in place, as the engine runs it
+        be.gate_mul(xb, xb, dev(be, g), act)
+        err("gate_mul", be.download(xb), want)
+    be.close()
+    with open(out_path, "w") as f:
+        json.dump(errs, f)
+
+
+OPS_TOL = 1e-4
+
+
+def check_ops(workdir):
+    """The recurrent ops under Oclgrind: clean, and within OPS_TOL of the reference. -> failures."""
+    out = os.path.join(workdir, "ops.json")
+    ok, report, _ = run_checked([sys.executable, os.path.abspath(__file__), "_ops_child", out],
+                                os.path.join(workdir, "oclgrind.log"))
+    if ok:
+        errs = json.load(open(out))
+        bad = {k: v for k, v in errs.items() if not v <= OPS_TOL}
+        if bad:
+            ok, report = False, "differ from the reference: " + ", ".join(f"{k} {v:.3g}" for k, v in bad.items())
+        else:
+            report = "clean; within " + ", ".join(f"{k} {v:.2g}" for k, v in errs.items()) + " of the reference"
+    print(f"[oclgrind] recurrent ops: {'OK' if ok else 'FAIL'} - {report}", flush=True)
+    return [] if ok else ["recurrent ops"]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["models", "run", "_child"])
+    ap.add_argument("mode", choices=["models", "ops", "run", "_child", "_ops_child"])
     ap.add_argument("rest", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     if a.mode == "_child":
         _child(*a.rest)
+        return 0
+    if a.mode == "_ops_child":
+        _ops_child(*a.rest)
         return 0
     if a.mode == "run":
         cmd = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
@@ -211,11 +310,11 @@ def main(argv=None):
         print("[oclgrind] FAIL - oclgrind is not installed: run `make -C toolchains/opencl setup`")
         return 1
     with tempfile.TemporaryDirectory(prefix="colibri-oclgrind-") as d:
-        failures = check_models(d)
+        failures = check_ops(d) if a.mode == "ops" else check_models(d)
     if failures:
         print(f"[oclgrind] FAILED: {', '.join(failures)}")
         return 1
-    print("[oclgrind] all micro models clean")
+    print("[oclgrind] " + ("the recurrent ops clean" if a.mode == "ops" else "all micro models clean"))
     return 0
 
 
