@@ -31,10 +31,14 @@ def open_engine(col, name, **kw):
 
 
 def hf_logits_and_choices(hf, ids):
-    """transformers' float32 logits and every layer's router choice ([tokens, k]) with the margin
-    between the k-th and (k+1)-th router logits."""
+    """transformers' logits and every layer's router choice ([tokens, k]) with the margin between the
+    k-th and (k+1)-th router logits, run in float64: the random tiny model has positions where float32
+    itself is ill-conditioned (an output of the gated RMSNorm near its eps): transformers' own float32
+    run is 6.6e-5 of max |logit| off its float64 there, so the float64 run is the oracle the engine's
+    float32 is held to (1e-4)."""
     import torch
-    model = checkpoint_class(hf).from_pretrained(hf, dtype=torch.float32, attn_implementation="eager").eval()
+    model = checkpoint_class(hf).from_pretrained(hf, dtype=torch.float64, attn_implementation="eager",
+                                                 experts_implementation="eager").eval()
     inner = model.model.language_model if hasattr(model.model, "language_model") else model.model
     seen = {}
 
@@ -42,12 +46,12 @@ def hf_logits_and_choices(hf, ids):
         def f(mod, inp, out):
             logits, _, idx = out
             top = torch.topk(logits, mod.top_k + 1, dim=-1).values
-            seen[i] = (idx.numpy().copy(), (top[:, mod.top_k - 1] - top[:, mod.top_k]).numpy().copy())
+            seen[i] = (idx.numpy().copy(), (top[:, mod.top_k - 1] - top[:, mod.top_k]).numpy().astype(np.float32))
         return f
     for i, layer in enumerate(inner.layers):
         layer.mlp.gate.register_forward_hook(hook(i))
     with torch.no_grad():
-        logits = model(input_ids=torch.as_tensor(np.asarray(ids), dtype=torch.long)).logits.float().numpy()
+        logits = model(input_ids=torch.as_tensor(np.asarray(ids), dtype=torch.long)).logits.numpy().astype(np.float32)
     return logits, seen
 
 
