@@ -151,8 +151,11 @@ def main():
                 eng.generate(prompt, max_new_tokens=1 + a.steps, ignore_eos=True)
                 decode = a.steps / (time.perf_counter() - t0 - prefill)
         print(f"prefill {a.prompt} tokens, prefill_chunk {chunk:4d}: {rates[chunk]:8.1f} tok/s")
+    from colibri_edge.planning import summary
+    per_token = summary(ModelDir(col), a.prompt)["bytes_per_decoded_token"]
     print(f"{a.backend}: prefill chunked / chunk 1 = {rates[a.prompt] / rates[1]:.1f}x; decode {decode:.1f} tok/s "
-          f"after {a.prompt} tokens")
+          f"after {a.prompt} tokens = {per_token * decode / 1e9:.1f} GB/s of weights read "
+          f"({per_token / 2**20:.1f} MiB a token)")
     whole, single = delta_rule_op(a.backend, a.prompt)
     print(f"delta rule alone (16 / 32 heads of 128, {a.prompt} tokens): one chunked call {whole:.1f} ms, "
           f"{a.prompt} one-token calls {single:.1f} ms ({single / whole:.1f}x)")

@@ -58,6 +58,8 @@ class _Metrics:
                     ("running_requests", "Requests in the running batch"),
                     ("kv_blocks_used", "KV cache blocks held by sequences"),
                     ("kv_blocks_total", "KV cache blocks of the pool"),
+                    ("state_slots_used", "Recurrent-state slots held by sequences (hybrid models; 0 without)"),
+                    ("state_slots_total", "Recurrent-state slots of the pool (hybrid models; 0 without)"),
                     ("expert_slot_hit_rate", "Expert slot pool hit rate (1 when every expert is resident)"))}
                 for name, h in hosts.items():
                     e = h.engine
@@ -68,6 +70,9 @@ class _Metrics:
                     pool = e.runner.pool
                     g["kv_blocks_used"].add_metric([name], pool.num_blocks - pool.free_blocks)
                     g["kv_blocks_total"].add_metric([name], pool.num_blocks)
+                    fixed = e.runner.states.fixed
+                    g["state_slots_used"].add_metric([name], sum(p.num_slots - p.free_slots for p in fixed))
+                    g["state_slots_total"].add_metric([name], sum(p.num_slots for p in fixed))
                     st = e.slot_stats
                     g["expert_slot_hit_rate"].add_metric([name], 1.0 if st is None else float(st["hit_rate"]))
                 return list(g.values())

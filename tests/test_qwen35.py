@@ -407,3 +407,28 @@ class Int8ActivationReference(reference.Backend):
             h = reference.activation(g, u, act, e)
             reference._rows_matmul(out[a:b], fake_quantized_activations(h) if is_block(ffn.down.dtype) else h,
                                    reference._f32(ffn.down))
+
+
+def test_served_hybrid_model_and_its_state_metrics(qwen35_gguf, tmp_path):
+    """`colibri serve` on a hybrid model (the GGUF's, with its tokenizer): a completion at temperature 0
+    equals Engine.generate, a streamed one joins to it, and /metrics reports the recurrent-state slots
+    (held while a request runs, all free after)."""
+    from fastapi.testclient import TestClient
+    from colibri_edge.convert import convert
+    from colibri_edge.serve import create_app
+    out = str(tmp_path / "m")
+    convert(qwen35_gguf["qwen3_5_moe"][2], out, progress=False)
+    with Engine.open(out, backend="cpu", max_seq_len=96, max_batch=3) as eng:
+        want = eng.codec.decode(eng.generate("the quick brown fox", max_new_tokens=10, ignore_eos=True))
+        with TestClient(create_app({"q35": eng})) as client:
+            body = {"model": "q35", "prompt": "the quick brown fox", "max_tokens": 10, "temperature": 0,
+                    "ignore_eos": True}
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == want
+            with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+                chunks = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+            assert "".join(c["choices"][0]["text"] for c in chunks) == want
+            text = client.get("/metrics").text
+    assert 'colibri_state_slots_total{model="q35"} 3.0' in text
+    assert 'colibri_state_slots_used{model="q35"} 0.0' in text
