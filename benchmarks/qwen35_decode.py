@@ -39,7 +39,7 @@ SHAPE = dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, he
 def build(d: str, layers: int, dtype: str | None, tokenizer: bool = False) -> tuple:
     import torch
     import transformers
-    from hf_models import randomize
+    from hf_models import add_mtp_weights, randomize
     from colibri_edge.convert import convert
     hf, col = os.path.join(d, "hf"), os.path.join(d, f"col_{dtype}")
     if not os.path.exists(os.path.join(hf, "config.json")):
@@ -52,6 +52,7 @@ def build(d: str, layers: int, dtype: str | None, tokenizer: bool = False) -> tu
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         randomize(model, cfg)
         model.save_pretrained(hf)
+        add_mtp_weights(hf, cfg)        # as Qwen3.5's checkpoints ship (llama.cpp's converter expects them)
     if not os.path.exists(os.path.join(col, "config.json")):
         convert(hf, col, dtype=dtype, progress=False)
     return hf, col
@@ -97,24 +98,61 @@ def delta_rule_op(backend: str, P: int, reps: int = 3) -> tuple:
     return tuple(times)
 
 
-def llama_cpp(hf: str, d: str, prompt: list, steps: int, threads: int):
-    import gguf_models as gm
-    from llama_cpp import Llama
-    path = os.path.join(d, "f32.gguf")
-    if not os.path.exists(path):
-        gm.to_gguf(hf, path, "f32")
-    llm = Llama(path, n_ctx=len(prompt) + steps + 16, n_threads=threads, n_batch=len(prompt), verbose=False)
-    llm.eval(prompt)                                        # warm
-    llm.reset()
+class LlamaCpp:
+    """llama.cpp on the checkpoint's f32 GGUF (its own converter), its logits of the prompt's first tokens
+    checked against Colibri's (`err`) before anything is timed."""
+
+    def __init__(self, hf: str, d: str, prompt: list, steps: int, threads: int, want: np.ndarray):
+        import gguf_models as gm
+        from llama_cpp import Llama
+        path = os.path.join(d, "f32.gguf")
+        if not os.path.exists(path):
+            gm.to_gguf(hf, path, "f32")
+        chk = Llama(path, n_ctx=64, n_threads=threads, logits_all=True, verbose=False)
+        chk.eval(prompt[:len(want)])
+        self.err = float(np.abs(np.asarray(chk.scores[:len(want)]) - want).max() / np.abs(want).max())
+        del chk
+        self.llm = Llama(path, n_ctx=len(prompt) + steps + 16, n_threads=threads, n_batch=len(prompt), verbose=False)
+        self.prompt, self.steps = prompt, steps
+        self.round()                                        # warm
+
+    def round(self) -> tuple:
+        """-> (prefill tok/s, decode tok/s) of one prompt and `steps` decode tokens."""
+        llm, prompt = self.llm, self.prompt
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        prefill = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for i in range(self.steps):                         # one token a step (their values do not matter)
+            llm.eval([prompt[i % len(prompt)]])
+        return len(prompt) / prefill, self.steps / (time.perf_counter() - t0)
+
+
+def gemv_probe(threads: int) -> float:
+    """The machine's read bandwidth in this run: the best of benchmarks/workers.py's BLAS GEMV over a
+    512 MiB matrix (a subprocess, OpenBLAS with its own CPU detection), GB/s."""
+    import json
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
+    code = (f"import json, sys; sys.path.insert(0, {HERE!r}); import workers; "
+            f"print(json.dumps(workers.bandwidth({{'threads': {threads}}})))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])["best_gbps"]
+
+
+def colibri_round(eng, prompt: list, steps: int) -> tuple:
+    """-> (prefill tok/s, decode tok/s): the prompt then `steps` decode tokens, decode time from the
+    engine's own step timer (no prefill subtracted from a total)."""
+    st = eng.stats
     t0 = time.perf_counter()
-    llm.eval(prompt)
+    eng.generate(prompt, max_new_tokens=1, ignore_eos=True)
     prefill = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    tok = prompt[-1]
-    for _ in range(steps):
-        llm.eval([tok])
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    return len(prompt) / prefill, steps / (time.perf_counter() - t0)
+    if not steps:
+        return len(prompt) / prefill, 0.0
+    n0, s0 = st.decode_tokens, st.decode_seconds
+    eng.generate(prompt, max_new_tokens=1 + steps, ignore_eos=True)
+    return len(prompt) / prefill, (st.decode_tokens - n0) / (st.decode_seconds - s0)
 
 
 def main():
@@ -123,46 +161,56 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; each engine's best is reported")
     ap.add_argument("--dtype", default=None, help="convert --dtype (default: the checkpoint's float32)")
     ap.add_argument("--gguf", action="store_true", help="also llama.cpp on the same checkpoint (bench extra)")
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "colibri_qwen35_bench"))
     a = ap.parse_args()
     from colibri_edge import Engine
     from colibri_edge.modeldir import ModelDir
-    from colibri_edge.planning import kv_full_bytes_per_token, state_bytes_per_sequence
+    from colibri_edge.planning import kv_full_bytes_per_token, state_bytes_per_sequence, summary
     hf, col = build(a.dir, a.layers, a.dtype, tokenizer=a.gguf)
     cfg = ModelDir(col).config
     V = cfg["vocab_size"]
     prompt = np.random.default_rng(0).integers(0, V, a.prompt).tolist()
+    per_token = summary(ModelDir(col), a.prompt)["bytes_per_decoded_token"]
     print(f"model: {a.layers} layers ({cfg['layer_types'].count('linear_attention')} gated delta-nets), hidden 2048, "
           f"weights {cfg['weight_dtype']}; state {state_bytes_per_sequence(cfg) / 2**20:.2f} MiB per sequence, "
-          f"KV {kv_full_bytes_per_token(cfg)} bytes per token")
-    rates = {}
-    for chunk in (a.prompt, 1):
-        with Engine.open(col, backend=a.backend, max_seq_len=a.prompt + a.steps + 1, prefill_chunk=chunk,
-                         max_batch=1) as eng:
-            eng.generate(prompt[:32], max_new_tokens=2, ignore_eos=True)              # warm: compiles
-            t0 = time.perf_counter()
-            eng.generate(prompt, max_new_tokens=1, ignore_eos=True)
-            prefill = time.perf_counter() - t0
-            rates[chunk] = a.prompt / prefill
-            if chunk == a.prompt:
-                t0 = time.perf_counter()
-                eng.generate(prompt, max_new_tokens=1 + a.steps, ignore_eos=True)
-                decode = a.steps / (time.perf_counter() - t0 - prefill)
-        print(f"prefill {a.prompt} tokens, prefill_chunk {chunk:4d}: {rates[chunk]:8.1f} tok/s")
-    from colibri_edge.planning import summary
-    per_token = summary(ModelDir(col), a.prompt)["bytes_per_decoded_token"]
-    print(f"{a.backend}: prefill chunked / chunk 1 = {rates[a.prompt] / rates[1]:.1f}x; decode {decode:.1f} tok/s "
-          f"after {a.prompt} tokens = {per_token * decode / 1e9:.1f} GB/s of weights read "
-          f"({per_token / 2**20:.1f} MiB a token)")
+          f"KV {kv_full_bytes_per_token(cfg)} bytes per token, {per_token / 2**20:.1f} MiB of weights a decoded token")
+    opts = dict(backend=a.backend, max_seq_len=a.prompt + a.steps + 1, max_batch=1)
+    with Engine.open(col, prefill_chunk=1, **opts) as eng:           # every token its own step
+        eng.generate(prompt[:32], max_new_tokens=2, ignore_eos=True)
+        one = max(colibri_round(eng, prompt, 0)[0] for _ in range(a.rounds))
+    best = {}
+    with Engine.open(col, prefill_chunk=a.prompt, **opts) as eng:
+        eng.generate(prompt[:32], max_new_tokens=2, ignore_eos=True)  # warm: compiles
+        first = eng.infer(prompt[:24])[0]                            # llama.cpp's logits are checked against these
+        peer = LlamaCpp(hf, a.dir, prompt, a.steps, int(os.environ.get("COLIBRI_NUM_THREADS") or os.cpu_count()),
+                        first) if a.gguf else None
+        for _ in range(a.rounds):
+            for name, run in (("colibri", lambda: colibri_round(eng, prompt, a.steps)),
+                              ("llama.cpp", peer.round if peer else None)):
+                if run is not None:
+                    r = run()
+                    b = best.setdefault(name, [0.0, 0.0])
+                    best[name] = [max(b[0], r[0]), max(b[1], r[1])]
+    pre, dec = best["colibri"]
+    print(f"prefill {a.prompt} tokens: {pre:.1f} tok/s in one chunk, {one:.1f} tok/s with prefill_chunk 1 "
+          f"({pre / one:.1f}x)")
+    threads = int(os.environ.get("COLIBRI_NUM_THREADS") or os.cpu_count())
+    bw = gemv_probe(threads)
+    print(f"{a.backend}: decode {dec:.1f} tok/s after {a.prompt} tokens = {per_token * dec / 1e9:.1f} GB/s of weights "
+          f"read (best of {a.rounds} rounds), {per_token * dec / 1e9 / bw:.0%} of a BLAS GEMV's {bw:.1f} GB/s "
+          f"({threads} threads) in the same run")
     whole, single = delta_rule_op(a.backend, a.prompt)
     print(f"delta rule alone (16 / 32 heads of 128, {a.prompt} tokens): one chunked call {whole:.1f} ms, "
           f"{a.prompt} one-token calls {single:.1f} ms ({single / whole:.1f}x)")
-    if a.gguf:
-        pre, dec = llama_cpp(hf, a.dir, prompt, a.steps, int(os.environ.get("COLIBRI_NUM_THREADS") or os.cpu_count()))
-        print(f"llama.cpp (f32 GGUF of the same checkpoint): prefill {pre:.1f} tok/s, decode {dec:.1f} tok/s; "
-              f"Colibri / llama.cpp: prefill {rates[a.prompt] / pre:.2f}x, decode {decode / dec:.2f}x")
+    if peer:
+        lp, ld = best["llama.cpp"]
+        print(f"llama.cpp (f32 GGUF of the same checkpoint; its logits of 24 tokens within {peer.err:.1e} of max "
+              f"|logit| of Colibri's): prefill {lp:.1f} tok/s, decode {ld:.1f} tok/s ({per_token * ld / 1e9:.1f} GB/s, "
+              f"{per_token * ld / 1e9 / bw:.0%}); "
+              f"Colibri / llama.cpp: prefill {pre / lp:.2f}x, decode {dec / ld:.2f}x")
 
 
 if __name__ == "__main__":
