@@ -432,3 +432,24 @@ def test_served_hybrid_model_and_its_state_metrics(qwen35_gguf, tmp_path):
             text = client.get("/metrics").text
     assert 'colibri_state_slots_total{model="q35"} 3.0' in text
     assert 'colibri_state_slots_used{model="q35"} 0.0' in text
+
+
+def test_cpu_decode_step_allocates_nothing(model_cache):
+    """A hybrid model's decode step on cpu allocates nothing on the Python heap (the delta rule's scratch
+    is the backend's, made once per head shape; the step's state slots ride in the arena's inputs)."""
+    import tracemalloc
+    from test_cpu_backend import _greedy_runner
+    _, col = convert_case(model_cache, "qwen3_5_moe")
+    eng, step = _greedy_runner(col)
+    tracemalloc.start()
+    try:
+        worst = 0
+        for _ in range(32):
+            tracemalloc.reset_peak()
+            base = tracemalloc.get_traced_memory()[0]
+            step()
+            worst = max(worst, tracemalloc.get_traced_memory()[1] - base)
+    finally:
+        tracemalloc.stop()
+        eng.close()
+    assert worst < 64 * 1024, f"a decode step peaked at {worst} bytes of Python/NumPy allocation"
