@@ -10,7 +10,20 @@ import pytest
 from colibri_edge.backends import create
 from colibri_edge.backends.reference import backend as ref_backend
 
+from conftest import KERNEL_VARIANTS, _need, _pairs
 from test_kernels import backend, close, dev
+
+# the kernel variants that reach these ops' code: the cpu's thread count (queues, streams, cuBLAS and
+# the int8 activation path never touch them, so their variants would only repeat the default's run)
+RECURRENT_VARIANTS = {"cpu": {v: o for v, o in KERNEL_VARIANTS["cpu"].items() if "int8_activations" not in o},
+                      "opencl": {"": {}}, "cuda": {"": {}}}
+
+
+@pytest.fixture(params=_pairs(RECURRENT_VARIANTS, ["cpu", "opencl", "cuda"]))
+def kernel_backend(request):
+    """(backend name, create() options) for every backend but the reference, in the variants above."""
+    _need(request.param[0])
+    return request.param
 
 
 def step(lengths, starts_at):
