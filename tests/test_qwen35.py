@@ -437,19 +437,7 @@ def test_served_hybrid_model_and_its_state_metrics(qwen35_gguf, tmp_path):
 def test_cpu_decode_step_allocates_nothing(model_cache):
     """A hybrid model's decode step on cpu allocates nothing on the Python heap (the delta rule's scratch
     is the backend's, made once per head shape; the step's state slots ride in the arena's inputs)."""
-    import tracemalloc
-    from test_cpu_backend import _greedy_runner
+    from test_cpu_backend import peak_step_bytes
     _, col = convert_case(model_cache, "qwen3_5_moe")
-    eng, step = _greedy_runner(col)
-    tracemalloc.start()
-    try:
-        worst = 0
-        for _ in range(32):
-            tracemalloc.reset_peak()
-            base = tracemalloc.get_traced_memory()[0]
-            step()
-            worst = max(worst, tracemalloc.get_traced_memory()[1] - base)
-    finally:
-        tracemalloc.stop()
-        eng.close()
+    worst = peak_step_bytes(col)
     assert worst < 64 * 1024, f"a decode step peaked at {worst} bytes of Python/NumPy allocation"
