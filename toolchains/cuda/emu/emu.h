@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
 #include <functional>
 #include <vector>
 
@@ -50,14 +51,14 @@ static inline float __fdividef(float a, float b) { return a / b; }
 namespace emu {
 
 enum State { RUNNABLE, WAIT_BLOCK, WAIT_WARP, DONE };
-struct Fiber { void* sp; State state; int warp; };
+struct Fiber { void* sp; State state; int warp; unsigned shuffles; };   // shuffles: its exchange() count
 
 static std::vector<Fiber> fibers;
 static std::vector<char*> stacks;
 static void* sched_sp;
 static int cur, nthreads, ndone, block_arrived;
-static std::vector<int> warp_arrived;
-static std::vector<uint64_t> slots;
+static std::vector<int> warp_arrived, warp_done;   // per warp: lanes at its barrier, lanes exited
+static std::vector<uint64_t> slots;                // [2][nthreads]: the shuffles' two alternating buffers
 static const std::function<void()>* body;
 static const size_t STACK = 256 * 1024;
 static char where[256];
@@ -123,6 +124,7 @@ static void trampoline() {
     (*body)();
     fibers[cur].state = DONE;
     ++ndone;
+    ++warp_done[fibers[cur].warp];
     in_fiber = false;
     emu_swap(&fibers[cur].sp, sched_sp);
     std::abort();                               // a finished thread is never resumed
@@ -143,8 +145,7 @@ static int warp_size(int w) { int n = nthreads - 32 * w; return n < 32 ? n : 32;
 
 static void arrive_warp() {
     const int w = fibers[cur].warp;
-    for (int i = 32 * w; i < 32 * w + warp_size(w); ++i)
-        if (fibers[i].state == DONE) fail("warp shuffle after some lanes of the warp exited");
+    if (warp_done[w]) fail("warp shuffle after some lanes of the warp exited");
     if (++warp_arrived[w] == warp_size(w)) {
         warp_arrived[w] = 0;
         for (int i = 32 * w; i < 32 * w + warp_size(w); ++i)
@@ -155,17 +156,20 @@ static void arrive_warp() {
     yield();
 }
 
+// One warp barrier per shuffle: shuffle n publishes into buffer n % 2, so a lane that runs ahead
+// into shuffle n + 1 writes the other buffer, and it can reach shuffle n + 2 (this buffer again) only
+// past shuffle n + 1's barrier, which every lane arrives at after reading shuffle n's value.
 template <typename T> static T exchange(T v, int src_lane) {
     static_assert(sizeof(T) <= 8, "shuffle of a type wider than 8 bytes");
     uint64_t u = 0;
     std::memcpy(&u, &v, sizeof(T));
-    slots[cur] = u;
+    const size_t buf = (size_t)(fibers[cur].shuffles++ & 1) * nthreads;
+    slots[buf + cur] = u;
     arrive_warp();                              // every lane has published
     const int w = fibers[cur].warp;
     if (src_lane < 0 || src_lane >= warp_size(w)) fail("shuffle from a lane outside the warp");
     T r;
-    std::memcpy(&r, &slots[32 * w + src_lane], sizeof(T));
-    arrive_warp();                              // every lane has read before anyone publishes again
+    std::memcpy(&r, &slots[buf + 32 * w + src_lane], sizeof(T));
     return r;
 }
 
@@ -179,7 +183,8 @@ static int run_grid(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned
     while ((int)stacks.size() < nthreads) stacks.push_back((char*)std::malloc(STACK));
     fibers.assign(nthreads, Fiber{});
     warp_arrived.assign(nwarps, 0);
-    slots.assign(nthreads, 0);
+    warp_done.assign(nwarps, 0);
+    slots.assign(2 * (size_t)nthreads, 0);
     body = &fn;
     failed = false;
     errmsg[0] = 0;
@@ -189,13 +194,14 @@ static int run_grid(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned
                 blockIdx = {x, y, z};
                 ndone = 0;
                 block_arrived = 0;
+                std::fill(warp_done.begin(), warp_done.end(), 0);
                 for (int i = 0; i < nthreads; ++i) {
                     uintptr_t top = ((uintptr_t)(stacks[i] + STACK)) & ~(uintptr_t)15;
                     uintptr_t* sp = (uintptr_t*)top;
                     *--sp = 0;                                  // alignment slot (fake return address)
                     *--sp = (uintptr_t)&trampoline;             // where emu_swap's ret goes first
                     for (int r = 0; r < 6; ++r) *--sp = 0;      // rbp rbx r12 r13 r14 r15
-                    fibers[i] = Fiber{(void*)sp, RUNNABLE, i / 32};
+                    fibers[i] = Fiber{(void*)sp, RUNNABLE, i / 32, 0};
                 }
                 while (ndone < nthreads) {
                     bool ran = false;

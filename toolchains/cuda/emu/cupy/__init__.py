@@ -310,6 +310,13 @@ _NP_FOR = {"int": np.int32, "unsigned int": np.uint32, "unsigned": np.uint32, "f
 _SIG = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)', re.S)
 _CACHE = os.environ.get("COLIBRI_EMU_CACHE") or os.path.join(tempfile.gettempdir(), f"colibri-cuda-emu-{os.getuid()}")
 _compile_lock = threading.Lock()
+# half <-> float in F16C instructions where the host has them (libgcc's software conversion was 4% of a
+# float16 model's emulated run); both round to nearest even, so results are the same bits
+try:
+    with open("/proc/cpuinfo") as _f:
+        F16C = ("-mf16c",) if " f16c" in _f.read() else ()
+except OSError:
+    F16C = ()
 
 
 def _parse_params(text):
@@ -340,7 +347,7 @@ class RawModule:
             return
         with open(EMU_HEADER, "rb") as f:
             hdr = f.read()
-        key = hashlib.sha256(hdr + self.code.encode() + repr(self.options).encode()).hexdigest()[:24]
+        key = hashlib.sha256(hdr + self.code.encode() + repr(self.options + F16C).encode()).hexdigest()[:24]
         d = os.path.join(_CACHE, key)
         so = os.path.join(d, "module.so")
         with _compile_lock:
@@ -368,7 +375,7 @@ class RawModule:
                 with open(full, "w") as f:
                     f.write(self.code + "\n".join(wrappers) + "\n")
                 tmp = so + f".{os.getpid()}.tmp"
-                cc = subprocess.run(["g++", "-std=c++17", "-O2", "-g", "-fPIC", "-shared", "-fno-strict-aliasing",
+                cc = subprocess.run(["g++", "-std=c++17", "-O2", "-g", *F16C, "-fPIC", "-shared", "-fno-strict-aliasing",
                                      "-Wno-unknown-pragmas", *defines, "-include", EMU_HEADER, "-o", tmp, full],
                                     capture_output=True, text=True)
                 if cc.returncode:
