@@ -53,12 +53,16 @@ def test_locator_keys_by_content_not_path(tmp_path):
     def f():
         pass
     f.__module__ = "colibri_edge.backends.cpu.kernels"
+    before = os.environ.get("COLIBRI_KERNEL_CACHE")      # make test sets one for the suite's kernels
     os.environ["COLIBRI_KERNEL_CACHE"] = str(tmp_path / "cache")
     try:
         a, b, c = (RelocatableLocator.from_function(f, str(p)) for p in
                    (tmp_path / "x" / "kernels.py", tmp_path / "y" / "z" / "kernels.py", tmp_path / "changed.py"))
     finally:
-        del os.environ["COLIBRI_KERNEL_CACHE"]
+        if before is None:
+            del os.environ["COLIBRI_KERNEL_CACHE"]
+        else:
+            os.environ["COLIBRI_KERNEL_CACHE"] = before
     assert a.get_cache_path() == b.get_cache_path() == str(tmp_path / "cache" / "colibri_edge.backends.cpu")
     assert a.get_source_stamp() == b.get_source_stamp() != c.get_source_stamp()
     f.__module__ = "somebody_else"

@@ -99,8 +99,9 @@ def _nvrtc_check():
 
 def test_every_kernel_compiles_with_nvrtc():
     """The text and options the backend gives cupy.RawModule compile with NVRTC (no GPU needed), to
-    PTX with every kernel the backend looks up. `make -C toolchains/cuda nvrtc` (run by `make test`)
-    builds the cubins of every arch too; here the PTX only (moe.cu's cubins take ~50 s an arch)."""
+    PTX with every kernel the backend looks up. `make -C toolchains/cuda nvrtc` (and gpu-check) builds
+    NVRTC's cubins of every arch too; here the PTX only (moe.cu's cubins take ~50 s an arch; make test's
+    nvcc step builds every arch's cubin from the same sources)."""
     chk = _nvrtc_check()
     try:
         chk.find_nvrtc()
