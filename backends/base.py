@@ -1,7 +1,7 @@
 """The backend protocol: everything the neutral core asks of a backend, declared in this one place.
 
 A backend owns memory and the numeric kernels; the core owns the layer program, routing policy,
-`align`'s definition, the per-sequence state and the arena (colibri_edge.program / .state / .arena).
+`align`'s definition, the per-sequence state and the arena (colibri_edge.runtime.program / .state / .arena).
 Every kernel writes into an output buffer it is given (output first). Buffers are the backend's own
 array type (NumPy for cpu/reference, CuPy, pyopencl.array); leading-dimension slices `buf[:T]` and
 reshapes of contiguous buffers are views. Shapes below use
@@ -41,14 +41,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from colibri_edge.dtypes import QUANTIZED, widen
+from colibri_edge.model.dtypes import QUANTIZED, widen
 from colibri_edge.errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_UNAVAILABLE
 
 
 @dataclass
 class Weight:
     """A weight matrix/vector resident on the backend. `data` is in storage dtype (`dtype` is one of
-    colibri_edge.dtypes.WEIGHT_DTYPES); shape is the logical [out, in] for matrices (a block format's
+    colibri_edge.model.dtypes.WEIGHT_DTYPES); shape is the logical [out, in] for matrices (a block format's
     data is its bytes, [out, row_bytes], or the backend's view of them). int8 weights carry float32
     `scales` [out]: w = data * scales[:, None]."""
     data: object
@@ -85,7 +85,7 @@ class Act:
 
 @dataclass
 class Plan:
-    """Tokens grouped by expert (see colibri_edge.routing.align for a worked example).
+    """Tokens grouped by expert (see colibri_edge.runtime.routing.align for a worked example).
         offsets [E+1]  rows of expert e are sorted positions offsets[e] .. offsets[e+1]-1
         order   [T*k]  sorted position -> assignment a = t*k + j (token t's j-th choice)
         inverse [T*k]  assignment a -> sorted position
@@ -210,7 +210,7 @@ class Backend:
         """One expert's contiguous blob (uint8) -> an FFN resident on the backend: the blob travels as
         one unit (one buffer, one copy on a device) and gate, up, down are views into it. fmts: one
         format, or (gate, up, down)."""
-        from colibri_edge.modeldir import expert_formats
+        from colibri_edge.model.modeldir import expert_formats
         for f in set(expert_formats(fmts)):
             self.check_dtype(f)
         return self.expert_views(self.to_device(np.asarray(blob, np.uint8), "uint8"), hidden, inter, fmts)
@@ -223,16 +223,16 @@ class Backend:
 
     def expert_views(self, buf, hidden: int, inter: int, fmts) -> FFN:
         """gate [I,H], up [I,H], down [H,I] (and int8 row scales) as views into one expert's blob,
-        laid out as colibri_edge.modeldir.expert_sections says."""
-        from colibri_edge.dtypes import storage_shape
-        from colibri_edge.modeldir import expert_sections
+        laid out as colibri_edge.model.modeldir.expert_sections says."""
+        from colibri_edge.model.dtypes import storage_shape
+        from colibri_edge.model.modeldir import expert_sections
         ws = []
         for _, shape, fmt, off, soff in expert_sections(hidden, inter, fmts)[0]:
             sc = None if soff is None else self.view(buf, soff, (shape[0],), "float32")
             ws.append(Weight(self.view(buf, off, storage_shape(fmt, shape), fmt), fmt, tuple(shape), sc))
         return FFN(*ws)
 
-    # -- expert slots (colibri_edge.slots) ---------------------------------------------------
+    # -- expert slots (colibri_edge.runtime.slots) ---------------------------------------------------
     def alloc_slots(self, num_slots: int, blob_bytes: int):
         """N expert slots of one blob each, allocated once: [N, blob_bytes] uint8."""
         return self.alloc((num_slots, blob_bytes), np.uint8)
@@ -284,7 +284,7 @@ class Backend:
         """Rotary embedding on x[T,heads,D] at positions[T], rotate-half convention:
         out[..., i] = x_i cos(p f_i) - x_{i+D/2} sin(p f_i),  f_i = theta^(-2i/D), i < D/2
         out[..., i+D/2] = x_{i+D/2} cos(p f_i) + x_i sin(p f_i).
-        inv_freq: a host float32 [D/2] table of f_i replacing theta's (YaRN: colibri_edge.rope), the
+        inv_freq: a host float32 [D/2] table of f_i replacing theta's (YaRN: colibri_edge.runtime.rope), the
         same array object at every call (a device backend keeps its copy by identity)."""
         raise NotImplementedError
 
@@ -301,7 +301,7 @@ class Backend:
     # -- attention (required) ----------------------------------------------------------------
     def kv_write(self, K, V, k, v, slots):
         """K[slots[t]] = k[t]; V[slots[t]] = v[t].  K, V: one layer's cache [num_slots, Hkv, D];
-        k, v: [T,Hkv,D]; slot = block * B + offset in the block (colibri_edge.state). K and V may
+        k, v: [T,Hkv,D]; slot = block * B + offset in the block (colibri_edge.runtime.state). K and V may
         differ in their last dimension (latent attention: the latent [.., 1, Dc] and the rope key
         [.., 1, Dr] of every position)."""
         raise NotImplementedError
@@ -337,7 +337,7 @@ class Backend:
 
     # -- recurrent mixers (required) ---------------------------------------------------------
     # A step's tokens are grouped by sequence: entry s owns tokens starts[s] .. starts[s+1]-1, at
-    # consecutive positions, and a fixed-size state slot slots[s] (colibri_edge.state.FixedPool). A
+    # consecutive positions, and a fixed-size state slot slots[s] (colibri_edge.runtime.state.FixedPool). A
     # sequence whose first token in the step is at position 0 starts from a zero state and never reads
     # its slot (a slot needs no clearing when it is handed out); the state left in the slot after the
     # step is the one after the sequence's last token, so prefill chunks and decode steps continue it.
@@ -390,11 +390,11 @@ class Backend:
         max(their sum, norm_min) if normalize, times `scaling` (routed_scaling_factor), then times
         expert_scale[id] (a float32 Weight [E], Gemma 4's per_expert_scale) when given.
         gated: k == E, every expert with weight p (softmax). (Model validation guarantees mode, k
-        <= keep * E/n and top <= E/n; colibri_edge.routing.route is the reference.)"""
+        <= keep * E/n and top <= E/n; colibri_edge.runtime.routing.route is the reference.)"""
         raise NotImplementedError
 
     def align(self, bufs: dict, ids, num_tokens: int, num_experts: int, top_k: int, tally=None) -> Plan:
-        """Group the step's assignments by expert (counting sort; colibri_edge.routing.align) into
+        """Group the step's assignments by expert (counting sort; colibri_edge.runtime.routing.align) into
         the arena's plan buffers `bufs` (plan_buffers()). tally: an int32 [E] buffer that counts the
         tokens routed to each expert, on the device (so graph replays count too), or None."""
         raise NotImplementedError
@@ -422,8 +422,8 @@ class Backend:
 
     def memory_available(self) -> tuple:
         """-> (bytes the engine may still allocate on this backend, what limits it): compared with
-        what Engine.open needs before anything is allocated. Host backends: colibri_edge.memory."""
-        from colibri_edge.memory import host_available
+        what Engine.open needs before anything is allocated. Host backends: colibri_edge.runtime.memory."""
+        from colibri_edge.runtime.memory import host_available
         return host_available()
 
     def begin_step(self):

@@ -96,7 +96,7 @@ def _speed(job):
 def _overhead(job):
     import numpy as np
     from colibri_edge import Engine
-    from colibri_edge.demo import SHIPPED
+    from colibri_edge.model.demo import SHIPPED
     with Engine.open(SHIPPED, backend="cpu", max_batch=1, max_seq_len=256) as eng:
         be = eng.backend
         calls, spent, on = [0], [0.0], [False]

@@ -47,7 +47,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)
     os.environ.setdefault("NUMBA_NUM_THREADS", str(a.threads))
-    from colibri_edge import quant
+    from colibri_edge.model import quant
     from colibri_edge.backends.cpu import qkernels as Q
     from colibri_edge.backends.cpu.backend import KERNEL_VIEW
     N, K, th = a.rows, a.cols, a.threads

@@ -88,9 +88,9 @@ def main(argv=None):
     ap.add_argument("--dir", default=os.path.expanduser("~/.cache/colibri/bench_gpt_oss"))
     a = ap.parse_args(argv)
     os.makedirs(a.dir, exist_ok=True)
-    from colibri_edge.convert import convert
-    from colibri_edge.modeldir import ModelDir
-    from colibri_edge.planning import summary
+    from colibri_edge.model.convert import convert
+    from colibri_edge.model.modeldir import ModelDir
+    from colibri_edge.analysis.sizing import summary
     path, shape = build(a.dir, a.hidden, a.experts, a.layers)
     col = os.path.join(a.dir, "col")
     if not os.path.exists(os.path.join(col, "config.json")):

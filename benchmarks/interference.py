@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 def run(model, streams, prompt_tokens, chunk, backend, interleave):
     from colibri_edge import Engine
-    from colibri_edge.core import TOKEN
+    from colibri_edge.requests.scheduler import TOKEN
     with Engine.open(model, backend=backend, max_batch=streams + 1, max_seq_len=prompt_tokens + 512,
                      prefill_chunk=chunk, kv_cache_tokens=(streams + 1) * (prompt_tokens + 512),
                      interleave=interleave) as eng:

@@ -28,7 +28,7 @@ def build(d: str, layers: int) -> str:
     import torch
     import transformers
     from hf_models import randomize
-    from colibri_edge.convert import convert
+    from colibri_edge.model.convert import convert
     hf, col = os.path.join(d, "hf"), os.path.join(d, "col")
     if os.path.exists(os.path.join(col, "config.json")):
         return col

@@ -152,7 +152,7 @@ class HFWeights:
 
 def colibri_dtypes() -> list:
     """Weight types `colibri convert --dtype` accepts (int8 is picked up once the converter has it)."""
-    from colibri_edge.dtypes import WEIGHT_DTYPES
+    from colibri_edge.model.dtypes import WEIGHT_DTYPES
     order = ["float32", "float16", "bfloat16", "int8"]        # the block formats come from GGUF files
     return [d for d in order if d in WEIGHT_DTYPES]
 

@@ -52,13 +52,13 @@ def main(argv=None):
         mod = sys.modules["colibri_edge.backends"] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
     from colibri_edge import Engine
-    from colibri_edge.demo import SHIPPED
+    from colibri_edge.model.demo import SHIPPED
     models = a.models or [SHIPPED] + [p for p in (os.path.join(HERE, "cache/full/colibri-float16"),
                                                   os.path.join(HERE, "cache/full/colibri-gguf-q8_0"))
                                       if os.path.exists(p)]
     rows = []
-    from colibri_edge.engine import open_model_dir
-    from colibri_edge.quant import BLOCK
+    from colibri_edge.requests.engine import open_model_dir
+    from colibri_edge.model.quant import BLOCK
     runs = []
     for m in models:
         blocks = bool(open_model_dir(m).formats & set(BLOCK))

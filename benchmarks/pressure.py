@@ -126,7 +126,7 @@ def proc_counters(pid: int) -> tuple[int, int]:
 def colibri_worker(a):
     """Runs inside the cgroup: open, warm up, decode; prints one JSON line."""
     from colibri_edge import Engine
-    from colibri_edge.engine import Stats
+    from colibri_edge.requests.engine import Stats
     import models
     s = models.spec(False)
     slots = None if a.slots in ("0", "none") else ("auto" if a.slots == "auto" else int(a.slots))
@@ -241,9 +241,9 @@ def simulator_check(col, s, new, policy, slot_counts, files):
     rate -- against a measured run without the cgroup (misses still read from storage: the pool
     drops the pages it reads), and the simulated slot counters against the engine's."""
     from colibri_edge import Engine
-    from colibri_edge.probe import probe
-    from colibri_edge.simulate import estimate
-    from colibri_edge.slots import SlotCache
+    from colibri_edge.serving.probe_device import probe
+    from colibri_edge.analysis.simulate import estimate
+    from colibri_edge.runtime.slots import SlotCache
     import models
     prompts = models.prompts(s, 32, 3)
     with Engine.open(col, backend="cpu", max_seq_len=32 + new + 8, max_batch=1) as eng:

@@ -1,4 +1,4 @@
-"""Our quantisers (colibri_edge/quant.py) against llama.cpp's, on the same float32 weights.
+"""Our quantisers (colibri_edge/model/quant.py) against llama.cpp's, on the same float32 weights.
 
 For each block format, llama.cpp quantises the benchmark model's float32 GGUF with every tensor in that
 format (`llama_model_quantize`, `pure`, no importance matrix); the same float32 tensors go through our
@@ -49,7 +49,7 @@ def rows(t) -> np.ndarray:
 
 def measure(f32_path: str, work: str, formats=tuple(FTYPES), threads: int = 2, log=print) -> dict:
     import gguf
-    from colibri_edge import quant
+    from colibri_edge.model import quant
     src = gguf.GGUFReader(f32_path)
     ref = {t.name: t for t in src.tensors if t.name in SAMPLE}
     missing = set(SAMPLE) - set(ref)

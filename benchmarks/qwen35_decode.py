@@ -40,7 +40,7 @@ def build(d: str, layers: int, dtype: str | None, tokenizer: bool = False) -> tu
     import torch
     import transformers
     from hf_models import add_mtp_weights, randomize
-    from colibri_edge.convert import convert
+    from colibri_edge.model.convert import convert
     hf, col = os.path.join(d, "hf"), os.path.join(d, f"col_{dtype}")
     if not os.path.exists(os.path.join(hf, "config.json")):
         kw = dict(SHAPE, num_hidden_layers=layers)
@@ -167,8 +167,8 @@ def main():
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "colibri_qwen35_bench"))
     a = ap.parse_args()
     from colibri_edge import Engine
-    from colibri_edge.modeldir import ModelDir
-    from colibri_edge.planning import kv_full_bytes_per_token, state_bytes_per_sequence, summary
+    from colibri_edge.model.modeldir import ModelDir
+    from colibri_edge.analysis.sizing import kv_full_bytes_per_token, state_bytes_per_sequence, summary
     hf, col = build(a.dir, a.layers, a.dtype, tokenizer=a.gguf)
     cfg = ModelDir(col).config
     V = cfg["vocab_size"]

@@ -270,7 +270,7 @@ def markdown(r):
         out.append("")
         out.append("RMS of (dequantised - float32) over " + ", ".join(f"`{t}`" for t in qr["tensors"]) +
                    "; llama.cpp's from `llama_model_quantize` with every tensor in the format (`pure`, no importance "
-                   "matrix), ours from `colibri_edge.quant.quantize`, both read back by gguf-py "
+                   "matrix), ours from `colibri_edge.model.quant.quantize`, both read back by gguf-py "
                    "(benchmarks/quant_error.py). Target: ratio <= 1.05.")
         out.append("")
         out.append("| format | RMS ours | RMS llama.cpp | ratio |")

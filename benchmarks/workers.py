@@ -217,7 +217,7 @@ class StepTimer:
 
 
 def colibri(job):
-    from colibri_edge.planning import summary
+    from colibri_edge.analysis.sizing import summary
     first = colibri_first_token(job)                  # warm Numba cache: bench.py ran the cold one first
     prompts, n_dec = job["prompts"], job["decode_steps"]
     P = len(prompts[0])
@@ -237,7 +237,7 @@ def colibri(job):
         ll = np.load(job["llama_logits"])
         res["parity_llama"] = max_rel_err(got, ll)
     timer = StepTimer(eng.runner)
-    from colibri_edge.hooks import RoutingHook
+    from colibri_edge.runtime.hooks import RoutingHook
 
     class Distinct(RoutingHook):      # distinct experts per layer in batched decode steps
         def on_route(self, layer, ids, weights, next_layer, predicted):

@@ -39,3 +39,11 @@ def invalid_argument(msg):
 def invalid_model(path, field, msg):
     """A model-directory error always names the file and the field."""
     return ColibriError(COLIBRI_ERR_INVALID_MODEL, f"{path}: field '{field}': {msg}")
+
+
+def nonfinite(where: str) -> ColibriError:
+    """The outcome of NaN or inf logits: the weights (opening never scans them: pages of experts never
+    routed are never read) or an expert routed to hold non-finite values."""
+    return ColibriError(COLIBRI_ERR_INVALID_MODEL, f"the model produced non-finite logits (NaN or inf) for {where}: "
+                        "its weights, or an expert it routed to, hold NaN or inf values; convert it again from a sound "
+                        "checkpoint (`colibri convert` refuses non-finite tensors)")

@@ -48,8 +48,8 @@ WATCHDOG_S = 60.0
 
 # -- the base model: dense, MoE and MoE-with-shared-expert layers, a tokenizer and a chat template -----
 def build_base(path: str) -> str:
-    from colibri_edge.demo import byte_level_tokenizer
-    from colibri_edge.modeldir import ModelWriter, expected_tensors
+    from colibri_edge.model.demo import byte_level_tokenizer
+    from colibri_edge.model.modeldir import ModelWriter, expected_tensors
     tok = byte_level_tokenizer()
     V = tok.get_vocab_size()
     H, I, E = 32, 24, 4
@@ -312,8 +312,8 @@ def mutate_gguf(base: bytes, layout: dict, out: str, rng) -> dict:
 def run_case(path: str, backend: str) -> tuple:
     """-> (outcome, stage, detail): stage is the last one entered."""
     from colibri_edge import ColibriError, Engine
-    from colibri_edge import validate
-    from colibri_edge.modeldir import ModelDir
+    from colibri_edge.model import validate
+    from colibri_edge.model.modeldir import ModelDir
     stage = "parse"
     try:
         for name in JSON_FILES[:3]:
@@ -339,7 +339,7 @@ def run_case(path: str, backend: str) -> tuple:
 
 def run_gguf_case(path: str, backend: str) -> tuple:
     from colibri_edge import ColibriError, Engine
-    from colibri_edge.convert import convert
+    from colibri_edge.model.convert import convert
     stage = "convert"
     out = path + ".colibri"
     try:

@@ -4,7 +4,7 @@
   byte-level BPE tokenizer (special tokens, ChatML chat template, several end-of-generation ids).
 - `to_gguf(hf_dir, out)`: llama.cpp's convert_hf_to_gguf.py on it (tests/llamacpp_convert.py, a subprocess).
 - `requantize(src, dst, type_of)`: re-encode a GGUF's tensors (gguf-py's quantisers for the 32-blocks,
-  colibri_edge.quant's for Q4_K/Q5_K/Q6_K, which gguf-py cannot write), copying every metadata field.
+  colibri_edge.model.quant's for Q4_K/Q5_K/Q6_K, which gguf-py cannot write), copying every metadata field.
 - `oracle_checkpoint(gguf, hf_dir, out)`: the GGUF's tensors dequantised and mapped back to the original
   checkpoint's Hugging Face names (llama q/k unpermuted, experts unstacked), saved as a float32
   checkpoint transformers runs: the reference logits *of the GGUF file itself*, quantisation included.
@@ -256,7 +256,7 @@ def _encode(x: np.ndarray, qtype):
     if x.shape[-1] % block:
         raise ValueError(f"row of {x.shape[-1]} is not a multiple of {qtype.name}'s block of {block}")
     if qtype.name in K_FORMATS:
-        from colibri_edge.quant import quantize as colibri_quantize
+        from colibri_edge.model.quant import quantize as colibri_quantize
         q = colibri_quantize(x.reshape(-1, x.shape[-1]), K_FORMATS[qtype.name])
     else:
         q = quants.quantize(x, qtype)
@@ -274,7 +274,7 @@ def dequantize_tensor(t) -> np.ndarray:
 def requantize(src_gguf, dst_gguf, type_of, file_type: int | None = None):
     """Copy src_gguf to dst_gguf with every tensor re-encoded to type_of(name, numpy_shape) (None: kept
     byte-for-byte). Every metadata field is copied (same keys, order, types, values). Q4_K/Q5_K/Q6_K
-    come from colibri_edge.quant, other types from gguf.quants. file_type, if given, sets
+    come from colibri_edge.model.quant, other types from gguf.quants. file_type, if given, sets
     general.file_type (a gguf.LlamaFileType). Returns dst_gguf, checked to re-read."""
     import gguf
     T = gguf.GGUFValueType

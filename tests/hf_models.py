@@ -283,7 +283,7 @@ def hf_greedy(path: str, ids, n: int) -> list:
 
 
 def convert_case(tmp, case, dtype="float32", out_dtype=None, **overrides) -> str:
-    from colibri_edge.convert import convert
+    from colibri_edge.model.convert import convert
     hf = os.path.join(tmp, f"hf_{case}_{dtype}")
     if not os.path.exists(os.path.join(hf, "config.json")):
         build_hf(hf, case, dtype, **overrides)
@@ -301,9 +301,9 @@ def dequantised_checkpoint(hf_dir: str, model_dir: str, out_dir: str) -> str:
     import json
     import shutil
     from safetensors.numpy import load_file, save_file
-    from colibri_edge.convert import _source_names
-    from colibri_edge.dtypes import widen
-    from colibri_edge.modeldir import ModelDir, split_expert_blob_scaled
+    from colibri_edge.model.convert import _source_names
+    from colibri_edge.model.dtypes import widen
+    from colibri_edge.model.modeldir import ModelDir, split_expert_blob_scaled
     m = ModelDir(model_dir)
     cfg = m.config
     state = {}
@@ -352,8 +352,8 @@ def build_text_model(tmp, case="mixtral") -> tuple:
     """A model of CASES[case]'s shape with the demo's byte-level tokenizer (multi-byte characters
     span several tokens) and a chat template: (hf_dir, model_dir, eos id)."""
     import json
-    from colibri_edge.demo import byte_level_tokenizer
-    from colibri_edge.convert import convert
+    from colibri_edge.model.demo import byte_level_tokenizer
+    from colibri_edge.model.convert import convert
     tmp = str(tmp)
     tok = byte_level_tokenizer()
     V = tok.get_vocab_size()

@@ -9,8 +9,8 @@ import pytest
 
 from colibri_edge import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_MODEL, COLIBRI_ERR_UNAVAILABLE, Engine
 from colibri_edge.backends import backend_class
-from colibri_edge.convert import convert
-from colibri_edge.modeldir import ModelDir
+from colibri_edge.model.convert import convert
+from colibri_edge.model.modeldir import ModelDir
 from conftest import activation_runs, close
 from hf_models import build_hf, dequantised_checkpoint, hf_logits
 

@@ -70,7 +70,7 @@ def test_locator_keys_by_content_not_path(tmp_path):
 
 
 def test_launcher_picks_the_bundles_cpu(tmp_path, monkeypatch):
-    from colibri_edge import launch
+    from colibri_edge.serving import launch
     import llvmlite.binding as ll
     for cpu in ("cortex-a76", "generic"):
         os.makedirs(tmp_path / "kernel-cache" / cpu)
@@ -84,7 +84,7 @@ def test_launcher_picks_the_bundles_cpu(tmp_path, monkeypatch):
     # setup() before Numba: in a fresh process, the environment it leaves
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NUMBA_", "COLIBRI_"))}
     env["COLIBRI_CPU"] = "cortex-a76"
-    code = ("import os, sys; from colibri_edge import launch; print(launch.setup(sys.argv[1])); "
+    code = ("import os, sys; from colibri_edge.serving import launch; print(launch.setup(sys.argv[1])); "
             "print(os.environ['NUMBA_CPU_NAME'], repr(os.environ['NUMBA_CPU_FEATURES']), "
             "os.environ['COLIBRI_KERNEL_CACHE'])")
     p = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env, check=True)

@@ -111,9 +111,9 @@ def test_python_ctypes(lib, tmp_path):
 
 
 def test_python_half_checks_handles_and_pointers():
-    """colibri_edge.capi alone (what every exported function calls): handles are table entries, never
+    """colibri_edge.serving.capi alone (what every exported function calls): handles are table entries, never
     dereferenced; sizes are checked before any view is made."""
-    from colibri_edge import capi
+    from colibri_edge.serving import capi
     assert capi.vocab_size(0) == COLIBRI_ERR_INVALID_ARGUMENT and "not open" in capi.last_error()[1]
     h = capi.init(DEMO, "reference", 0, 0, 0, 0)
     assert h > 0 and capi.vocab_size(h) == 4096

@@ -33,8 +33,8 @@ def test_convert_and_inspect(model_cache, tmp_path):
     # the figures come from the files: 6 experts of gate+up+down [32,64] float16
     assert "6 x 12.0 KiB" in r.stdout
     # --device: how many experts fit beside the rest (a profile of 4 experts' room after the rest)
-    from colibri_edge.modeldir import ModelDir
-    from colibri_edge.planning import summary
+    from colibri_edge.model.modeldir import ModelDir
+    from colibri_edge.analysis.sizing import summary
     s = summary(ModelDir(str(tmp_path / "m")), 128)
     rest = s["non_expert_bytes"] + s["kv_cache_bytes"] + s["scratch_bytes"]
     prof = {"name": "tiny board", "memory_bytes": rest + int(4.5 * s["bytes_per_expert"]),

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from colibri_edge import ColibriError, Engine, COLIBRI_ERR_INVALID_MODEL, COLIBRI_ERR_INVALID_MODEL_TYPE
-from colibri_edge.convert import convert, translate_config
+from colibri_edge.model.convert import convert, translate_config
 from hf_models import build_hf, hf_logits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -165,7 +165,7 @@ def test_converter_peak_memory_is_bounded(tmp_path):
     size = _write_big_mixtral(str(tmp_path / "hf"))
     script = (
         "import tracemalloc, sys, json, resource; tracemalloc.start();"
-        "from colibri_edge.convert import convert, SafetensorsIndex;"
+        "from colibri_edge.model.convert import convert, SafetensorsIndex;"
         f"SafetensorsIndex({str(tmp_path / 'hf')!r});"   # warms lazy imports, so only conversion is measured
         "tracemalloc.reset_peak(); base = tracemalloc.get_traced_memory()[0];"
         "rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024;"
@@ -189,7 +189,7 @@ def test_granite_multipliers_folded(model_cache, tmp_path):
     into the weights (embedding, o_proj and every down projection, lm_head), which unties a tied
     embedding; the stored tensors are the checkpoint's times the factors (float32: exactly)."""
     from safetensors.numpy import load_file
-    from colibri_edge.modeldir import ModelDir
+    from colibri_edge.model.modeldir import ModelDir
     from hf_models import CASES, convert_case
     hf, col = convert_case(model_cache, "granitemoe")
     kw = CASES["granitemoe"][1]
@@ -214,8 +214,8 @@ def test_ernie_layout(model_cache):
     interleaved to half-split rope pairs (exactly: a row permutation), v untouched, the correction bias
     stored as the router's choice bias, shared experts' width, inspect's lines."""
     from safetensors.numpy import load_file
-    from colibri_edge.gguf_import import unpermute
-    from colibri_edge.modeldir import ModelDir
+    from colibri_edge.model.gguf_import import unpermute
+    from colibri_edge.model.modeldir import ModelDir
     from hf_models import CASES, convert_case
     for case, plan in (("ernie4_5_moe", ["dense", "moe_shared", "moe_shared", "dense"]),
                        ("ernie4_5_moe_k1", ["dense", "moe", "dense"])):

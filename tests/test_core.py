@@ -1,4 +1,4 @@
-"""The request core (colibri_edge/core.py): many callers on one engine at once, per-request sampling
+"""The request core (colibri_edge/requests/scheduler.py): many callers on one engine at once, per-request sampling
 and RNG, cancellation, chunked prefill interleaved with decode, waiting and preemption instead of
 failing, a bounded queue, AsyncEngine; the sampling extras against NumPy statements of their
 definitions."""
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from colibri_edge import AsyncEngine, ColibriError, Engine, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_UNAVAILABLE
-from colibri_edge import sampling
-from colibri_edge.core import DONE, TOKEN
+from colibri_edge.requests import sampling
+from colibri_edge.requests.scheduler import DONE, TOKEN
 from conftest import fp32
 from hf_models import convert_case
 
@@ -301,7 +301,7 @@ def test_batch_invariance(backend_name, model_cache):
 def test_batch_invariance_in_block_formats(model_cache, int8_activations):
     """The cpu backend's block formats (a q4_k_m mix: q4_k, q6_k and fallbacks), with int8
     activations (the default) and without: bit for bit alone, beside decodes, beside a prefill chunk."""
-    from colibri_edge.convert import convert
+    from colibri_edge.model.convert import convert
     from hf_models import build_hf
     hf, col = os.path.join(model_cache, "inv_hf_mixtral"), os.path.join(model_cache, "inv_col_mixtral_q4_k_m")
     if not os.path.exists(os.path.join(col, "config.json")):
@@ -365,7 +365,7 @@ def test_n_samples_share_one_prefill(backend_name, model_cache):
 
 def test_shared_blocks_are_freed_by_their_last_holder():
     """PagedPool refcounts: a block two sequences hold returns to the pool only when both release it."""
-    from colibri_edge.state import PagedPool, States
+    from colibri_edge.runtime.state import PagedPool, States
     pool = PagedPool("kv", [0], 10, 4, (1, 2))
     st = States([pool], 64)
     a, b = st.new(1), st.new(2)
@@ -385,7 +385,7 @@ def test_shared_blocks_are_freed_by_their_last_holder():
 def test_step_cost_curve():
     """StepCost: per power-of-two bucket an exponential average of (tokens, seconds); linear between
     the buckets' points, constant below the first, flat to twice the last point, proportional past it."""
-    from colibri_edge.core import StepCost
+    from colibri_edge.requests.scheduler import StepCost
     c = StepCost(256)
     assert c(4) is None                                 # nothing measured: the core applies no cap
     c.add(1, 0.010)

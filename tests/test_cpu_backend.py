@@ -65,7 +65,7 @@ def test_a_tokens_sums_do_not_depend_on_the_batch(int8_activations, rng):
     rows that fill the four streams and on the leftover rows (N = 37; the expert's I = 256 rows)."""
     from colibri_edge.backends import create
     from colibri_edge.backends.base import FFN, Plan
-    from colibri_edge.dtypes import narrow, quantize_rows
+    from colibri_edge.model.dtypes import narrow, quantize_rows
     be = create("cpu", int8_activations=int8_activations, num_threads=2)
     N, K, I, Ts = 37, 512, 256, (1, 2, 3, 4, 5, 9)
     x = rng.standard_normal((max(Ts), K)).astype(np.float32)

@@ -61,7 +61,7 @@ def test_cuda_unavailable_without_gpu(tmp_path):
         create("cuda")
     assert e.value.code == COLIBRI_ERR_UNAVAILABLE and "cuda" in e.value.message
     assert create("auto").name != "cuda"
-    from colibri_edge import modeldir
+    from colibri_edge.model import modeldir
     path = str(tmp_path / "m")
     _tiny_model(path, modeldir)
     with pytest.raises(ColibriError) as e:
@@ -229,7 +229,7 @@ def test_slot_misses_are_staged_in_pinned_memory(gpu):
     """A slot miss is read into page-locked host memory (cudaHostAlloc through CuPy), which the copy to
     the device reads by DMA; the slot pool's results on cuda are test_slots.py's."""
     from colibri_edge import Engine
-    from colibri_edge.demo import SHIPPED
+    from colibri_edge.model.demo import SHIPPED
     import cupy
     def pinned(a):                  # numpy.frombuffer's base: the exporter, or a memoryview of it
         owner = a.base.obj if isinstance(a.base, memoryview) else a.base

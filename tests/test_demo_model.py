@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from colibri_edge import Engine
-from colibri_edge.demo import SHIPPED, ensure_default_model
+from colibri_edge.model.demo import SHIPPED, ensure_default_model
 from conftest import fp32
 from hf_models import hf_greedy, hf_logits
 

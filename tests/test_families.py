@@ -10,8 +10,8 @@ import pytest
 
 from colibri_edge import Engine, ColibriError, COLIBRI_ERR_UNAVAILABLE
 from colibri_edge.backends import backend_class
-from colibri_edge.hooks import RoutingHook
-from colibri_edge.modeldir import ModelDir
+from colibri_edge.runtime.hooks import RoutingHook
+from colibri_edge.model.modeldir import ModelDir
 from conftest import fp32
 from test_parity import ExpertIds
 from hf_models import FAMILY_CASES, convert_case, hf_greedy, hf_logits, mxfp4_checkpoint
@@ -171,7 +171,7 @@ def test_gpt_oss_mxfp4_checkpoint(backend_name, out_dtype, model_cache):
     """OpenAI's MXFP4 experts (*_blocks / *_scales) kept as MXFP4 (repacked to ggml's layout, no
     rounding) or dequantised to float32 at conversion: the logits of transformers on the checkpoint
     dequantised in float32 by transformers' own function, within float32 tolerance."""
-    from colibri_edge.convert import convert
+    from colibri_edge.model.convert import convert
     mx, oracle = mxfp4_checkpoint(model_cache)
     col = os.path.join(model_cache, f"col_gpt_oss_mx_{out_dtype}")
     if not os.path.exists(os.path.join(col, "config.json")):
@@ -193,7 +193,7 @@ def test_gpt_oss_through_the_slot_pool(backend_name, policy, model_cache):
     expert id, not the slot): the same logits and greedy tokens as with every expert resident; the
     trace of a run replays to the engine's own hit / miss / prefetch counters (prefetch predicts
     with the next layer's router and its bias)."""
-    from colibri_edge.simulate import replay
+    from colibri_edge.analysis.simulate import replay
     _, col = convert_case(model_cache, "gpt_oss_k4")
     ids = np.random.default_rng(5).integers(0, FAMILY_CASES["gpt_oss_k4"][1]["vocab_size"], size=(2, 9))
     prompt = [3, 9, 27, 81, 2, 6, 18]
@@ -217,8 +217,8 @@ def test_inspect_shows_the_layer_plan_and_the_window_bound(model_cache, capsys):
     """`colibri inspect`: each layer's mixer (sliding window or full, with sinks), YaRN, the experts'
     activation, KV bytes per token for the full layers and the per-sequence bound of the window
     layers, which is what the pool holds at most: (ceil(W / B) + 1) * B positions of K and V."""
-    from colibri_edge.cli import main
-    from colibri_edge.planning import summary
+    from colibri_edge.serving.cli import main
+    from colibri_edge.analysis.sizing import summary
     _, col = convert_case(model_cache, "gpt_oss")
     cfg = ModelDir(col).config
     main(["inspect", col, "--block-size", "4"])
@@ -250,7 +250,7 @@ def test_gpt_oss_gguf_in_mxfp4(backend_name, gpt_oss_gguf, tmp_path):
     """A gpt-oss GGUF (arch gpt-oss: sinks, router and expert biases, YaRN from its metadata, the
     window on the even layers, MXFP4 experts kept as stored) gives the float32-dequantised oracle's
     logits within float32 tolerance."""
-    from colibri_edge.convert import convert
+    from colibri_edge.model.convert import convert
     path, oracle = gpt_oss_gguf
     cfg = convert(path, str(tmp_path / "col"), progress=False)
     assert cfg["layer_types"] == ["sliding_attention", "full_attention"] and cfg["sliding_window"] == 5
@@ -278,7 +278,7 @@ def harmony_model(tmp_path_factory):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     from hf_models import build_hf
-    from colibri_edge.convert import convert
+    from colibri_edge.model.convert import convert
     d = tmp_path_factory.mktemp("harmony")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from colibri_edge import Engine, ColibriError, COLIBRI_ERR_INVALID_MODEL
-from colibri_edge.convert import translate_config
-from colibri_edge.modeldir import ModelDir
+from colibri_edge.model.convert import translate_config
+from colibri_edge.model.modeldir import ModelDir
 from conftest import fp32
 from test_families import Held, check_batch_single_ragged, check_slot_pool
 from hf_models import FAMILY_CASES, config_for, convert_case, hf_greedy
@@ -93,8 +93,8 @@ def test_gemma4_pools_per_geometry_and_the_window(block, model_cache, capsys):
     own shapes; `colibri inspect` prints the KV bytes per token the engine allocates (K and V of the
     full layers, 2 x 4 x 1 x 32 x 2 layers) and the window layers' per-sequence bound; generating 20x
     the window, the sliding pool holds at most ceil(W / B) + 1 blocks of the sequence."""
-    from colibri_edge.cli import main
-    from colibri_edge.planning import summary
+    from colibri_edge.serving.cli import main
+    from colibri_edge.analysis.sizing import summary
     _, col = convert_case(model_cache, "gemma4")
     cfg = ModelDir(col).config
     W = cfg["sliding_window"]
@@ -163,7 +163,7 @@ def test_gemma4_gguf(backend_name, gemma4_gguf, tmp_path):
     layer output scales, soft-capping) gives the checkpoint's logits within float32 tolerance; its
     embedded vocabulary encodes as the checkpoint's tokenizer does (with the BOS the file asks for),
     and generation ends at <eos> / <end_of_turn>."""
-    from colibri_edge.convert import convert
+    from colibri_edge.model.convert import convert
     path, hf, ft = gemma4_gguf
     col = str(tmp_path / "col")
     cfg = convert(path, col, progress=False)
@@ -186,8 +186,8 @@ def test_gemma4_full_size_layer_plan():
     pool each for the full and the window layers, and the KV bytes `inspect` reports against a Mixtral
     of the same hidden size, layers and heads (fp32 cache): 81920 against 245760 bytes per token."""
     import transformers
-    from colibri_edge.planning import kv_full_bytes_per_token, kv_window_bytes
-    from colibri_edge.state import attention_pools
+    from colibri_edge.analysis.sizing import kv_full_bytes_per_token, kv_window_bytes
+    from colibri_edge.runtime.state import attention_pools
     hf = transformers.Gemma4TextConfig(hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=128,
                                        top_k_experts=8, moe_intermediate_size=704).to_dict()
     assert "05" in hf["per_layer_config"]

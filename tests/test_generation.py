@@ -126,7 +126,7 @@ def test_stream_never_splits_utf8(backend_name, text_model):
     with Engine.open(col, backend=backend_name, max_seq_len=256) as eng:
         ids = eng.codec.encode(text)
         assert len(ids) == len(text.encode("utf-8"))       # one token per byte: characters span tokens
-        from colibri_edge.textio import StreamDecoder
+        from colibri_edge.requests.textio import StreamDecoder
         dec = StreamDecoder(eng.codec)
         pieces = [dec.push(t) for t in ids] + [dec.flush()]
         assert "".join(pieces) == text
@@ -199,8 +199,8 @@ def test_stream_decoder_pieces_join_to_decode(kind, tmp_path):
     join to exactly decode(ids); a special token in the middle is skipped as decode() skips it; a
     tail cut off inside a character still comes out at flush, as replacement characters after the
     complete text."""
-    from colibri_edge.demo import byte_level_tokenizer
-    from colibri_edge.textio import StreamDecoder, TextCodec
+    from colibri_edge.model.demo import byte_level_tokenizer
+    from colibri_edge.requests.textio import StreamDecoder, TextCodec
     tok = byte_level_tokenizer() if kind == "byte_level" else byte_fallback_tokenizer()
     tok.save(str(tmp_path / "tokenizer.json"))
     codec = TextCodec(str(tmp_path), {})

@@ -17,9 +17,9 @@ gguf = pytest.importorskip("gguf", reason="the gguf extra is part of make test's
 from colibri_edge import (ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_MODEL,  # noqa: E402
                           COLIBRI_ERR_INVALID_MODEL_TYPE, COLIBRI_ERR_UNAVAILABLE, Engine)
 from colibri_edge.backends import backend_class  # noqa: E402
-from colibri_edge.convert import _q4_k_m, convert  # noqa: E402
-from colibri_edge.gguf_import import EOG_TEXTS, gguf_names  # noqa: E402
-from colibri_edge.modeldir import ModelDir  # noqa: E402
+from colibri_edge.model.convert import _q4_k_m, convert  # noqa: E402
+from colibri_edge.model.gguf_import import EOG_TEXTS, gguf_names  # noqa: E402
+from colibri_edge.model.modeldir import ModelDir  # noqa: E402
 import gguf_models as gm  # noqa: E402
 from gguf_models import gguf_cases  # noqa: E402,F401  (the session fixture)
 from conftest import activation_runs, close  # noqa: E402
@@ -126,7 +126,7 @@ def test_gguf_blocks_are_copied_not_requantised(case, outtype, gguf_cases):
         np.testing.assert_array_equal(m.raw_tensor(ours).reshape(-1), np.asarray(t.data).reshape(-1).view(np.uint8))
     t = by["blk.0.ffn_down_exps.weight"]
     E = m.config["experts_per_layer"]
-    from colibri_edge.modeldir import split_expert_blob_scaled
+    from colibri_edge.model.modeldir import split_expert_blob_scaled
     for j in range(E):
         blob = m.expert_blob(0, j)
         down = split_expert_blob_scaled(blob, m.config["hidden_size"], m.config["moe_intermediate_size"],

@@ -136,7 +136,7 @@ def _fields(path):
 @pytest.mark.parametrize("qtype, weight_rmse, logit_err", [("Q8_0", 0.01, 0.05), ("Q4_K", 0.1, 0.45)])
 def test_requantize(f32_cases, tmp_path, qtype, weight_rmse, logit_err):
     import gguf
-    from colibri_edge.quant import quantize as colibri_quantize
+    from colibri_edge.model.quant import quantize as colibri_quantize
     Q = gguf.GGMLQuantizationType
     c = f32_cases["qwen2_moe_k"]
     dst = gm.requantize(c.gguf, tmp_path / f"{qtype}.gguf", gm.quant_rule(qtype),

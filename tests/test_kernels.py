@@ -8,9 +8,9 @@ import pytest
 
 from colibri_edge.backends import create
 from colibri_edge.backends.base import FFN, plan_buffers
-from colibri_edge.dtypes import STORAGE, block_of, narrow, quantize_rows, widen
-from colibri_edge import routing
-from colibri_edge.quant import fake_quantized_activations
+from colibri_edge.model.dtypes import STORAGE, block_of, narrow, quantize_rows, widen
+from colibri_edge.runtime import routing
+from colibri_edge.model.quant import fake_quantized_activations
 
 # (T, K, N): GEMV, blocks of 4, odd sizes, K past one shared-memory chunk, T > 32 (tiled / cuBLAS)
 MATMUL_SHAPES = [(1, 37, 29), (7, 64, 33), (33, 19, 130), (8, 64, 40), (32, 130, 70), (5, 1100, 20),
@@ -154,8 +154,8 @@ def test_rope(kernel_backend, T, heads, D, theta, rng):
 
 
 def test_rope_table(kernel_backend, rng):
-    """A scaled rope's frequency table (YaRN, colibri_edge.rope) instead of theta's."""
-    from colibri_edge.rope import inv_freq
+    """A scaled rope's frequency table (YaRN, colibri_edge.runtime.rope) instead of theta's."""
+    from colibri_edge.runtime.rope import inv_freq
     ref, be = backend(kernel_backend)
     D = 24
     table, _ = inv_freq(150000.0, D, dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=32))
@@ -389,7 +389,7 @@ def test_int8_activation_dots_are_exact(rng):
     integer dots, the scales applied per block, the additive terms (q4_0/q5_0 offsets, q4_1/q5_1
     and K-quant mins), for 1 to 5 tokens (pairs, and an odd last token beside the zero row), whole
     groups of 256 and tail blocks."""
-    from colibri_edge import quant
+    from colibri_edge.model import quant
     from conftest import backend_available
     bes = [create("cpu")] + ([create("opencl", int8_activations=True)] if backend_available("opencl") else [])
     ref = create("reference")

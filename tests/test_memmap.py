@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from colibri_edge.modeldir import ModelWriter, expected_tensors
+from colibri_edge.model.modeldir import ModelWriter, expected_tensors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

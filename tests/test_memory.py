@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from colibri_edge import Engine, ColibriError, COLIBRI_ERR_OUT_OF_MEMORY
-from colibri_edge.planning import engine_memory, summary
-from colibri_edge.state import FixedPool, PagedPool, States
+from colibri_edge.analysis.sizing import engine_memory, summary
+from colibri_edge.runtime.state import FixedPool, PagedPool, States
 from hf_models import CASES, convert_case
 
 PAIRS = [(1, 1), (7, 3), (64, 8), (256, 2)]      # (prefill_chunk, max_batch)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from colibri_edge import Engine, ColibriError, COLIBRI_ERR_INVALID_MODEL
-from colibri_edge import routing
-from colibri_edge.convert import translate_config
+from colibri_edge.runtime import routing
+from colibri_edge.model.convert import translate_config
 from conftest import activation_runs, close, fp32
 from test_families import check_batch_single_ragged, check_slot_pool
 from hf_models import FAMILY_CASES, config_for, convert_case, hf_greedy
@@ -112,8 +112,8 @@ def test_latent_cache_bytes(case, model_cache, capsys):
     `colibri inspect` prints and what the engine allocates (one pool, c and r per layer), against
     heads x (k + v) for full heads, and what the simulator's memory fit (planning.engine_memory) counts;
     no arena buffer grows with the cache (two cache sizes, one arena)."""
-    from colibri_edge.cli import main
-    from colibri_edge.modeldir import ModelDir
+    from colibri_edge.serving.cli import main
+    from colibri_edge.model.modeldir import ModelDir
     _, col = convert_case(model_cache, case)
     cfg = ModelDir(col).config
     la, L, nh = cfg["latent_attention"], cfg["num_hidden_layers"], cfg["num_attention_heads"]
@@ -133,7 +133,7 @@ def test_latent_cache_bytes(case, model_cache, capsys):
             assert shapes[(0, "c")] == (tokens, 1, la["kv_lora_rank"])
             assert shapes[(0, "r")] == (tokens, 1, la["qk_rope_head_dim"])
             arenas.append({n: s for n, (s, _) in eng.runner.spec.items() if not n.startswith("inputs")})
-        from colibri_edge.planning import engine_memory      # what the simulator's memory fit counts
+        from colibri_edge.analysis.sizing import engine_memory      # what the simulator's memory fit counts
         assert engine_memory(cfg, 64, 1, 64, tokens, 16)["state_bytes"] == per_token * tokens
     assert arenas[0] == arenas[1]
 
@@ -161,7 +161,7 @@ def test_mtp_layers_skipped_with_a_note(model_cache, tmp_path, capsys):
     """A V3-style checkpoint's multi-token-prediction layer (model.layers.L.*) is skipped with a note
     on stderr, not refused; the model converts to the same weights as without it."""
     from safetensors.numpy import load_file, save_file
-    from colibri_edge.convert import convert
+    from colibri_edge.model.convert import convert
     hf, col = convert_case(model_cache, "deepseek_v3")
     cfg = json.load(open(os.path.join(hf, "config.json")))
     L = cfg["num_hidden_layers"]
@@ -189,8 +189,8 @@ def test_mla_full_size_kv_bytes():
     size and layers (16 heads of 128, 4 KV heads): V2-Lite 27 x (512 + 64) x 4 = 62208 against
     27 x 2 x 4 x 128 x 4 = 110592; GLM-4.7-Flash 47 x 576 x 4 = 108288 against 192512 (1.78x)."""
     import transformers
-    from colibri_edge.planning import kv_full_bytes_per_token
-    from colibri_edge.state import attention_pools
+    from colibri_edge.analysis.sizing import kv_full_bytes_per_token
+    from colibri_edge.runtime.state import attention_pools
     lite = translate_config(transformers.DeepseekV2Config(
         hidden_size=2048, num_hidden_layers=27, num_attention_heads=16, q_lora_rank=None, kv_lora_rank=512,
         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, num_experts_per_tok=6,
@@ -243,7 +243,7 @@ def test_mla_gguf(backend_name, mla_gguf, tmp_path):
     float16) the reference backend's logits of the same file within 1e-4 (int8 activations: their
     tolerance), the reference's the checkpoint's within quantisation error (at the median position: a
     top-1 choice may flip)."""
-    from colibri_edge.convert import convert
+    from colibri_edge.model.convert import convert
     from hf_models import hf_logits
     case, hf, ft, f32, q8 = mla_gguf
     ids = np.random.default_rng(3).integers(0, len(ft), size=(2, 11))
@@ -254,7 +254,7 @@ def test_mla_gguf(backend_name, mla_gguf, tmp_path):
     with open_engine(str(tmp_path / "f32"), backend_name, max_seq_len=64) as eng:
         assert np.abs(eng.infer(ids) - want).max() / scale < 1e-4
     cfg = convert(q8, str(tmp_path / "q8"), progress=False)
-    from colibri_edge.modeldir import ModelDir
+    from colibri_edge.model.modeldir import ModelDir
     m = ModelDir(str(tmp_path / "q8"))
     assert m.tensor_dtype("layers.1.mla.wk_b") == "float16" and m.tensor_dtype("layers.1.mla.wq_rope") == "q8_0"
     with Engine.open(str(tmp_path / "q8"), backend="reference", max_seq_len=64) as eng:

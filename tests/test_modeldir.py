@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from colibri_edge import Engine, ColibriError, COLIBRI_ERR_INVALID_MODEL, COLIBRI_ERR_INVALID_MODEL_TYPE
-from colibri_edge.modeldir import ALIGN, ModelDir
+from colibri_edge.model.modeldir import ALIGN, ModelDir
 from hf_models import convert_case
 
 

@@ -119,7 +119,7 @@ def test_options(ocl):
     assert _be().half_math == be.fp16_device     # half arithmetic only where the device has it
     with pytest.raises(ColibriError):
         _be(num_streams=0)
-    from colibri_edge.dtypes import WEIGHT_DTYPES
+    from colibri_edge.model.dtypes import WEIGHT_DTYPES
     assert set(_be().weight_dtypes) == set(WEIGHT_DTYPES)     # every weight type and block format
     with pytest.raises(ColibriError) as e:           # a name that is no weight type: refused, named
         _be().upload(np.zeros((2, 144), np.uint8), "q2_k", shape=(2, 256))
@@ -215,7 +215,7 @@ def test_step_counts_launches_and_round_trips(ocl):
     and a MoE layer is six launches (router, route, align, grouped gate/up, grouped down, combine)
     with q, k and v as one launch (baseline before: 80 launches, 5 reads on this model)."""
     from colibri_edge import Engine
-    from colibri_edge.demo import SHIPPED
+    from colibri_edge.model.demo import SHIPPED
     with Engine.open(SHIPPED, backend="opencl") as eng:
         be = eng.backend
         names, launch = [], be._launch

@@ -11,7 +11,7 @@ import pytest
 
 from colibri_edge import Engine, ColibriError, COLIBRI_ERR_UNAVAILABLE
 from colibri_edge.backends import backend_class
-from colibri_edge.hooks import RoutingHook
+from colibri_edge.runtime.hooks import RoutingHook
 from conftest import fp32
 from hf_models import CASES, convert_case, hf_logits
 

@@ -1,4 +1,4 @@
-"""ggml's block formats (colibri_edge/quant.py) against gguf-py, the format's own Python package:
+"""ggml's block formats (colibri_edge/model/quant.py) against gguf-py, the format's own Python package:
 the reference dequantisation on random blocks of every type, the 32-block quantisers byte for byte,
 and every quantiser's output read back by gguf. (The K-quant quantisers against llama.cpp's own, on
 the same weights: `make bench`, benchmarks/quant_error.py.)"""
@@ -8,8 +8,8 @@ import pytest
 gguf = pytest.importorskip("gguf", reason="the gguf extra is part of make test's install")
 from gguf import GGMLQuantizationType as G  # noqa: E402
 
-from colibri_edge import quant  # noqa: E402
-from colibri_edge.dtypes import narrow, widen  # noqa: E402
+from colibri_edge.model import quant  # noqa: E402
+from colibri_edge.model.dtypes import narrow, widen  # noqa: E402
 
 TYPES = {"q8_0": G.Q8_0, "q4_0": G.Q4_0, "q4_1": G.Q4_1, "q5_0": G.Q5_0, "q5_1": G.Q5_1, "mxfp4": G.MXFP4,
          "q4_k": G.Q4_K, "q5_k": G.Q5_K, "q6_k": G.Q6_K}

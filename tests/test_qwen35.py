@@ -14,11 +14,11 @@ import pytest
 from colibri_edge import Engine, ColibriError, COLIBRI_ERR_OUT_OF_MEMORY, COLIBRI_ERR_INVALID_MODEL
 from colibri_edge import backends
 from colibri_edge.backends.reference import backend as reference
-from colibri_edge.dtypes import is_block
-from colibri_edge.quant import fake_quantized_activations
-from colibri_edge.convert import rope_dim_order, translate_config
-from colibri_edge.planning import engine_memory, kv_full_bytes_per_token, state_bytes_per_sequence, summary
-from colibri_edge.modeldir import ModelDir
+from colibri_edge.model.dtypes import is_block
+from colibri_edge.model.quant import fake_quantized_activations
+from colibri_edge.model.convert import rope_dim_order, translate_config
+from colibri_edge.analysis.sizing import engine_memory, kv_full_bytes_per_token, state_bytes_per_sequence, summary
+from colibri_edge.model.modeldir import ModelDir
 from conftest import fp32
 from test_families import check_batch_single_ragged, check_slot_pool
 from hf_models import FAMILY_CASES, QWEN35_TEXT, checkpoint_class, config_for, convert_case, hf_greedy
@@ -123,7 +123,7 @@ def test_preempted_sequence_recomputes_its_state(backend_name, model_cache):
 def test_vl_checkpoint_skips_the_towers_and_greedy_matches(model_cache, capfd):
     """The wrapped checkpoint: the vision tower and the multi-token-prediction weights are skipped with
     a note, and greedy decoding on the cpu backend equals transformers'."""
-    from colibri_edge.convert import convert
+    from colibri_edge.model.convert import convert
     hf, _ = convert_case(model_cache, "qwen3_5_moe_vl")
     out = os.path.join(model_cache, "q35_vl_note")
     if not os.path.exists(os.path.join(out, "config.json")):
@@ -175,8 +175,8 @@ def test_trace_replays_to_the_engine_counters(model_cache, tmp_path):
     """A routing trace of a hybrid model (experts through 8 slots) replays through the simulator to the
     engine's own hit / miss counters and expert counts; its memory need counts the recurrent state once
     per sequence."""
-    from colibri_edge.simulate import estimate, replay
-    from colibri_edge.trace import Trace
+    from colibri_edge.analysis.simulate import estimate, replay
+    from colibri_edge.analysis.trace import Trace
     _, col = convert_case(model_cache, "qwen3_5_moe")
     with Engine.open(col, backend="cpu", max_seq_len=64, expert_slots=8, max_batch=2) as eng:
         tr = eng.trace([PROMPT[:9], PROMPT[3:]], max_new_tokens=6, ignore_eos=True)
@@ -286,7 +286,7 @@ def test_refusals_by_name():
             translate_config({**base, field: value}, {}, "config.json")
         assert field in e.value.message
     cfg = translate_config(base, {}, "config.json", "float32")
-    from colibri_edge import validate
+    from colibri_edge.model import validate
     bad = {**cfg, "linear_attention": {**cfg["linear_attention"], "num_value_heads": 3}}
     with pytest.raises(ColibriError) as e:
         validate.config(bad)
@@ -328,7 +328,7 @@ def test_gguf_matches_transformers(backend_name, case, qwen35_gguf, tmp_path):
     """A qwen35moe GGUF (value heads tiled by key head where Hk < Hv, the output gate's rows inside
     attn_q, A stored as -exp(A_log), norms with the + 1 folded in, partial rotary's rows reordered on
     import, the MTP layer skipped) gives the checkpoint's logits within 1e-4 of max |logit|."""
-    from colibri_edge.convert import convert
+    from colibri_edge.model.convert import convert
     from hf_models import hf_logits
     hf, ft, path = qwen35_gguf[case]
     ids = np.random.default_rng(3).integers(0, len(ft), size=(2, 19))
@@ -348,8 +348,8 @@ def test_gguf_q8_0_runs_as_stored(backend_name, qwen35_gguf, tmp_path, monkeypat
     partial rotary as whole rows: decoded, they are the file's decoded rows moved), every backend equal
     to the reference backend on the same file."""
     import gguf
-    from colibri_edge.convert import convert
-    from colibri_edge.dtypes import widen
+    from colibri_edge.model.convert import convert
+    from colibri_edge.model.dtypes import widen
     from conftest import activation_runs, close
     hf, ft, _ = qwen35_gguf["qwen3_5_moe"]
     out = str(tmp_path / "q8")
@@ -414,8 +414,8 @@ def test_served_hybrid_model_and_its_state_metrics(qwen35_gguf, tmp_path):
     equals Engine.generate, a streamed one joins to it, and /metrics reports the recurrent-state slots
     (held while a request runs, all free after)."""
     from fastapi.testclient import TestClient
-    from colibri_edge.convert import convert
-    from colibri_edge.serve import create_app
+    from colibri_edge.model.convert import convert
+    from colibri_edge.serving.serve import create_app
     out = str(tmp_path / "m")
     convert(qwen35_gguf["qwen3_5_moe"][2], out, progress=False)
     with Engine.open(out, backend="cpu", max_seq_len=96, max_batch=3) as eng:

@@ -1,4 +1,4 @@
-"""`colibri serve` (colibri_edge/serve.py) through FastAPI's TestClient (httpx, in process): the OpenAI
+"""`colibri serve` (colibri_edge/serving/serve.py) through FastAPI's TestClient (httpx, in process): the OpenAI
 endpoints against the engine's own results, SSE streaming, stop strings, usage, logprobs, several
 models isolated, API key, 4xx for every bad request, 429 on a full queue, /metrics, and a client
 that leaves a stream early cancelling its request."""
@@ -14,7 +14,7 @@ pytest.importorskip("fastapi", reason="the serve extra is part of make test's in
 from fastapi.testclient import TestClient  # noqa: E402
 
 from colibri_edge import Engine  # noqa: E402
-from colibri_edge.serve import create_app  # noqa: E402
+from colibri_edge.serving.serve import create_app  # noqa: E402
 from hf_models import build_text_model  # noqa: E402
 
 

@@ -21,7 +21,7 @@ import openai  # noqa: E402
 import uvicorn  # noqa: E402
 
 from colibri_edge import ColibriError, Engine, COLIBRI_ERR_OUT_OF_MEMORY  # noqa: E402
-from colibri_edge.serve import check_budgets, create_app  # noqa: E402
+from colibri_edge.serving.serve import check_budgets, create_app  # noqa: E402
 from hf_models import build_text_model  # noqa: E402
 
 DEMO = os.path.join(os.path.dirname(__import__("colibri_edge").__file__), "default_model")
@@ -284,7 +284,7 @@ def test_memory_budgets(models, tmp_path):
     with pytest.raises(ColibriError) as ei:
         check_budgets({"a": 2 << 20, "b": 2 << 20}, available=3 << 20)
     assert ei.value.code == COLIBRI_ERR_OUT_OF_MEMORY and "4.0 MiB" in ei.value.message
-    from colibri_edge.cli import main                 # refused before any engine opens or port binds
+    from colibri_edge.serving.cli import main                 # refused before any engine opens or port binds
     assert main(["serve", "--model", f"a={p}", "--model", f"b={p}", "--memory-budget", "a=1G",
                  "--memory-budget", "100T", "--interleave", "0", "--prefill-chunk", "64"]) == -COLIBRI_ERR_OUT_OF_MEMORY
     assert main(["serve", "--model", f"a={p}", "--memory-budget", "lots"]) == 1

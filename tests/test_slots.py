@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from colibri_edge import Engine
-from colibri_edge.simulate import replay
-from colibri_edge.trace import Trace, routing_stats
+from colibri_edge.analysis.simulate import replay
+from colibri_edge.analysis.trace import Trace, routing_stats
 from conftest import fp32
 from hf_models import convert_case
 
@@ -96,7 +96,7 @@ def test_cold_misses_are_first_loads():
     """A demand-loading policy's cold misses are the distinct (layer, expert) keys of the trace (each is
     read from storage once, then only re-read after an eviction); with room for every key, every miss
     is cold. The estimate charges the others at the re-read rate."""
-    from colibri_edge.simulate import estimate
+    from colibri_edge.analysis.simulate import estimate
     tr = _random_trace(7)
     distinct = len({(j, int(x)) for j in range(3) for x in np.unique(tr.expert_ids[:, j])})
     for policy in ("lru", "lfu", "belady"):
@@ -242,7 +242,7 @@ def test_prefetch_moves_no_more_than_lru_and_stalls_less():
     12, 16 and 24 of the 32 slots; loading every predicted expert instead (min_p 0) moves more than
     lru. The trace records the predicted weights it needs (a trace without them prefetches every
     predicted expert)."""
-    from colibri_edge.demo import ensure_default_model
+    from colibri_edge.model.demo import ensure_default_model
     with Engine.open(ensure_default_model()[0], backend="reference", max_batch=1) as e:   # one stream
         tr = e.trace(DEMO_PROMPTS, max_new_tokens=64, ignore_eos=True)
     assert tr.predicted_weights is not None and tr.predicted_weights.shape == tr.predicted_ids.shape
@@ -258,9 +258,10 @@ def test_auto_slots_fill_the_free_memory(monkeypatch):
     the headroom 10% without its 128 MiB floor, so that the demo model's 32 experts of 576 KiB do not
     all fit); the logits equal the all-resident engine's; all resident when everything fits; a coded
     error naming the numbers when not even a token's experts fit."""
-    from colibri_edge import scheduler, ColibriError, COLIBRI_ERR_OUT_OF_MEMORY
-    from colibri_edge.demo import ensure_default_model
-    monkeypatch.setattr(scheduler, "AUTO_HEADROOM_MIN", 0)
+    from colibri_edge.runtime import runner
+    from colibri_edge import ColibriError, COLIBRI_ERR_OUT_OF_MEMORY
+    from colibri_edge.model.demo import ensure_default_model
+    monkeypatch.setattr(runner, "AUTO_HEADROOM_MIN", 0)
     path = ensure_default_model()[0]
     ids = np.array([[5, 17, 3, 42, 8, 11, 29, 2, 60, 61, 7, 7]])
     with Engine.open(path, backend="reference", max_seq_len=64) as e:
@@ -320,7 +321,7 @@ def test_probe_device_then_simulate_this(model_cache, tmp_path):
 def test_simulate_recommends_the_fewest_slots_for_a_target(tmp_path):
     """simulate --target-ms: the fewest slots whose estimate on the device is within the target (one
     fewer is over it), fitting its memory; an unreachable target says so."""
-    from colibri_edge.simulate import estimate, recommend
+    from colibri_edge.analysis.simulate import estimate, recommend
     tr = _random_trace(3, skew=1.0)
     tr.meta.update(bytes_per_expert=8 << 20, bytes_per_decoded_token=100 << 20, non_expert_bytes=50 << 20,
                    kv_bytes_per_token=1 << 10, num_hidden_layers=3)

@@ -12,7 +12,7 @@ import pytest
 import fuzz
 from colibri_edge import (Engine, ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_MODEL,
                           COLIBRI_ERR_OUT_OF_MEMORY, COLIBRI_ERR_UNAVAILABLE)
-from colibri_edge.modeldir import ModelDir
+from colibri_edge.model.modeldir import ModelDir
 from conftest import backend_available, fp32
 
 SLICE = {"reference": 1000, "cpu": 1000, "opencl": 300}
@@ -221,7 +221,7 @@ def test_nonfinite_weights_give_their_own_outcome(model):
 
 
 def test_convert_refuses_nonfinite_tensors(tmp_path):
-    from colibri_edge.convert import convert
+    from colibri_edge.model.convert import convert
     from hf_models import build_hf
     from safetensors.numpy import load_file, save_file
     hf = build_hf(str(tmp_path / "hf"), "olmoe")

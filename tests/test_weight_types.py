@@ -26,7 +26,7 @@ def test_teacher_forced_greedy(precision_variant, model_type, wd, model_cache):
     backend_name, opts = precision_variant
     if wd not in backend_class(backend_name).weight_dtypes:
         pytest.skip(f"{backend_name} does not declare {wd} weights (refused at open: test_parity.py)")
-    from colibri_edge.convert import convert
+    from colibri_edge.model.convert import convert
     import os
     hf, _ = convert_case(model_cache, model_type)
     col = os.path.join(model_cache, f"col_{model_type}_{wd}")

@@ -34,10 +34,10 @@ import threading
 
 import numpy as np
 
-from colibri_edge.dtypes import STORAGE, is_block, narrow
+from colibri_edge.model.dtypes import STORAGE, is_block, narrow
 from colibri_edge.errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
-from colibri_edge.modeldir import expert_sections
-from colibri_edge.quant import BLOCK
+from colibri_edge.model.modeldir import expert_sections
+from colibri_edge.model.quant import BLOCK
 from ..base import Backend as BackendBase, Plan, Weight, plan_buffers
 from .cores import Governor, available_cores
 

@@ -1,4 +1,4 @@
-"""LLVM IR of the block formats (colibri_edge/quant.py has their definitions): how each block's bytes
+"""LLVM IR of the block formats (colibri_edge/model/quant.py has their definitions): how each block's bytes
 become float32 vectors, written once, as Numba intrinsics the kernels of qkernels.py call.
 
 Why IR: a block format's inner loop is short (32 or 256 weights) and sits inside the loop over blocks;
@@ -22,7 +22,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from colibri_edge.quant import BLOCK
+from colibri_edge.model.quant import BLOCK
 
 I8, I16, I32, I64, F32, HALF = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType(), \
     ir.HalfType()

@@ -22,7 +22,7 @@ int8 once.
 import numpy as np
 from numba import njit, prange
 
-from colibri_edge import quant
+from colibri_edge.model import quant
 
 from .jitcache import drop_stale
 from .kernels import F0, F1, REDUCE, claim, expert_act, fdot4, fdot4x2, reset_claims

@@ -52,7 +52,7 @@ CE_DEV void load2(const i8_t* p, float& a, float& b) {
     a = (float)(i8_t)(v & 0xffu); b = (float)(i8_t)(v >> 8);
 }
 
-// ---- ggml's block formats (colibri_edge/quant.py has the layouts and the NumPy definitions) -------
+// ---- ggml's block formats (colibri_edge/model/quant.py has the layouts and the NumPy definitions) -------
 // A block-format matrix [N, K] is N rows of K / B blocks of NB bytes. Each format is a tag type; the
 // kernels read weights in pairs (k even, both in one block and one group of 16: B is 32 or 256), as
 // they read fp16 pairs, decoded from the block's bytes in registers:

@@ -361,7 +361,7 @@ class Backend(OpenCLRuntime):
         """A layer's experts packed into as few buffers as CL_DEVICE_MAX_MEM_ALLOC_SIZE allows (one,
         for any model we know of), each blob at a multiple of PACK_ALIGN bytes; each buffer is filled
         on the host and written once (Oclgrind re-creates a buffer's shadow on every host write)."""
-        from colibri_edge.modeldir import expert_formats, expert_sections
+        from colibri_edge.model.modeldir import expert_formats, expert_sections
         for f in set(expert_formats(fmts)):
             self.check_dtype(f)
         size = expert_sections(hidden, inter, fmts)[1]

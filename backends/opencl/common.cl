@@ -16,7 +16,7 @@
  *                        the dot product runs on q widened to float, the row's scale multiplies the
  *                        sum once (WSCALE); the scale vector is a kernel argument of every matrix
  *   WQ8_0, WQ4_0, WQ4_1, WQ5_0, WQ5_1, WMXFP4 (blocks of 32), WQ4_K, WQ5_K, WQ6_K (blocks of 256) = 1
- *                        matrices are ggml blocks (colibri_edge/quant.py has the layouts and the NumPy
+ *                        matrices are ggml blocks (colibri_edge/model/quant.py has the layouts and the NumPy
  *                        definitions), bytes [N, K / WQB * WBYTES]. A row streams as chunks of 32 weights
  *                        decoded in registers (chunk_load): w = m q + add, q the chunk's small integers
  *                        (mxfp4: the E2M1 values) as eight float4, m one multiplier per 16 weights (two

@@ -9,8 +9,8 @@ import math
 
 import numpy as np
 
-from colibri_edge.dtypes import WEIGHT_DTYPES, storage_dtype, widen
-from colibri_edge import routing
+from colibri_edge.model.dtypes import WEIGHT_DTYPES, storage_dtype, widen
+from colibri_edge.runtime import routing
 from ..base import Backend as BackendBase, Plan, Weight
 
 

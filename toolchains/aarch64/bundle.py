@@ -7,7 +7,7 @@ The bundle (a folder and OUT.tar.gz beside it):
     wheels/           colibri-edge's wheel, its dependencies' aarch64 wheels (cp311, manylinux_2_17..2_28;
                       no PoCL wheel: pocl-binary-distribution is x86-64 only, the board's own OpenCL
                       driver is used through pyopencl's ICD loader) and pip's wheel (install.sh runs it)
-    bin/colibri       the launcher (colibri_edge/launch.py): PYTHONPATH, the Numba target CPU and the
+    bin/colibri       the launcher (colibri_edge/serving/launch.py): PYTHONPATH, the Numba target CPU and the
     bin/colibri-python  kernel cache, then `colibri ARGS` or `python3 SCRIPT`
     kernel-cache/CPU/ the cpu backend's Numba kernels for --cpu and for generic, compiled by running the
                       bundle's model once under emulation (so only the formats that model uses)
@@ -58,11 +58,11 @@ BUILD_PREFIX = "/opt/colibri-build"        # where the build root has the bundle
 
 LAUNCHER = """#!/bin/sh
 # Colibri Edge bundle launcher: the bundle's packages, its Numba kernel cache and target CPU
-# (colibri_edge/launch.py), then {what}. COLIBRI_CPU=NAME picks the kernels' CPU by hand.
+# (colibri_edge/serving/launch.py), then {what}. COLIBRI_CPU=NAME picks the kernels' CPU by hand.
 PREFIX=$(CDPATH= cd -- "$(dirname -- "$0")/.." && pwd)
 export COLIBRI_BUNDLE="$PREFIX"
 export PYTHONPATH="$PREFIX/site-packages${{PYTHONPATH:+:$PYTHONPATH}}"
-exec "${{COLIBRI_PYTHON:-python3}}" -m colibri_edge.launch {args}"$@"
+exec "${{COLIBRI_PYTHON:-python3}}" -m colibri_edge.serving.launch {args}"$@"
 """
 
 INSTALL = """#!/bin/sh

@@ -54,7 +54,7 @@ def rel_err(a, b):
 def host_references(d: str) -> dict:
     """On the host: the greedy text of `colibri run`, and a tiny float16 Mixtral with transformers' logits."""
     from hf_models import build_hf, hf_logits
-    from colibri_edge.convert import convert
+    from colibri_edge.model.convert import convert
     os.makedirs(d, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in ("COLIBRI_BACKEND",)}
     text = subprocess.run([sys.executable, "-m", "colibri_edge", *RUN], capture_output=True, text=True, check=True,

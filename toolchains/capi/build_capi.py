@@ -7,7 +7,7 @@ Python links, Py_ENABLE_SHARED), adds the site directories this build ran with (
 site-packages, whose .pth files find an editable install) after COLIBRI_PYTHONPATH's (colon-separated)
 and a bundle's (a library at PREFIX/lib/libcolibri.so with PREFIX/site-packages beside it: an ARM64
 bundle, toolchains/aarch64, whose launcher setup then picks the kernel cache and CPU), imports
-colibri_edge.capi and forwards every call there.
+colibri_edge.serving.capi and forwards every call there.
 
 build_cross() writes the aarch64 library for the ARM64 bundle: cffi emits the C source, Debian's
 aarch64-linux-gnu-gcc compiles it against an arm64 root's Python headers and libpython (no site
@@ -90,13 +90,13 @@ for _d in [p for p in os.environ.get("COLIBRI_PYTHONPATH", "").split(os.pathsep)
         site.addsitedir(_d)                     # also runs its .pth files (an editable install's finder)
 sys.path[:] = [p for p in sys.path if p not in _before] + _before   # ours first, in the order given
 if _bundle:                                     # the bundle's Numba kernel cache and target CPU
-    from colibri_edge import launch as _launch
+    from colibri_edge.serving import launch as _launch
     _launch.setup(_bundle)
 
 import threading as _threading
 import numpy as _np
 from _colibri_capi import ffi, lib
-from colibri_edge import capi as _c
+from colibri_edge.serving import capi as _c
 from colibri_edge.errors import COLIBRI_ERR_INVALID_ARGUMENT as _BAD, COLIBRI_ERR_BACKEND as _INTERNAL
 
 _tls = _threading.local()

@@ -24,8 +24,8 @@ import numpy as np
 
 
 def write_model(path, a):
-    from colibri_edge import modeldir
-    from colibri_edge.dtypes import narrow
+    from colibri_edge.model import modeldir
+    from colibri_edge.model.dtypes import narrow
     E, L = a.experts, a.layers
     cfg = {"format_version": 1, "model_type": "mixtral", "num_hidden_layers": L, "hidden_size": a.hidden,
            "intermediate_size": a.inter, "moe_intermediate_size": a.inter, "num_attention_heads": a.heads,
@@ -57,7 +57,7 @@ def write_model(path, a):
 
 def step_bytes(cfg, context):
     """Bytes one batch-1 decode step reads."""
-    from colibri_edge.dtypes import itemsize
+    from colibri_edge.model.dtypes import itemsize
     s = itemsize(cfg["weight_dtype"])
     H, hd, V = cfg["hidden_size"], cfg["head_dim"], cfg["vocab_size"]
     nq, nkv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd

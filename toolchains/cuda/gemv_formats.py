@@ -7,7 +7,7 @@ and the ratio to float16's GB/s and to float16's time per weight.
 
 A matrix of K = 4096 columns and as many rows as make --mib MiB in that format (past the L2 cache
 of any GPU we target, 50 MiB on an H100/H200), built by tiling one quantised 64-row block (our own
-quantisers, colibri_edge.quant): valid blocks, no minutes spent quantising. Nothing is downloaded.
+quantisers, colibri_edge.model.quant): valid blocks, no minutes spent quantising. Nothing is downloaded.
 """
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--formats", help="comma-separated (default: every weight type the backend runs)")
     a = ap.parse_args(argv)
-    from colibri_edge import quant
+    from colibri_edge.model import quant
     from colibri_edge.backends import create
-    from colibri_edge.dtypes import narrow, QUANTIZED
+    from colibri_edge.model.dtypes import narrow, QUANTIZED
     be, ref = create("cuda"), create("reference")
     K = a.k
     rng = np.random.default_rng(0)

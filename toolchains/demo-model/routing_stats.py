@@ -75,7 +75,7 @@ def main():
     routed = {li: [] for li in moe_layers}        # per layer: [tokens, k] ids
     weights = {li: [] for li in moe_layers}
 
-    from colibri_edge.hooks import RoutingHook
+    from colibri_edge.runtime.hooks import RoutingHook
 
     class Observe(RoutingHook):
         def on_route(self, layer, ids, w, next_layer, predicted):

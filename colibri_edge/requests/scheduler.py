@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import sampling
-from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_OUT_OF_MEMORY, COLIBRI_ERR_UNAVAILABLE
+from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_OUT_OF_MEMORY, COLIBRI_ERR_UNAVAILABLE, nonfinite
 
 class StepCost:
     """A step's wall time as a function of the tokens it carries, learnt from the steps run.
@@ -476,7 +476,6 @@ class Core:
         e = self.e
         p = r.params
         if not np.isfinite(logits.max()):
-            from .engine import nonfinite
             self._finish(r, error=nonfinite(f"request {r.id} at position {r.seq.cached}"))
             return
         tok, lp, top = sampling.sample_request(logits, p, r.prompt, r.produced, r.counts, r.rng)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, invalid_model
+from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, invalid_model
 
 
 HARMONY_CHANNEL, HARMONY_MESSAGE = "<|channel|>", "<|message|>"

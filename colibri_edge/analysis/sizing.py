@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import math
 
-from . import arena
-from .modeldir import ModelDir
-from .scheduler import layout
+from ..runtime import arena
+from ..model.modeldir import ModelDir
+from ..runtime.runner import layout
 
 
 def kv_bytes(cfg: dict, tokens: int, block_size: int = 1) -> int:
@@ -80,10 +80,3 @@ def summary(model: ModelDir, context: int, max_batch: int = 1, prefill_chunk: in
         "prefill_chunk": prefill_chunk, "block_size": block_size,
         "total_bytes": non_expert + experts + mem["state_bytes"] + mem["arena_bytes"],
     }
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024

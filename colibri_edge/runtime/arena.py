@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .backends.base import plan_buffers
-from .validate import geometries
+from ..backends.base import plan_buffers
+from ..model.validate import geometries
 
 
 @dataclass(frozen=True)

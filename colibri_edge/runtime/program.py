@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import rope
-from .backends.base import FFN, Act, Weight
-from .errors import ColibriError, COLIBRI_ERR_UNAVAILABLE
-from .validate import geometry
+from ..backends.base import FFN, Act, Weight
+from ..errors import ColibriError, COLIBRI_ERR_UNAVAILABLE
+from ..model.validate import geometry
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import queue
 
-from .core import DONE, ERROR, TOKEN, text_piece
+from .scheduler import DONE, ERROR, TOKEN, text_piece
 from .engine import Engine
 
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_MODEL
+from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_MODEL
 from .hooks import RoutingHook
-from .modeldir import WEIGHTS_FILE
+from ..model.modeldir import WEIGHTS_FILE
 
 POLICIES = ("lru", "lfu", "prefetch", "belady")
 ENGINE_POLICIES = ("lru", "lfu", "prefetch")

@@ -16,7 +16,7 @@ What the simulator's estimate needs (simulate.estimate), measured the way the en
   page_cache_gbs        the same reads again, now from the page cache (a miss whose pages are cached)
   layer_overhead_ms     a decode step of the demo model less its weight reads at memory_bandwidth_gbs, per
                         layer: the cost that does not scale with a layer's size (Python, launches)
-  memory_bytes          what this process may allocate (colibri_edge.memory.host_available)
+  memory_bytes          what this process may allocate (colibri_edge.runtime.memory.host_available)
 Nothing here is timed against a threshold; the numbers are what they are on this machine.
 """
 from __future__ import annotations
@@ -29,12 +29,8 @@ import time
 
 import numpy as np
 
-from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
-
-
-def profile_path() -> str:
-    root = os.environ.get("COLIBRI_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "colibri")
-    return os.path.join(root, "device-this.json")
+from ..analysis.simulate import profile_path
+from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
 
 
 def _best(fn, reps=5):
@@ -106,9 +102,9 @@ def storage_bandwidth(directory: str, file_mib: int, blob: int, reads: int = 64,
 def layer_overhead_ms(bandwidth_gbs: float) -> float:
     """The demo model's decode step time less its weight reads at bandwidth_gbs, per layer (ms, median
     of 32 steps): the cost of a layer's kernel launches and Python that does not scale with its size."""
-    from .demo import ensure_default_model
-    from .engine import Engine, Stats
-    from .planning import summary
+    from ..model.demo import ensure_default_model
+    from ..requests.engine import Engine, Stats
+    from ..analysis.sizing import summary
     with Engine.open(ensure_default_model()[0], backend="cpu") as eng:
         eng.generate([1, 2, 3], max_new_tokens=8, ignore_eos=True)
         eng.stats = Stats()                                            # the timed steps only
@@ -123,7 +119,7 @@ def probe(directory: str | None = None, mem_mib: int = 512, file_mib: int = 256,
           weights_file: str | None = None) -> dict:
     """The profile (module docstring). weights_file: measure storage on that file (read only) instead of
     a file of our own in `directory`."""
-    from .memory import host_available
+    from ..runtime.memory import host_available
     directory = directory or tempfile.gettempdir()
     if not os.path.isdir(directory):
         raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"--dir {directory}: not a directory; give the one the "

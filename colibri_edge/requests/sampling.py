@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
+from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
 
 MAX_STOPS, MAX_STOP_CHARS = 64, 4096
 

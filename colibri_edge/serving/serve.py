@@ -16,9 +16,9 @@ import asyncio
 import time
 import uuid
 
-from .aio import AsyncEngine
-from .core import DONE, ERROR, TOKEN
-from .errors import (ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_OUT_OF_MEMORY,
+from ..requests.aio import AsyncEngine
+from ..requests.scheduler import DONE, ERROR, TOKEN
+from ..errors import (ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_OUT_OF_MEMORY,
                      COLIBRI_ERR_UNAVAILABLE)
 
 
@@ -276,7 +276,7 @@ def create_app(models: dict, api_key: str | None = None, cors: str | None = None
                                  "created": created, "model": h.name, "choices": choices, "usage": usage_of(n_out)})
 
         import json
-        from .textio import StreamDecoder
+        from ..requests.textio import StreamDecoder
         req, it = subs[0]
         include_usage = bool((b.stream_options or {}).get("include_usage"))
         hold = max((len(s) for s in stops), default=1) - 1
@@ -405,10 +405,10 @@ def create_app(models: dict, api_key: str | None = None, cors: str | None = None
 
 def check_budgets(budgets: dict, available: int | None = None):
     """The models' memory budgets ({name: bytes}) against the memory this process may take (host
-    memory: colibri_edge.memory): ColibriError(COLIBRI_ERR_OUT_OF_MEMORY) with the numbers when they
+    memory: colibri_edge.runtime.memory): ColibriError(COLIBRI_ERR_OUT_OF_MEMORY) with the numbers when they
     add up to more, before any engine is opened."""
-    from .memory import host_available
-    from .planning import human
+    from ..runtime.memory import host_available
+    from ..units import human
     total = sum(budgets.values())
     if available is None:
         available, what = host_available()
@@ -430,7 +430,7 @@ def serve(models: dict, host="127.0.0.1", port=8000, api_key=None, cors=None, re
     against its own at open: the server refuses to start, with the numbers, when they do not fit."""
     _deps()
     import uvicorn
-    from .engine import Engine
+    from ..requests.engine import Engine
     budgets = dict(budgets or {})
     unknown = sorted(set(budgets) - set(models))
     if unknown:

@@ -8,11 +8,11 @@ import time
 
 import numpy as np
 
-from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
+from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
 
 
 def _cmd_convert(a):
-    from .convert import convert
+    from ..model.convert import convert
     cfg = convert(a.source, a.out_dir, dtype=a.dtype, progress=not a.quiet)
     print(f"wrote {a.out_dir}: {cfg['model_type']}, {cfg['num_hidden_layers']} layers, "
           f"{cfg['experts_per_layer']} experts/layer, top-{cfg['top_k']}, {cfg['weight_dtype']}")
@@ -20,8 +20,9 @@ def _cmd_convert(a):
 
 
 def _cmd_inspect(a):
-    from .modeldir import ModelDir
-    from .planning import human, summary
+    from ..model.modeldir import ModelDir
+    from ..analysis.sizing import summary
+    from ..units import human
     m = ModelDir(a.model)
     cfg = m.config
     s = summary(m, a.context, a.max_batch, a.prefill_chunk, a.block_size)
@@ -93,7 +94,7 @@ def _cmd_inspect(a):
             mixer += " with an output gate" + (f", rope on {cfg['rope_dim']} of {cfg['head_dim']} dims"
                                                if cfg.get("rope_dim") else "")
         if "head_dim" in l or "num_key_value_heads" in l:
-            from .validate import geometry
+            from ..model.validate import geometry
             _, nkv, hd = geometry(cfg, l)
             mixer += f" [{nkv} kv x {hd}{', keys as values' if l.get('k_eq_v') else ''}" + \
                 (f", rope theta {l['rope_theta']:g} on {l['rope_partial']:g} of the dims" if "rope_partial" in l else "") + "]"
@@ -115,7 +116,7 @@ def _cmd_inspect(a):
           f"(Engine.open(max_seq_len={a.context}, max_batch={a.max_batch}, prefill_chunk={a.prefill_chunk}, "
           f"kv_cache_tokens={a.context * a.max_batch}, kv_block_size={a.block_size}))")
     if a.device:
-        from .simulate import load_profile
+        from ..analysis.simulate import load_profile
         prof = load_profile(a.device)
         dev = int(prof["memory_bytes"])
         rest = s["non_expert_bytes"] + s["kv_cache_bytes"] + s["scratch_bytes"]
@@ -133,7 +134,7 @@ def _cmd_inspect(a):
 
 
 def _cmd_backends(a):
-    from .backends import NAMES, backend_class, probe
+    from ..backends import NAMES, backend_class, probe
     for name in NAMES:
         ok, detail = probe(name)
         note = ""
@@ -152,12 +153,12 @@ def _slots_arg(v: str):
 
 
 def _default_model():
-    from .demo import ensure_default_model
+    from ..model.demo import ensure_default_model
     return ensure_default_model()
 
 
 def _cmd_run(a):
-    from .engine import Engine
+    from ..requests.engine import Engine
     model = a.model
     if model is None:
         model, note = _default_model()
@@ -195,7 +196,8 @@ def _cmd_run(a):
                 print(f"  layer {l['layer_id']:2d}: " + " ".join(f"{int(c):3d}" for c in row), file=sys.stderr)
         if a.stats:
             print(f"[colibri] {eng.backend.describe()}", file=sys.stderr)
-            from .planning import human, summary
+            from ..analysis.sizing import summary
+            from ..units import human
             base = getattr(eng.model, "_model", eng.model)
             k, k0 = eng.config["top_k"], base.config["top_k"]
             now = summary(eng.model, 1)["bytes_per_decoded_token"]
@@ -221,7 +223,7 @@ def _cmd_run(a):
 
 
 def _cmd_trace(a):
-    from .engine import Engine
+    from ..requests.engine import Engine
     lines = [l.strip() for l in open(a.prompts, encoding="utf-8") if l.strip()]
     if not lines:
         raise ColibriError(-1, f"{a.prompts}: no prompts (one a line)")
@@ -236,16 +238,16 @@ def _cmd_trace(a):
 
 def _cmd_simulate(a):
     import json as _json
-    from .simulate import estimate, load_profile, plot_sweep, replay, sweep_points
-    from .trace import Trace
+    from ..analysis.simulate import estimate, load_profile, plot_sweep, replay, sweep_points
+    from ..analysis.trace import Trace
     tr = Trace.load(a.trace)
     prof = load_profile(a.device) if a.device else None
     policies = a.policy.split(",")
     if a.target_ms is not None:
-        from .simulate import recommend
+        from ..analysis.simulate import recommend
         if prof is None:
             raise ColibriError(-1, "--target-ms needs --device (a profile to estimate with)")
-        from .planning import human
+        from ..units import human
         for pol in policies:
             r = recommend(tr, prof, pol, a.target_ms, a.context)
             verdict = "meets" if r["met"] else "cannot meet"
@@ -268,7 +270,7 @@ def _cmd_simulate(a):
     else:
         print(f"{'policy':<9}{'slots':>6}{'hits':>9}{'misses':>9}{'hit rate':>10}{'moved':>12}"
               + (f"{'ms/token':>10}{'fits':>6}" if prof else ""))
-        from .planning import human
+        from ..units import human
         for r in rows:
             print(f"{r['policy']:<9}{r['slots']:>6}{r['hits']:>9}{r['misses']:>9}{r['hit_rate']:>10.3f}"
                   f"{human(r['bytes_moved']):>12}" + (f"{r['est_ms_per_token']:>10.2f}{'yes' if r['fits'] else 'NO':>6}"
@@ -282,7 +284,7 @@ def _cmd_simulate(a):
 
 
 def _cmd_probe_device(a):
-    from .probe import probe, save
+    from .probe_device import probe, save
     prof = probe(a.dir, a.mem_mib, a.file_mib, a.blob)
     path = save(prof, a.out)
     for k, v in prof.items():
@@ -293,7 +295,7 @@ def _cmd_probe_device(a):
 
 def _cmd_stats(a):
     import json as _json
-    from .trace import Trace, routing_stats
+    from ..analysis.trace import Trace, routing_stats
     tr = Trace.load(a.trace)
     st = routing_stats(tr)
     if a.json:
@@ -326,7 +328,7 @@ def _cmd_stats(a):
 
 def _cmd_serve(a):
     import os
-    from .errors import COLIBRI_ERR_INVALID_ARGUMENT
+    from ..errors import COLIBRI_ERR_INVALID_ARGUMENT
     from .serve import serve
     models = {}
     for spec in a.model:
@@ -366,7 +368,7 @@ def parse_size(text: str, what: str) -> int:
 def build_parser():
     p = argparse.ArgumentParser(prog="colibri", description="Colibri Edge: MoE inference on edge hardware")
     sub = p.add_subparsers(dest="cmd", required=True)
-    from .dtypes import MIXES, WEIGHT_DTYPES
+    from ..model.dtypes import MIXES, WEIGHT_DTYPES
     c = sub.add_parser("convert", help="Hugging Face safetensors checkpoint or GGUF file -> Colibri model directory")
     c.add_argument("source", metavar="HF_DIR|MODEL.gguf", help="a save_pretrained directory, or a GGUF file (the "
                    "first part of a split one); GGUF weights are copied in the formats they are stored in")

@@ -25,8 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_OUT_OF_MEMORY
-from .validate import geometry, is_linear
+from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_OUT_OF_MEMORY
+from ..model.validate import geometry, is_linear
 
 
 @dataclass

@@ -14,8 +14,9 @@ import numpy as np
 from tqdm import tqdm
 
 from .dtypes import MIXES, WEIGHT_DTYPES, block_of, fits, narrow, nbytes, widen
-from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_MODEL_TYPE, invalid_model
+from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_MODEL_TYPE, invalid_model
 from .gguf_import import unpermute
+from .validate import YARN_FIELDS
 from .modeldir import ALIGN, SUPPORTED_MODEL_TYPES, ModelWriter, check_disk, expected_tensors, expert_blob_bytes
 
 SAFETENSORS_DTYPES = {"F32": ("<f4", "float32"), "F16": ("<f2", "float16"), "BF16": ("<u2", "bfloat16"),
@@ -347,7 +348,6 @@ def _yarn(rope: dict, max_pos: int, path: str):
         return None
     if rope_type != "yarn":
         _refuse(path, "rope_parameters.rope_type", f"rope type {rope_type!r}")
-    from .rope import YARN_FIELDS
     rs = {k: rope[k] for k in YARN_FIELDS if rope.get(k) is not None}
     if "original_max_position_embeddings" not in rs:
         _refuse(path, "rope_parameters.original_max_position_embeddings", "YaRN without its original context")
@@ -486,7 +486,6 @@ def translate_config(hf: dict, gen: dict, path: str = "config.json", dtype: str 
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     rope_scaling = None
     if rope_type == "yarn":
-        from .rope import YARN_FIELDS
         rope_scaling = {k: rope[k] for k in YARN_FIELDS if rope.get(k) is not None}
         if "original_max_position_embeddings" not in rope_scaling:
             _refuse(path, "rope_parameters.original_max_position_embeddings", "YaRN without its original context")

@@ -19,8 +19,8 @@ import math
 
 import numpy as np
 
-YARN_FIELDS = ("rope_type", "factor", "beta_fast", "beta_slow", "original_max_position_embeddings",
-               "attention_factor", "truncate", "mscale", "mscale_all_dim")
+from ..model.validate import YARN_FIELDS  # noqa: F401  (the config's rope-scaling fields)
+
 
 
 def _mscale(scale: float, m: float = 1.0) -> float:

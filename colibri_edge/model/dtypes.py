@@ -9,7 +9,7 @@ format a matrix may be stored in.
                                  the decode GEMV applies one multiply per output instead of one per 32
                                  inputs (README "Weight types")
     q8_0 q4_0 q4_1 q5_0 q5_1 mxfp4 q4_k q5_k q6_k   ggml's block formats, as GGUF stores them
-                                 (colibri_edge/quant.py): a matrix [N, K] is N rows of K / B blocks,
+                                 (colibri_edge/model/quant.py): a matrix [N, K] is N rows of K / B blocks,
                                  stored as uint8 [N, row_bytes]
 
 A matrix's *storage shape* is [N, K] for the element formats and [N, row_bytes] (bytes) for the block
@@ -20,7 +20,7 @@ import math
 import numpy as np
 
 from . import quant
-from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
+from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
 
 # element formats: name -> storage dtype
 STORAGE = {

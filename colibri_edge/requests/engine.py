@@ -17,21 +17,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import knobs, sampling
-from .core import DONE, ERROR, RETRY, TOKEN, Core, Event, Request, text_piece
-from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_MODEL, COLIBRI_ERR_OUT_OF_MEMORY
-from .modeldir import ModelDir
-from .scheduler import Runner
+from .. import knobs
+from . import sampling
+from .scheduler import DONE, ERROR, RETRY, TOKEN, Core, Event, Request, text_piece
+from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_MODEL, COLIBRI_ERR_OUT_OF_MEMORY, nonfinite
+from ..model.modeldir import ModelDir
+from ..runtime.runner import Runner
 
 _MODEL_CACHE: "weakref.WeakValueDictionary[str, ModelDir]" = weakref.WeakValueDictionary()
 
 
-def nonfinite(where: str) -> ColibriError:
-    """The outcome of NaN or inf logits: the weights (opening never scans them: pages of experts never
-    routed are never read) or an expert routed to hold non-finite values."""
-    return ColibriError(COLIBRI_ERR_INVALID_MODEL, f"the model produced non-finite logits (NaN or inf) for {where}: "
-                        "its weights, or an expert it routed to, hold NaN or inf values; convert it again from a sound "
-                        "checkpoint (`colibri convert` refuses non-finite tensors)")
 _MODEL_LOCK = threading.Lock()
 
 
@@ -133,7 +128,7 @@ class Engine:
         self.model = with_top_k(open_model_dir(path), knobs.resolve("COLIBRI_TOP_K", top_k))
         cfg = self.config = self.model.config
         self.path = self.model.path
-        from .backends import backend_class, resolve
+        from ..backends import backend_class, resolve
         backend_name = resolve(knobs.resolve("COLIBRI_BACKEND", backend))
         block = knobs.resolve("COLIBRI_KV_BLOCK_SIZE", kv_block_size)
         warmup = knobs.resolve("COLIBRI_ROUTER_WARMUP", router_warmup)
@@ -154,7 +149,7 @@ class Engine:
         kv_cache_tokens = sampling.integer("kv_cache_tokens", kv_cache_tokens, 1, 1 << 40)
         missing = sorted(self.model.formats - set(cls.weight_dtypes))
         if missing:
-            from .errors import COLIBRI_ERR_UNAVAILABLE
+            from ..errors import COLIBRI_ERR_UNAVAILABLE
             raise ColibriError(COLIBRI_ERR_UNAVAILABLE, f"backend {backend_name!r} does not run {', '.join(missing)} "
                                f"weights (it runs {', '.join(cls.weight_dtypes)}); re-convert with "
                                f"`colibri convert --dtype ...` or pick another backend")
@@ -482,7 +477,7 @@ class Engine:
                                           "read_bytes": pool.read_bytes, "memory": pool.locked}
 
     def trace_meta(self) -> dict:
-        from .planning import kv_window_bytes, state_bytes_per_sequence, summary
+        from ..analysis.sizing import kv_window_bytes, state_bytes_per_sequence, summary
         c, s = self.config, summary(self.model, 1)
         return {"model": self.path, "model_type": c["model_type"], "backend": self.backend.name,
                 "top_k": self.runner.top_k, "experts_per_layer": c["experts_per_layer"],
@@ -496,7 +491,7 @@ class Engine:
     def trace(self, prompts, max_new_tokens=0, **gen):
         """Run prompts (token id lists or strings) and return the routing Trace of every step
         (prefill, and decode when max_new_tokens > 0)."""
-        from .trace import TraceRecorder
+        from ..analysis.trace import TraceRecorder
         self._check_open()
         rec = TraceRecorder(self.runner, self.trace_meta())
         self._core.call(lambda: self.runner.hooks.append(rec))      # steps of concurrent requests are traced too

@@ -25,7 +25,7 @@ import numpy as np
 from . import validate
 from .dtypes import (QUANTIZED, WEIGHT_DTYPES, fits, is_block, narrow, nbytes, quantize_rows, storage_dtype,
                      storage_shape)
-from .errors import ColibriError, COLIBRI_ERR_OUT_OF_MEMORY, invalid_model
+from ..errors import ColibriError, COLIBRI_ERR_OUT_OF_MEMORY, invalid_model
 
 ALIGN = 4096
 WEIGHTS_FILE = "colibri_weights.bin"

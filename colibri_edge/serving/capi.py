@@ -23,7 +23,7 @@ import threading
 
 import numpy as np
 
-from .errors import (ColibriError, COLIBRI_OK, COLIBRI_ERR_BACKEND, COLIBRI_ERR_INVALID_ARGUMENT)
+from ..errors import (ColibriError, COLIBRI_OK, COLIBRI_ERR_BACKEND, COLIBRI_ERR_INVALID_ARGUMENT)
 
 _engines: dict = {}                    # handle -> Engine
 _lock = threading.Lock()
@@ -72,7 +72,7 @@ def init(model_path: str | None, backend: str | None, max_seq_len: int, max_batc
     model's context, 8, the model's experts per token); top_k otherwise routes each token to that many
     experts (Engine.open(top_k=...)); num_experts other than 0 is a check against the model, refused
     with both numbers when they differ."""
-    from .engine import Engine
+    from ..requests.engine import Engine
 
     def run():
         if not model_path:

@@ -20,11 +20,16 @@ import os
 
 import numpy as np
 
-from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
-from .slots import POLICIES, PREFETCH_MIN_P, SlotCache, likely_experts
+from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
+from ..runtime.slots import POLICIES, PREFETCH_MIN_P, SlotCache, likely_experts
 from .trace import Trace
 
-PROFILE_DIR = os.path.join(os.path.dirname(__file__), "profiles")
+PROFILE_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "profiles")
+
+
+def profile_path() -> str:
+    root = os.environ.get("COLIBRI_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "colibri")
+    return os.path.join(root, "device-this.json")
 
 
 def _layer_accesses(tr: Trace, min_p: float = PREFETCH_MIN_P):
@@ -63,7 +68,6 @@ def replay(tr: Trace, slots: int, policy: str, min_p: float = PREFETCH_MIN_P) ->
 def load_profile(name_or_path: str) -> dict:
     """A shipped profile by name, "this" (the machine as `colibri probe-device` measured it), or a file."""
     if name_or_path == "this":
-        from .probe import profile_path
         path = profile_path()
         if not os.path.exists(path):
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"--device this: {path} does not exist; run "

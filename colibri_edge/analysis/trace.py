@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
-from .hooks import RoutingHook
+from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
+from ..runtime.hooks import RoutingHook
 
 
 @dataclass

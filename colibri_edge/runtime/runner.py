@@ -20,12 +20,12 @@ import math
 import numpy as np
 
 from . import arena, program
-from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_OUT_OF_MEMORY
-from .modeldir import ModelDir
+from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_OUT_OF_MEMORY
+from ..model.modeldir import ModelDir
 from .hooks import RoutingHook  # noqa: F401  (re-exported: the hook interface)
 from .slots import likely_experts
 from .state import States, state_pools
-from .validate import geometries
+from ..model.validate import geometries
 
 
 def latent_widths(cfg: dict) -> list:
@@ -176,7 +176,7 @@ class Runner:
         least AUTO_HEADROOM_MIN); None (every expert resident, no pool) when all fit. Free: the smaller
         of what the backend reports (host: MemAvailable, the cgroup's limit, RLIMIT_AS) and the memory
         budget. Recorded in self.slot_choice, with the numbers."""
-        from .planning import human
+        from ..units import human
         avail, what = self.be.memory_available()
         if budget is not None and budget < avail:
             avail, what = budget, "the engine's memory budget"
@@ -203,7 +203,7 @@ class Runner:
     def _check_memory(self, expert_slots, budget=None):
         """Everything the engine allocates at open, against what the backend has and the engine's
         memory budget (when given), before any of it."""
-        from .planning import human
+        from ..units import human
         be = self.be
         need = {"arena (max_batch, prefill_chunk)": arena.nbytes(self.spec),
                 "KV cache (kv_cache_tokens)": sum(4 * math.prod(s) for s in self.states.storage().values())}

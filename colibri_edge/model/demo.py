@@ -13,7 +13,7 @@ import numpy as np
 
 from .modeldir import ModelWriter, expected_tensors
 
-SHIPPED = os.path.join(os.path.dirname(__file__), "default_model")
+SHIPPED = os.path.join(os.path.dirname(os.path.dirname(__file__)), "default_model")
 RANDOM_VERSION = 1
 
 

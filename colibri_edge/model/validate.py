@@ -21,7 +21,7 @@ import os
 import stat
 
 from . import dtypes
-from .errors import ColibriError, COLIBRI_ERR_INVALID_MODEL_TYPE, invalid_model
+from ..errors import ColibriError, COLIBRI_ERR_INVALID_MODEL_TYPE, invalid_model
 
 FORMAT_VERSION = 2            # written; 1 (one weight type for the directory) is still read
 READ_VERSIONS = (1, 2)
@@ -35,6 +35,10 @@ LAYER_FIELDS = ("layer_id", "type", "moe_expert_start", "moe_num_experts")
 # the head's D/2 frequencies, theta^(-2i/D), rotate; the rest do not), k_eq_v (keys reused as values)
 LAYER_OPTIONAL = ("head_dim", "num_key_value_heads", "rope_theta", "rope_partial", "k_eq_v")
 
+
+# rope_scaling fields of YaRN / longrope (colibri_edge.runtime.rope reads them)
+YARN_FIELDS = ("rope_type", "factor", "beta_fast", "beta_slow", "original_max_position_embeddings",
+               "attention_factor", "truncate", "mscale", "mscale_all_dim")
 
 def geometry(cfg: dict, layer: dict) -> tuple:
     """(query heads, KV heads, head_dim) of a layer's attention."""
@@ -234,7 +238,7 @@ CONFIG_FIELDS = (
 # layout ("interleaved": the converter permuted q/k rows to the half-split layout), for inspection
 # layer_types (per layer: full_attention | sliding_attention) and sliding_window W: those layers attend
 # to their last W positions; attention_sinks: every layer has attn.sinks [heads] (gpt-oss); rope_scaling:
-# YaRN (colibri_edge.rope); router_bias: router logits + layers.N.router_bias [E]; expert_bias: the
+# YaRN (colibri_edge.runtime.rope); router_bias: router logits + layers.N.router_bias [E]; expert_bias: the
 # routed experts' biases layers.N.experts.{gate,up,down}_bias; expert_act: silu (SwiGLU) or swiglu_oai
 # (gpt-oss's clamped SwiGLU, with swiglu_alpha and swiglu_limit)
 OPTIONAL = ("architectures", "bos_token_id", "attention_scale", "folded_multipliers", "router_choice_bias",
@@ -474,7 +478,6 @@ def _router_fields(path, cfg, E):
 
 def _attention_fields(path, cfg, L):
     """layer_types / sliding_window, sinks, rope scaling, router and expert biases, the activation."""
-    from .rope import YARN_FIELDS
     if "layer_types" in cfg:
         types = _list(path, "layer_types", cfg["layer_types"], MAX_LAYERS)
         if len(types) != L:

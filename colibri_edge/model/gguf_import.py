@@ -56,7 +56,7 @@ import numpy as np
 from tqdm import tqdm
 
 from .dtypes import is_block, narrow, storage_shape, widen
-from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_MODEL_TYPE, invalid_model
+from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_MODEL_TYPE, invalid_model
 from . import validate
 from .modeldir import ALIGN, HEAD_TYPES, ModelWriter, check_disk, tensor_roles
 

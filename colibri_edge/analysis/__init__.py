@@ -1,0 +1,1 @@
+"""Analysis: routing traces (trace), the expert-slot simulator (simulate) and memory sizing (sizing)."""
