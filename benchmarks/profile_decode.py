@@ -73,10 +73,9 @@ def profile(engine, prompt, steps: int, batch: list | None = None) -> dict:
     inner = runner.step
 
     def timed_step(entries, all_logits=False):
-        if batch is not None:                        # timers on for the steps that only decode
-            on["v"] = all(len(t) == 1 for _, t in entries)
-            if on["v"]:
-                sizes.append(len(entries))
+        on["v"] = all(len(t) == 1 for _, t in entries)   # timers on for the steps that only decode
+        if on["v"] and batch is not None:
+            sizes.append(len(entries))
         cur.clear()
         t0 = time.perf_counter()
         r = inner(entries, all_logits=all_logits)
@@ -86,16 +85,6 @@ def profile(engine, prompt, steps: int, batch: list | None = None) -> dict:
         return r
 
     runner.step = timed_step
-    # decode steps of one sequence: turn the timers on only for the decode steps
-    orig = engine._prefill
-
-    def prefill(*a, **kw):
-        on["v"] = False
-        r = orig(*a, **kw)
-        on["v"] = True
-        return r
-
-    engine._prefill = prefill
     t0 = time.perf_counter()
     try:
         if batch is None:
@@ -107,7 +96,6 @@ def profile(engine, prompt, steps: int, batch: list | None = None) -> dict:
         on["v"] = False
         for op, fn in saved.items():
             setattr(be, op, fn)
-        del engine._prefill
         runner.step = inner
     # medians over steps (the CPU may be shared: a step disturbed by another process does not skew them)
     steps_done = len(step_times)

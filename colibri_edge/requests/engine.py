@@ -11,7 +11,6 @@ from __future__ import annotations
 import numbers
 import os
 import threading
-import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -19,8 +18,8 @@ import numpy as np
 
 from .. import knobs
 from . import sampling
-from .scheduler import DONE, ERROR, RETRY, TOKEN, Core, Event, Request, text_piece
-from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_MODEL, COLIBRI_ERR_OUT_OF_MEMORY, nonfinite
+from .scheduler import DONE, ERROR, TOKEN, Core, Event, Request, text_piece
+from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, nonfinite
 from ..model.modeldir import ModelDir
 from ..runtime.runner import Runner
 
@@ -238,39 +237,6 @@ class Engine:
         self._next_seq += 1
         return self.runner.new_sequence(self._next_seq)
 
-    def _prefill(self, seqs_and_ids, all_logits):
-        """Run prompts through the model in chunks of at most prefill_chunk tokens, several
-        sequences per step. -> per sequence: logits of every token [n,V] or of its last [V]."""
-        r = self.runner
-        out = [[] for _ in seqs_and_ids]
-        pending = [(i, seq, ids, 0) for i, (seq, ids) in enumerate(seqs_and_ids)]
-        t0 = time.perf_counter()
-        while pending:
-            entries, owners, room = [], [], self.prefill_chunk
-            rest = []
-            for i, seq, ids, done in pending:
-                if room == 0 or len(entries) == self.max_batch:
-                    rest.append((i, seq, ids, done))
-                    continue
-                n = min(room, len(ids) - done)
-                entries.append((seq, ids[done:done + n]))
-                owners.append((i, n))
-                room -= n
-                if done + n < len(ids):
-                    rest.append((i, seq, ids, done + n))
-            logits = r.step(entries, all_logits=all_logits)
-            row = 0
-            for i, n in owners:
-                take = n if all_logits else 1
-                out[i].append(self.backend.download(logits[row:row + take]))
-                row += take
-            pending = rest
-        self.stats.prefill_tokens += sum(len(ids) for _, ids in seqs_and_ids)
-        self.stats.prefill_seconds += time.perf_counter() - t0
-        if all_logits:
-            return [np.concatenate(o, axis=0) for o in out]
-        return [o[-1][0] for o in out]
-
     # -- public API -------------------------------------------------------------------------
     def infer(self, input_ids):
         """int [seq] or [batch, seq] -> float32 logits [batch, seq, vocab] ([1, seq, vocab] for 1-D);
@@ -288,28 +254,29 @@ class Engine:
                 raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT,
                                    f"input_ids must be [seq] or [batch, seq] token ids, got shape {arr.shape}")
             seqs = [self._check_ids(x) for x in arr]
-        results = []
-        for g in range(0, len(seqs), self.max_batch):
-            results += self._core.call(lambda g=g: self._infer_group(seqs[g:g + self.max_batch]))
+        results = self._score(seqs)
         for j, r in enumerate(results):
             if not np.isfinite(r.max()):
                 raise nonfinite(f"input {j}")
         return results if as_list else np.stack(results)
 
-    def _infer_group(self, seqs):
-        """(core thread) one group's logits, or RETRY while running requests hold the blocks it needs."""
-        group = [(self._new_seq(), ids) for ids in seqs]
-        try:
-            for seq, ids in group:
-                self.runner.reserve(seq, len(ids))
-            return self._prefill(group, all_logits=True)
-        except ColibriError as e:
-            if e.code == COLIBRI_ERR_OUT_OF_MEMORY and self._core.busy:
-                return RETRY
-            raise
-        finally:
-            for seq, _ in group:
-                self.runner.free(seq)
+    def _score(self, seqs) -> list:
+        """Every token's logits of each sequence, through the request core: scoring requests (no
+        generation) prefilled in chunks beside whatever else is running, max_batch at a time."""
+        out = []
+        params = self._params(max_new_tokens=1)
+        for g in range(0, len(seqs), self.max_batch):
+            reqs = [Request(ids, params) for ids in seqs[g:g + self.max_batch]]
+            for r in reqs:
+                r.score = True
+            self._core.submit(reqs)
+            for r in reqs:
+                for ev in r.iter_events():
+                    if ev.kind == ERROR:
+                        raise ev.error
+                    if ev.kind == DONE:
+                        out.append(ev.logits)
+        return out
 
     def _prompt_ids(self, prompt):
         if isinstance(prompt, str):
@@ -499,24 +466,10 @@ class Engine:
             if max_new_tokens > 0:
                 self.generate_batch(list(prompts), max_new_tokens=max_new_tokens, **gen)
             else:
-                for p in prompts:
-                    ids = self._prompt_ids(p)
-                    self._core.call(lambda ids=ids: self._prefill_one(ids))
+                self._score([self._prompt_ids(p) for p in prompts])
         finally:
             self._core.call(lambda: self.runner.hooks.remove(rec))
         return rec.trace()
-
-    def _prefill_one(self, ids):
-        seq = self._new_seq()
-        try:
-            self.runner.reserve(seq, len(ids))
-            self._prefill([(seq, ids)], all_logits=False)
-        except ColibriError as e:
-            if e.code == COLIBRI_ERR_OUT_OF_MEMORY and self._core.busy:
-                return RETRY
-            raise
-        finally:
-            self.runner.free(seq)
 
     @property
     def kv_free_blocks(self) -> int:

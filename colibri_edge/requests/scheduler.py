@@ -99,6 +99,7 @@ class Event:
     logprob: float | None = None    # of the chosen token (when the request asked for logprobs)
     top: list | None = None         # [(token, logprob)] * top_logprobs
     reason: str = ""                # DONE: "stop" (eos / stop string), "length", "cancelled"
+    logits: np.ndarray | None = None  # DONE of a scoring request: float32 [len(prompt), V]
     t: float = 0.0                  # time.perf_counter() when the core emitted it
 
 
@@ -139,6 +140,8 @@ class Request:
         self.order = 0                  # submission order (the core's)
         self.admitted = 0.0
         self.first_token_at = None
+        self.score = False              # a scoring request (Engine.infer / trace): every prompt token's
+        self.chunks: list = []          # logits, gathered chunk by chunk; it finishes when the prompt is in
 
     def cancel(self):
         """Leave at the next step (blocks back in the pool); the request's stream ends."""
@@ -316,7 +319,7 @@ class Core:
             done.set()
         self.jobs.clear()
 
-    def _finish(self, r: Request, error=None, reason="stop"):
+    def _finish(self, r: Request, error=None, reason="stop", logits=None):
         if r in self.running:
             self.running.remove(r)
         if r in self.waiting:
@@ -327,7 +330,8 @@ class Core:
             r.seq = None
         r.finished = True
         r.finish_no = next(self._finished)
-        r._emit(Event(ERROR, error=error) if error is not None else Event(DONE, reason=reason))
+        r.chunks = []
+        r._emit(Event(ERROR, error=error) if error is not None else Event(DONE, reason=reason, logits=logits))
 
     def _fits_ever(self, r: Request, tokens: int) -> str | None:
         """Why `tokens` positions can never be held (the whole pool, or max_seq_len), or None."""
@@ -391,6 +395,7 @@ class Core:
             v.counts[v.pending] = v.counts.get(v.pending, 0) + 1
         v.ctx = np.concatenate([v.prompt, np.asarray(v.produced, np.int32)]) if v.produced else v.prompt
         v.pos, v.pending = 0, None
+        v.chunks.clear()
         with self.cond:
             self.waiting.append(v)
             self.waiting.sort(key=lambda r: (-r.priority, r.order))
@@ -451,8 +456,10 @@ class Core:
             budget -= n
         if not entries:
             return
+        # a scoring request's chunk wants the logits of every token it feeds; every other entry its last
+        scoring = [bool(r.score) for r, _ in owners] if any(r.score for r, _ in owners) else False
         t0 = time.perf_counter()
-        logits = e.backend.host_view(runner.step(entries))
+        logits = e.backend.host_view(runner.step(entries, all_logits=scoring))
         dt = time.perf_counter() - t0
         ndec = len(decode)
         npre = sum(len(t) for _, t in entries[ndec:])
@@ -463,14 +470,22 @@ class Core:
             e.stats.prefill_tokens += npre
             e.stats.prefill_seconds += dt if not ndec else dt * npre / (npre + ndec)
         # 3. sample: decode rows, and prefill chunks that completed their context
-        for row, (r, was_decode) in enumerate(owners):
+        row = 0
+        for (r, was_decode), (_, toks) in zip(owners, entries):
+            if r.score:                                  # keep the chunk's rows; done once the prompt is in
+                r.chunks.append(np.array(logits[row:row + len(toks)]))
+                row += len(toks)
+                if r.pos >= len(r.ctx):
+                    self._finish(r, logits=np.concatenate(r.chunks))
+                continue
+            row += 1
             if was_decode:
                 r.produced.append(r.pending)
                 r.counts[r.pending] = r.counts.get(r.pending, 0) + 1
                 r.pending = None
             elif r.pos < len(r.ctx):
                 continue                                 # more of the prompt next step
-            self._sample(r, logits[row])
+            self._sample(r, logits[row - 1])
 
     def _sample(self, r: Request, logits: np.ndarray):
         e = self.e

@@ -16,13 +16,15 @@ FFN parts: MoE              route (optionally a router bias, a choice-only bias,
            SharedExpert     an always-on expert, optionally behind a sigmoid gate (Qwen2-MoE)
            DenseMLP         a plain SwiGLU (or GeGLU) MLP (dense layers)
            ParallelFFN      Gemma 4: a dense GeGLU MLP and the experts side by side, sandwich-normed
-Each part's `forward(r, s)` runs its ops on the backend `r.be` over the step's arena views `s`
-(scheduler.StepViews) and adds its output into the residual s.x. The scheduler owns the order,
-the state and the hooks; a new kind is a new class here with its weights and its forward.
+Each part's `forward(c, s)` runs its ops on the backend `c.be` over the step's arena views `s`
+(runner.StepViews) and adds its output into the residual s.x; `c` is the FFNContext below, the few
+things of the step runner an FFN part may use. The runner owns the order, the state and the hooks; a
+new kind is a new class here with its weights and its forward.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -195,6 +197,25 @@ class GatedDeltaNet:
 
 
 @dataclass
+class FFNContext:
+    """What an FFN part's forward may use of the step runner (built once by runner.Runner):
+    be           the backend
+    plan_bufs    the arena's plan buffers, which align fills for a routed layer
+    dense_plan   dense_plan(s): the cached plan sending every token of the step to expert 0 (shared
+                 experts and dense MLPs run through grouped_ffn with it)
+    slot_pool    the expert slot pool (slots.SlotPool), or None when every expert is resident
+    hooks        the runner's RoutingHook list (the same list object: hooks added later are seen)
+    on_route     on_route(moe, s): shows every hook this layer's routing; returns the prefetch
+                 prediction when a hook asked for one"""
+    be: object
+    plan_bufs: dict
+    dense_plan: Callable
+    slot_pool: object
+    hooks: list
+    on_route: Callable
+
+
+@dataclass
 class MoE:
     """Routed experts: E experts of SwiGLU [I,H] / [H,I], k chosen per token."""
     layer: int                  # layer id
@@ -227,23 +248,23 @@ class MoE:
     def num_experts(self) -> int:
         return len(self.experts)
 
-    def forward(self, r, s):
+    def forward(self, c: FFNContext, s):
         """x += sum_j w[t,j] * expert_{ids[t,j]}(h[t]); with norms (Gemma 4, inside ParallelFFN):
         h = out_norm(sum_j w[t,j] expert_{ids[t,j]}(experts_norm(x))), routed on router_norm(x)."""
-        be = r.be
+        be = c.be
         if self.norms is not None:
             be.rmsnorm(s.h, s.x, self.norms[0], self.eps)
         be.matmul(s.router, s.h, self.router, self.router_bias)
         be.route(s.ids, s.w, s.router, self.top_k, self.mode, self.normalize, self.choice_bias, self.norm_min,
                  self.expert_scale, self.score, self.groups, self.scaling)
-        plan = be.align(r.plan_bufs, s.ids, s.T, len(self.experts), self.top_k, self.tally)
-        prefetch = r.on_route(self, s) if r.hooks else None
+        plan = be.align(c.plan_bufs, s.ids, s.T, len(self.experts), self.top_k, self.tally)
+        prefetch = c.on_route(self, s) if c.hooks else None
         if self.norms is not None:
             be.rmsnorm(s.h, s.x, self.norms[1], self.eps)
-        if r.slot_pool is None:
+        if c.slot_pool is None:
             be.grouped_ffn(s.y, s.h, self.experts, plan, s.scratch, self.act)
         else:
-            r.slot_pool.run_layer(self, plan, s, prefetch)
+            c.slot_pool.run_layer(self, plan, s, prefetch)
         if self.norms is None:
             be.combine(s.x, s.y, s.w, plan)
         else:                                   # h is free once the experts have read it
@@ -262,9 +283,9 @@ class SharedExpert:
     def __post_init__(self):
         self._one = [self.ffn]  # grouped_ffn takes an expert list; built once, not per step
 
-    def forward(self, r, s):
-        be = r.be
-        be.grouped_ffn(s.o, s.h, self._one, r.dense_plan(s), s.scratch_dense)
+    def forward(self, c: FFNContext, s):
+        be = c.be
+        be.grouped_ffn(s.o, s.h, self._one, c.dense_plan(s), s.scratch_dense)
         if self.gate is not None:
             be.matmul(s.gate_logit, s.h, self.gate)
             be.add(s.x, s.x, s.o, gate=s.gate_logit)
@@ -282,9 +303,9 @@ class DenseMLP:
     def __post_init__(self):
         self._one = [self.ffn]
 
-    def forward(self, r, s):
-        be = r.be
-        be.grouped_ffn(s.y_dense, s.h, self._one, r.dense_plan(s), s.scratch_dense, self.act)
+    def forward(self, c: FFNContext, s):
+        be = c.be
+        be.grouped_ffn(s.y_dense, s.h, self._one, c.dense_plan(s), s.scratch_dense, self.act)
         be.add(s.x, s.x, s.y_dense)
 
 
@@ -306,14 +327,14 @@ class ParallelFFN:
     def __post_init__(self):
         self._one = [self.mlp]
 
-    def forward(self, r, s):
-        be = r.be
-        be.grouped_ffn(s.y_dense, s.h, self._one, r.dense_plan(s), s.scratch_dense, self.act)
+    def forward(self, c: FFNContext, s):
+        be = c.be
+        be.grouped_ffn(s.y_dense, s.h, self._one, c.dense_plan(s), s.scratch_dense, self.act)
         if self.moe is None:
             be.rmsnorm(s.o, s.y_dense, self.out_norm, self.eps)
         else:
             be.rmsnorm(s.o, s.y_dense, self.mlp_out_norm, self.eps)
-            self.moe.forward(r, s)              # its output in s.h
+            self.moe.forward(c, s)              # its output in s.h
             be.add(s.o, s.o, s.h)
             be.rmsnorm(s.o, s.o, self.out_norm, self.eps)
         be.add(s.x, s.x, s.o)

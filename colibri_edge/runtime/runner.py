@@ -167,6 +167,8 @@ class Runner:
         self.hooks: list = []            # RoutingHook: traces, observers, the prefetch policy
         if self.slot_pool is not None and self.slot_pool.prefetch_hook is not None:
             self.hooks.append(self.slot_pool.prefetch_hook)
+        self.ffn_context = program.FFNContext(self.be, self.plan_bufs, self.dense_plan, self.slot_pool,
+                                              self.hooks, self.on_route)
         self._views = {}
 
     # -- setup ------------------------------------------------------------------------------
@@ -291,7 +293,8 @@ class Runner:
     def step(self, entries, all_logits=False):
         """entries: list of (SeqState, token ids) whose state is reserved.
         Returns logits [rows, V] (a view into the arena, valid until the next step): every token's
-        when all_logits, else each entry's last token's, in entry order."""
+        when all_logits, else each entry's last token's, in entry order; all_logits may also be one
+        bool per entry (a scoring request's chunk beside decode rows)."""
         T = sum(len(t) for _, t in entries)
         if T > self.max_rows or len(entries) > self.max_batch:
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"step of {T} tokens / {len(entries)} sequences "
@@ -312,7 +315,7 @@ class Runner:
                     slots[t:t + n] = row[p // B] * B + p % B
                 else:
                     slots[t] = tbl[seq.cached // B] * B + seq.cached % B
-            if all_logits:
+            if all_logits is True or (all_logits is not False and all_logits[s]):
                 h_rows[nrows:nrows + n] = np.arange(t, t + n) if n > 1 else t
                 nrows += n
             else:
@@ -329,7 +332,7 @@ class Runner:
         self.be.begin_step()
         self.be.upload_into(self.a["inputs"], self.h_inputs)
         s = self.views(T, nrows, len(entries))
-        if not all_logits and nrows == T and not self.hooks and self.slot_pool is None:
+        if all_logits is False and nrows == T and not self.hooks and self.slot_pool is None:
             # a decode step (one token per sequence): a GPU backend captures it once per shape and
             # replays it (CUDA graphs); only when nothing needs the host inside the step
             self.be.graph_step(("decode", T, nrows), self._forward, s)
@@ -355,7 +358,7 @@ class Runner:
             layer.mixer.forward(be, s)
             be.rmsnorm(s.h, s.x, layer.post_norm, eps)
             for part in layer.ffns:
-                part.forward(self, s)
+                part.forward(self.ffn_context, s)
             if layer.scalar != 1.0:
                 be.scale(s.x, s.x, layer.scalar)
         be.embed(s.sel, s.x, s.rows)            # gather the rows whose logits are wanted
