@@ -9,11 +9,14 @@ export PIP_DISABLE_PIP_VERSION_CHECK = 1
 NPROC   := $(shell nproc 2>/dev/null || echo 2)
 WORKERS ?= $(shell n=$(NPROC); [ $$n -gt 4 ] && n=4; echo $$n)
 
-.PHONY: demo test test-fast bench fuzz toolchains gpu-check capi bundle-aarch64 clean help
+.PHONY: demo test test-fast lint bench fuzz toolchains gpu-check capi bundle-aarch64 clean help
 
 help:
 	@echo "make demo   - create .venv, install, run the embedded default model"
-	@echo "make test   - install test dependencies, run toolchain checks and the test suite"
+	@echo "make test   - install test dependencies, run ruff, the toolchain checks and the test suite"
+	@echo "make test-fast - the inner loop: the suite without tests marked slow, stopping at the first failure"
+	@echo "              (no toolchain checks, no CUDA emulator suite, no aarch64 bundle check)"
+	@echo "make lint   - ruff check (pyproject.toml [tool.ruff])"
 	@echo "make bench  - benchmarks against llama.cpp and transformers (installs llama-cpp-python)"
 	@echo "make capi   - build/capi/libcolibri.so and colibri.h, the C interface (toolchains/capi/example.c)"
 	@echo "make bundle-aarch64 [CPU=cortex-a76] [MODEL=DIR] - build/bundle-aarch64(.tar.gz): an offline install"
@@ -43,11 +46,15 @@ demo: $(VENV)/.base
 # (Numba's default cache, stamped by file times, is cold in every clone: main suite 11.4 -> 5.9 min)
 KERNEL_CACHE ?= $(HOME)/.cache/colibri/kernels-host
 test: $(VENV)/.test
+	$(MAKE) lint
 	$(MAKE) toolchains
 	COLIBRI_KERNEL_CACHE=$(KERNEL_CACHE) $(PY) -m pytest -q -ra -n $(WORKERS) --dist loadfile
 
 test-fast: $(VENV)/.test
 	COLIBRI_KERNEL_CACHE=$(KERNEL_CACHE) $(PY) -m pytest -q -ra -x -m "not slow" -n $(WORKERS) --dist loadfile
+
+lint: $(VENV)/.test
+	$(VENV)/bin/ruff check .
 
 toolchains: $(VENV)/.test
 	$(MAKE) -C toolchains all PY=$(abspath $(PY))

@@ -85,7 +85,7 @@ class Act:
 
 @dataclass
 class Plan:
-    """Tokens grouped by expert (see colibri_edge.runtime.routing.align for a worked example).
+    """Tokens grouped by expert (see colibri_edge.backends.routing.align for a worked example).
         offsets [E+1]  rows of expert e are sorted positions offsets[e] .. offsets[e+1]-1
         order   [T*k]  sorted position -> assignment a = t*k + j (token t's j-th choice)
         inverse [T*k]  assignment a -> sorted position
@@ -390,11 +390,11 @@ class Backend:
         max(their sum, norm_min) if normalize, times `scaling` (routed_scaling_factor), then times
         expert_scale[id] (a float32 Weight [E], Gemma 4's per_expert_scale) when given.
         gated: k == E, every expert with weight p (softmax). (Model validation guarantees mode, k
-        <= keep * E/n and top <= E/n; colibri_edge.runtime.routing.route is the reference.)"""
+        <= keep * E/n and top <= E/n; colibri_edge.backends.routing.route is the reference.)"""
         raise NotImplementedError
 
     def align(self, bufs: dict, ids, num_tokens: int, num_experts: int, top_k: int, tally=None) -> Plan:
-        """Group the step's assignments by expert (counting sort; colibri_edge.runtime.routing.align) into
+        """Group the step's assignments by expert (counting sort; colibri_edge.backends.routing.align) into
         the arena's plan buffers `bufs` (plan_buffers()). tally: an int32 [E] buffer that counts the
         tokens routed to each expert, on the device (so graph replays count too), or None."""
         raise NotImplementedError
@@ -422,8 +422,8 @@ class Backend:
 
     def memory_available(self) -> tuple:
         """-> (bytes the engine may still allocate on this backend, what limits it): compared with
-        what Engine.open needs before anything is allocated. Host backends: colibri_edge.runtime.memory."""
-        from colibri_edge.runtime.memory import host_available
+        what Engine.open needs before anything is allocated. Host backends: colibri_edge.memory."""
+        from colibri_edge.memory import host_available
         return host_available()
 
     def begin_step(self):

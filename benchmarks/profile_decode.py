@@ -85,14 +85,12 @@ def profile(engine, prompt, steps: int, batch: list | None = None) -> dict:
         return r
 
     runner.step = timed_step
-    t0 = time.perf_counter()
     try:
         if batch is None:
             engine.generate(prompt, max_new_tokens=steps + 1, ignore_eos=True)
         else:
             engine.generate_batch(batch, max_new_tokens=steps + 1, ignore_eos=True)
     finally:
-        wall = time.perf_counter() - t0
         on["v"] = False
         for op, fn in saved.items():
             setattr(be, op, fn)

@@ -114,7 +114,7 @@ def markdown(r):
                f"HF float32 checkpoint converted for every engine. Prompt {r['prompt_len']} tokens; decode = "
                f"{r['decode_steps']} greedy steps (EOS ignored).")
     out.append("")
-    b0, b1 = r["bandwidth_start"], r["bandwidth_end"]
+    b0 = r["bandwidth_start"]
     blas = b0["blas"][0] if b0["blas"] else {}
     lo, hi = r["machine_read_gbps_range"]
     out.append(f"Machine read bandwidth (NumPy BLAS sgemv over a {b0['bytes'] / 2**20:.0f} MiB float32 matrix, "

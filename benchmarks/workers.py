@@ -280,7 +280,6 @@ def colibri(job):
 
 # ------------------------------------------------------------------------------------------------
 def llama(job):
-    import ctypes
     import llama_cpp
     from llama_cpp import Llama
     prompts, n_dec, threads = job["prompts"], job["decode_steps"], job["threads"]

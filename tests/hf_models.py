@@ -264,7 +264,6 @@ def hf_logits(path: str, ids: np.ndarray, **config) -> np.ndarray:
     """transformers' float32 logits for int ids [batch, seq] (weights upcast from the saved dtype);
     config: attributes that override the checkpoint's config (num_experts_per_tok=1, ...)."""
     import torch
-    from transformers import AutoModelForCausalLM
     model = checkpoint_class(path).from_pretrained(path, dtype=torch.float32, attn_implementation="eager", **config)
     model.eval()
     with torch.no_grad():
@@ -273,7 +272,6 @@ def hf_logits(path: str, ids: np.ndarray, **config) -> np.ndarray:
 
 def hf_greedy(path: str, ids, n: int) -> list:
     import torch
-    from transformers import AutoModelForCausalLM
     model = checkpoint_class(path).from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     model.eval()
     with torch.no_grad():
@@ -301,7 +299,7 @@ def dequantised_checkpoint(hf_dir: str, model_dir: str, out_dir: str) -> str:
     import json
     import shutil
     from safetensors.numpy import load_file, save_file
-    from colibri_edge.model.convert import _source_names
+    from colibri_edge.model import families
     from colibri_edge.model.dtypes import widen
     from colibri_edge.model.modeldir import ModelDir, split_expert_blob_scaled
     m = ModelDir(model_dir)
@@ -311,7 +309,7 @@ def dequantised_checkpoint(hf_dir: str, model_dir: str, out_dir: str) -> str:
         if name.endswith(".safetensors"):
             state.update(load_file(os.path.join(hf_dir, name)))
     out = {}
-    names = _source_names(cfg)
+    names = families.for_model_type(cfg["model_type"]).source_names(cfg)
     for ours in m.tensors:
         if ours.endswith(".scales"):
             continue

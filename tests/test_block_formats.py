@@ -11,7 +11,7 @@ from colibri_edge import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR
 from colibri_edge.backends import backend_class
 from colibri_edge.model.convert import convert
 from colibri_edge.model.modeldir import ModelDir
-from conftest import activation_runs, close
+from helpers import activation_runs, close
 from hf_models import build_hf, dequantised_checkpoint, hf_logits
 
 TOL = 1e-4

@@ -214,7 +214,7 @@ def test_ernie_layout(model_cache):
     interleaved to half-split rope pairs (exactly: a row permutation), v untouched, the correction bias
     stored as the router's choice bias, shared experts' width, inspect's lines."""
     from safetensors.numpy import load_file
-    from colibri_edge.model.gguf_import import unpermute
+    from colibri_edge.model.families.common import unpermute
     from colibri_edge.model.modeldir import ModelDir
     from hf_models import CASES, convert_case
     for case, plan in (("ernie4_5_moe", ["dense", "moe_shared", "moe_shared", "dense"]),

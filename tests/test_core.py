@@ -13,7 +13,7 @@ import pytest
 from colibri_edge import AsyncEngine, ColibriError, Engine, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_UNAVAILABLE
 from colibri_edge.requests import sampling
 from colibri_edge.requests.scheduler import DONE, TOKEN
-from conftest import fp32
+from helpers import fp32
 from hf_models import convert_case
 
 V = 96          # qwen3_moe's vocabulary (hf_models.CASES)

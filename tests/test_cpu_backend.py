@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from colibri_edge import ColibriError, Engine
-from conftest import backend_available
+from helpers import backend_available
 from hf_models import convert_case
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from colibri_edge import Engine
 from colibri_edge.model.demo import SHIPPED, ensure_default_model
-from conftest import fp32
+from helpers import fp32
 from hf_models import hf_greedy, hf_logits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,10 +10,8 @@ import pytest
 
 from colibri_edge import Engine, ColibriError, COLIBRI_ERR_UNAVAILABLE
 from colibri_edge.backends import backend_class
-from colibri_edge.runtime.hooks import RoutingHook
 from colibri_edge.model.modeldir import ModelDir
-from conftest import fp32
-from test_parity import ExpertIds
+from helpers import Held, check_batch_single_ragged, fp32
 from hf_models import FAMILY_CASES, convert_case, hf_greedy, hf_logits, mxfp4_checkpoint
 
 TOL = 1e-4
@@ -75,44 +73,6 @@ def test_gpt_oss_logits_and_routing_match_transformers(backend_name, case, model
         check_batch_single_ragged(eng, batch, want, choices, lambda b: hf_logits_and_choices(hf, b)[0], 1e-4)
 
 
-def check_batch_single_ragged(eng, batch, want, choices, oracle, min_margin):
-    """The engine's logits of a batch [3, n], its second prompt alone and ragged prompts (the first's
-    first 5 tokens, the third) within TOL of max |want| (oracle(ids) gives the 5-token prompt's), and
-    each token's experts equal to the oracle's router choice (choices: layer -> (ids, margin)) wherever
-    the k-th and (k+1)-th scores are more than min_margin apart, at 90% of the positions or more."""
-    ids = ExpertIds(eng)
-    got = eng.infer(batch)
-    eng.runner.hooks.clear()
-    single = eng.infer(batch[1])
-    ragged = eng.infer([batch[0][:5], batch[2]])
-    scale = np.abs(want).max()
-    assert np.abs(got - want).max() / scale < TOL
-    assert np.abs(single[0] - want[1]).max() / scale < TOL
-    assert np.abs(ragged[0] - oracle(batch[:1, :5])[0]).max() / scale < TOL
-    assert np.abs(ragged[1] - want[2]).max() / scale < TOL
-    compared = 0
-    mine = ids.by_layer()
-    for layer, (hf_idx, margin) in choices.items():
-        for t in np.flatnonzero(margin > min_margin):
-            assert sorted(mine[layer][t]) == sorted(hf_idx[t]), (layer, t)
-            compared += 1
-    assert compared > 0.9 * sum(len(m) for _, m in choices.values())
-
-
-def check_slot_pool(opener, vocab):
-    """Experts streamed through 4 slots (opener(expert_slots=4)): the same logits and 8 greedy tokens
-    as with every expert resident (opener()), with slot misses on the way."""
-    ids = np.random.default_rng(5).integers(0, vocab, size=(2, 9))
-    prompt = [3, 9, 27, 81, 2, 6, 18]
-    with opener() as eng:
-        want, want_gen = eng.infer(ids), eng.generate(prompt, max_new_tokens=8, ignore_eos=True)
-    with opener(expert_slots=4) as eng:
-        got = eng.infer(ids)
-        assert eng.generate(prompt, max_new_tokens=8, ignore_eos=True) == want_gen
-        assert eng.slot_stats["misses"] > 0
-    assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
-
-
 @pytest.mark.parametrize("block", [1, 7, 16])
 def test_gpt_oss_greedy_matches_transformers(backend_name, block, model_cache):
     """32 greedy tokens after a prompt longer than the window (6), token for token."""
@@ -126,22 +86,6 @@ def test_gpt_oss_greedy_matches_transformers(backend_name, block, model_cache):
         got = eng.generate(prompt, max_new_tokens=32, ignore_eos=True)
         assert all(p.free_blocks == p.num_blocks for p in eng.runner.states.paged)   # everything returned
     assert got == json.load(open(key))
-
-
-class Held(RoutingHook):
-    """The blocks each paged pool holds for the one sequence, after every step."""
-
-    def __init__(self, runner):
-        self.runner, self.after = runner, []
-        runner.hooks.append(self)
-
-    def begin_step(self, entries, positions):
-        self.seq = entries[0][0]
-
-    def end_step(self):
-        pools = self.runner.states.paged
-        self.after.append((self.seq.cached, [p.held(self.seq, i) for i, p in enumerate(pools)],
-                           [p.num_blocks - p.free_blocks for p in pools]))
 
 
 @pytest.mark.parametrize("block", [1, 4])

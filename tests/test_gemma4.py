@@ -13,8 +13,8 @@ import pytest
 from colibri_edge import Engine, ColibriError, COLIBRI_ERR_INVALID_MODEL
 from colibri_edge.model.convert import translate_config
 from colibri_edge.model.modeldir import ModelDir
-from conftest import fp32
-from test_families import Held, check_batch_single_ragged, check_slot_pool
+from helpers import fp32
+from helpers import Held, check_batch_single_ragged, check_slot_pool
 from hf_models import FAMILY_CASES, config_for, convert_case, hf_greedy
 
 TOL = 1e-4

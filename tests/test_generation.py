@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from colibri_edge import (Engine, ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_OUT_OF_MEMORY)
-from conftest import fp32
+from helpers import fp32
 from hf_models import MODEL_TYPES, convert_case, hf_greedy
 
 N_NEW = 32

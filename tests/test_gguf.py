@@ -22,7 +22,7 @@ from colibri_edge.model.gguf_import import EOG_TEXTS, gguf_names  # noqa: E402
 from colibri_edge.model.modeldir import ModelDir  # noqa: E402
 import gguf_models as gm  # noqa: E402
 from gguf_models import gguf_cases  # noqa: E402,F401  (the session fixture)
-from conftest import activation_runs, close  # noqa: E402
+from helpers import activation_runs, close  # noqa: E402
 
 TOL = 1e-4
 # every architecture as the converter writes it, and each block format on a K-quant-sized model of
@@ -275,7 +275,6 @@ def test_unsupported_gguf_architectures_and_features(tmp_path, gguf_cases):
     b[at:at + 5] = b"gemma"                                   # same length: llama -> gemma
     e = _bad(tmp_path, bytes(b))
     assert e.code == COLIBRI_ERR_INVALID_MODEL_TYPE and "gemma" in str(e)
-    e2 = None
     with pytest.raises(ColibriError) as e2:
         convert(str(path), str(tmp_path / "o2"), dtype="q4_k", progress=False)
     assert e2.value.code == COLIBRI_ERR_INVALID_ARGUMENT and "no requantisation" in str(e2.value)

@@ -9,8 +9,9 @@ import pytest
 from colibri_edge.backends import create
 from colibri_edge.backends.base import FFN, plan_buffers
 from colibri_edge.model.dtypes import STORAGE, block_of, narrow, quantize_rows, widen
-from colibri_edge.runtime import routing
+from colibri_edge.backends import routing
 from colibri_edge.model.quant import fake_quantized_activations
+from helpers import backend_pair as backend, dev, kernel_close as close
 
 # (T, K, N): GEMV, blocks of 4, odd sizes, K past one shared-memory chunk, T > 32 (tiled / cuBLAS)
 MATMUL_SHAPES = [(1, 37, 29), (7, 64, 33), (33, 19, 130), (8, 64, 40), (32, 130, 70), (5, 1100, 20),
@@ -22,23 +23,6 @@ MOE_SHAPES = [(1, 1, 7, 29, 23), (1, 2, 7, 29, 23), (13, 3, 7, 29, 23), (13, 4, 
               (1100, 2, 300, 16, 10)]
 TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 3e-3, "int8": 1e-5}   # block formats: 1e-5 (same
 # stored weights on both sides: only the order of float32 sums differs)
-
-
-def backend(spec):
-    name, opts = spec
-    return create("reference"), create(name, **opts)
-
-
-def dev(be, host):
-    buf = be.alloc(host.shape, host.dtype)
-    be.upload_into(buf, np.ascontiguousarray(host))
-    return buf
-
-
-def close(a, b, tol=2e-5):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    scale = max(1.0, np.abs(b).max())
-    assert np.abs(a - b).max() <= tol * scale, f"max abs err {np.abs(a - b).max():.3g} (scale {scale:.3g})"
 
 
 def stored(w32, wd):

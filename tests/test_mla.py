@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from colibri_edge import Engine, ColibriError, COLIBRI_ERR_INVALID_MODEL
-from colibri_edge.runtime import routing
+from colibri_edge.backends import routing
 from colibri_edge.model.convert import translate_config
-from conftest import activation_runs, close, fp32
-from test_families import check_batch_single_ragged, check_slot_pool
+from helpers import activation_runs, close, fp32
+from helpers import check_batch_single_ragged, check_slot_pool
 from hf_models import FAMILY_CASES, config_for, convert_case, hf_greedy
 
 CASES = ["deepseek_v2", "deepseek_v3", "glm4_moe_lite"]

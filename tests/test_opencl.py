@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REQUIRED, backend_available
+from helpers import REQUIRED, backend_available
 from colibri_edge.errors import (ColibriError, COLIBRI_ERR_BACKEND, COLIBRI_ERR_OUT_OF_MEMORY,
                                  COLIBRI_ERR_UNAVAILABLE)
 

@@ -11,29 +11,10 @@ import pytest
 
 from colibri_edge import Engine, ColibriError, COLIBRI_ERR_UNAVAILABLE
 from colibri_edge.backends import backend_class
-from colibri_edge.runtime.hooks import RoutingHook
-from conftest import fp32
+from helpers import ExpertIds, fp32, rel_err
 from hf_models import CASES, convert_case, hf_logits
 
 TOL = 1e-4   # max |colibri - transformers| / max |transformers logit|
-
-
-def rel_err(got, want):
-    return float(np.abs(got - want).max() / np.abs(want).max())
-
-
-class ExpertIds(RoutingHook):
-    """Records the expert ids every MoE layer chose, token by token."""
-
-    def __init__(self, engine):
-        self.be, self.ids = engine.backend, {}
-        engine.runner.hooks.append(self)
-
-    def on_route(self, layer, ids, weights, next_layer, predicted):
-        self.ids.setdefault(layer, []).append(np.array(self.be.download(ids)))
-
-    def by_layer(self):
-        return {l: np.concatenate(v) for l, v in self.ids.items()}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

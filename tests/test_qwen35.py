@@ -16,11 +16,12 @@ from colibri_edge import backends
 from colibri_edge.backends.reference import backend as reference
 from colibri_edge.model.dtypes import is_block
 from colibri_edge.model.quant import fake_quantized_activations
-from colibri_edge.model.convert import rope_dim_order, translate_config
+from colibri_edge.model.convert import translate_config
+from colibri_edge.model.families.common import rope_dim_order
 from colibri_edge.analysis.sizing import engine_memory, kv_full_bytes_per_token, state_bytes_per_sequence, summary
 from colibri_edge.model.modeldir import ModelDir
-from conftest import fp32
-from test_families import check_batch_single_ragged, check_slot_pool
+from helpers import fp32
+from helpers import check_batch_single_ragged, check_slot_pool
 from hf_models import FAMILY_CASES, QWEN35_TEXT, checkpoint_class, config_for, convert_case, hf_greedy
 
 CASES = ["qwen3_5_moe", "qwen3_5_moe_vl"]

@@ -10,8 +10,8 @@ import pytest
 from colibri_edge.backends import create
 from colibri_edge.backends.reference import backend as ref_backend
 
-from conftest import KERNEL_VARIANTS, _need, _pairs
-from test_kernels import backend, close, dev
+from helpers import KERNEL_VARIANTS, need as _need, pairs as _pairs
+from helpers import backend_pair as backend, dev, kernel_close as close
 
 # the kernel variants that reach these ops' code: the cpu's thread count (queues, streams, cuBLAS and
 # the int8 activation path never touch them, so their variants would only repeat the default's run)

@@ -5,7 +5,6 @@ budgets, and the requests the server refuses by name (tool calls, structured out
 is bounded in count and time, and the server is stopped at the end."""
 import json
 import os
-import shutil
 import socket
 import threading
 import time

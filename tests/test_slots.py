@@ -10,7 +10,7 @@ import pytest
 from colibri_edge import Engine
 from colibri_edge.analysis.simulate import replay
 from colibri_edge.analysis.trace import Trace, routing_stats
-from conftest import fp32
+from helpers import fp32
 from hf_models import convert_case
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

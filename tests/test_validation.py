@@ -13,7 +13,7 @@ import fuzz
 from colibri_edge import (Engine, ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_MODEL,
                           COLIBRI_ERR_OUT_OF_MEMORY, COLIBRI_ERR_UNAVAILABLE)
 from colibri_edge.model.modeldir import ModelDir
-from conftest import backend_available, fp32
+from helpers import backend_available, fp32
 
 SLICE = {"reference": 1000, "cpu": 1000, "opencl": 300}
 

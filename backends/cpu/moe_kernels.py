@@ -116,7 +116,7 @@ def route(out_ids, out_w, logits, gated, normalize, choice_bias, norm_min, exper
 
 @njit(cache=True)
 def align(offsets, order, inverse, counts, active, ids, tally):
-    """Stable counting sort of assignments a = t*k + j by expert ids[a] (colibri_edge.runtime.routing.align):
+    """Stable counting sort of assignments a = t*k + j by expert ids[a] (colibri_edge.backends.routing.align):
         counts[e] = #{a : ids[a] = e},  offsets = [0, cumsum(counts)]  ([E+1])
         order[offsets[e] + r] = e's r-th assignment,  inverse[order[i]] = i
         active[:n] = experts with counts > 0, ascending; returns n.

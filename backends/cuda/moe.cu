@@ -169,7 +169,7 @@ static __device__ int block_exscan(int v, int* sm, int* total) {
 }
 
 // align: the A assignments a = t*k + j (expert ids[a]) grouped by expert with a counting sort,
-// stable within an expert (the plan of colibri_edge.runtime.routing.align), then cut into blocks of at
+// stable within an expert (the plan of colibri_edge.backends.routing.align), then cut into blocks of at
 // most BM rows, each block one expert (vLLM's moe_align_block_size, without padding rows: a
 // block knows where its expert's rows end).
 //   counts[e]  = #{a : ids[a] == e}          offsets[e] = counts[0] + ... + counts[e-1], offsets[E] = A

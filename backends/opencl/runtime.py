@@ -258,7 +258,7 @@ class OpenCLRuntime(BackendBase):
         room = int(self.dev.global_mem_size)
         what = f"the OpenCL device's global memory ({int(self.dev.global_mem_size) / 2**30:.1f} GiB)"
         if self.dev.type & self.cl.device_type.CPU:
-            from colibri_edge.runtime.memory import host_available
+            from colibri_edge.memory import host_available
             host, why = host_available()
             if host < room:
                 return host, why

@@ -10,7 +10,7 @@ import math
 import numpy as np
 
 from colibri_edge.model.dtypes import WEIGHT_DTYPES, storage_dtype, widen
-from colibri_edge.runtime import routing
+from colibri_edge.backends import routing
 from ..base import Backend as BackendBase, Plan, Weight
 
 

@@ -75,7 +75,7 @@ def _cmd_inspect(a):
     if cfg.get("norm_layout") == "sandwich":
         print(f"  sandwich norms (attention and FFN outputs normed before the residual); dense MLP "
               f"{cfg.get('ffn_act', 'silu')}; embeddings x{cfg.get('embed_scale', 1.0):g}"
-              + (f"; per-layer scalars" if cfg.get("layer_scalar") else "")
+              + ("; per-layer scalars" if cfg.get("layer_scalar") else "")
               + (f"; logits soft-capped at {cfg['final_logit_softcap']:g}" if cfg.get("final_logit_softcap") else ""))
     types = cfg.get("layer_types") or ["full_attention"] * len(cfg["layers"])
     sinks = " with sinks" if cfg.get("attention_sinks") else ""

@@ -16,7 +16,7 @@ What the simulator's estimate needs (simulate.estimate), measured the way the en
   page_cache_gbs        the same reads again, now from the page cache (a miss whose pages are cached)
   layer_overhead_ms     a decode step of the demo model less its weight reads at memory_bandwidth_gbs, per
                         layer: the cost that does not scale with a layer's size (Python, launches)
-  memory_bytes          what this process may allocate (colibri_edge.runtime.memory.host_available)
+  memory_bytes          what this process may allocate (colibri_edge.memory.host_available)
 Nothing here is timed against a threshold; the numbers are what they are on this machine.
 """
 from __future__ import annotations
@@ -119,7 +119,7 @@ def probe(directory: str | None = None, mem_mib: int = 512, file_mib: int = 256,
           weights_file: str | None = None) -> dict:
     """The profile (module docstring). weights_file: measure storage on that file (read only) instead of
     a file of our own in `directory`."""
-    from ..runtime.memory import host_available
+    from ..memory import host_available
     directory = directory or tempfile.gettempdir()
     if not os.path.isdir(directory):
         raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"--dir {directory}: not a directory; give the one the "

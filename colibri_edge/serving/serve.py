@@ -405,9 +405,9 @@ def create_app(models: dict, api_key: str | None = None, cors: str | None = None
 
 def check_budgets(budgets: dict, available: int | None = None):
     """The models' memory budgets ({name: bytes}) against the memory this process may take (host
-    memory: colibri_edge.runtime.memory): ColibriError(COLIBRI_ERR_OUT_OF_MEMORY) with the numbers when they
+    memory: colibri_edge.memory): ColibriError(COLIBRI_ERR_OUT_OF_MEMORY) with the numbers when they
     add up to more, before any engine is opened."""
-    from ..runtime.memory import host_available
+    from ..memory import host_available
     from ..units import human
     total = sum(budgets.values())
     if available is None:

@@ -112,7 +112,6 @@ def main():
         layer_freq = Counter(toks.tolist())
         for e in range(E):
             c = Counter(toks[(ids == e).any(1)].tolist())
-            share = counts[e] / n
             scored = sorted(((c[t] / layer_freq[t], c[t], t) for t in c if layer_freq[t] >= 20),
                             reverse=True)
             top_tokens[e] = [vocab.decode([t]) for _, _, t in scored[:6]]
