@@ -11,6 +11,7 @@ import shutil
 
 import numpy as np
 
+from .families.mixtral import Mixtral
 from .modeldir import ModelWriter, expected_tensors
 
 SHIPPED = os.path.join(os.path.dirname(os.path.dirname(__file__)), "default_model")
@@ -61,7 +62,7 @@ def build_random_model(path: str, seed: int = 0):
     V = tok.get_vocab_size()
     H, L, E, K, I = 64, 2, 8, 2, 96
     cfg = {
-        "format_version": 1, "model_type": "mixtral", "num_hidden_layers": L, "hidden_size": H,
+        "format_version": 1, "model_type": Mixtral.model_types[0], "num_hidden_layers": L, "hidden_size": H,
         "intermediate_size": I, "moe_intermediate_size": I, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 16, "vocab_size": V, "max_position_embeddings": 1024, "rope_theta": 10000.0,
         "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "experts_per_layer": E, "top_k": K,

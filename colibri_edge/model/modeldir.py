@@ -22,14 +22,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import validate
+from . import families, validate
 from .dtypes import (QUANTIZED, WEIGHT_DTYPES, fits, is_block, narrow, nbytes, quantize_rows, storage_dtype,
                      storage_shape)
 from ..errors import ColibriError, COLIBRI_ERR_OUT_OF_MEMORY, invalid_model
 
 ALIGN = 4096
 WEIGHTS_FILE = "colibri_weights.bin"
-FORMAT_VERSION, SUPPORTED_MODEL_TYPES = validate.FORMAT_VERSION, validate.SUPPORTED_MODEL_TYPES
+FORMAT_VERSION = validate.FORMAT_VERSION
+SUPPORTED_MODEL_TYPES = families.SUPPORTED_MODEL_TYPES      # every family's model_type names (the registry)
 PLAIN = ("float32", "float16", "bfloat16")      # formats whose blob sections are not padded
 
 
@@ -370,7 +371,7 @@ class ExpertRecord:
 
 
 def validate_config(cfg: dict, path: str = "config.json") -> dict:
-    return validate.config(cfg, path)
+    return validate.config(cfg, path, SUPPORTED_MODEL_TYPES)
 
 
 class ModelDir:
@@ -383,7 +384,8 @@ class ModelDir:
             raise invalid_model(self.path, "(directory)", "not a directory; pass a model directory "
                                 "made by `colibri convert`")
         p = lambda n: os.path.join(self.path, n)
-        self.config = validate.config(validate.load_json(p("config.json"), "config.json"), p("config.json"))
+        self.config = validate.config(validate.load_json(p("config.json"), "config.json"), p("config.json"),
+                                      SUPPORTED_MODEL_TYPES)
         self.tensors = validate.load_json(p("tensors.json"), "tensors.json")
         experts = validate.load_json(p("experts.json"), "experts.json")
         wpath = p(WEIGHTS_FILE)

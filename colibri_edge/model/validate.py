@@ -25,9 +25,6 @@ from ..errors import ColibriError, COLIBRI_ERR_INVALID_MODEL_TYPE, invalid_model
 
 FORMAT_VERSION = 2            # written; 1 (one weight type for the directory) is still read
 READ_VERSIONS = (1, 2)
-SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared",
-                         "ernie4_5_moe", "gpt_oss", "gemma4_text", "gemma4", "deepseek_v2", "deepseek_v3",
-                         "glm4_moe_lite", "qwen3_5_moe", "qwen3_5_moe_text")
 LAYER_TYPES = ("dense", "moe", "moe_shared", "moe_dense")   # moe_dense: experts beside a dense MLP (Gemma 4)
 LAYER_FIELDS = ("layer_id", "type", "moe_expert_start", "moe_num_experts")
 # a layer's own attention geometry and rope where it differs from the config's (Gemma 4's full layers):
@@ -258,14 +255,15 @@ EXPERT_ACTS = ("silu", "swiglu_oai", "gelu_tanh")
 FOLDED = ("embedding_multiplier", "residual_multiplier", "logits_scaling")
 
 
-def config(cfg, path: str = "config.json") -> dict:
-    """config.json, every field typed and ranged; returns it (a dict of plain values)."""
+def config(cfg, path: str = "config.json", model_types: tuple | None = None) -> dict:
+    """config.json, every field typed and ranged; returns it (a dict of plain values). model_types:
+    the supported model_type names (modeldir passes the family registry's; None: not checked here)."""
     _obj(path, "(root)", cfg)
     mt = cfg.get("model_type")
-    if mt not in SUPPORTED_MODEL_TYPES:
+    if model_types is not None and mt not in model_types:
         raise ColibriError(COLIBRI_ERR_INVALID_MODEL_TYPE,
                            f"{path}: field 'model_type': {mt!r:.60} is not supported; supported: "
-                           f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+                           f"{', '.join(model_types)}")
     for f in CONFIG_FIELDS:
         if f not in cfg and f not in OPTIONAL:
             raise invalid_model(path, f, "missing")
