@@ -280,7 +280,7 @@ def tokenizer(m: GGUFModel):
     tokens = td.get("tokens")
     if not isinstance(tokens, list) or not tokens:
         raise invalid_model(m.path, "tokenizer.ggml.tokens", "missing: the file embeds no vocabulary")
-    if td.get("tokenizer_type") == "llama":
+    if td.get("tokenizer_type") == _gguf().vocab.SentencePieceVocab.tokenizer_model:   # a sentencepiece vocabulary
         tc.setdefault("add_bos_token", True)
     for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("unk_token", "unknown_token_id"),
                       ("pad_token", "padding_token_id")):

@@ -192,7 +192,7 @@ def gguf_rows(tz, cfg: dict, what: str, name: str, role):
     copied, never requantised. The norms are stored with the + 1 folded in (as ours)."""
     nh, nkv, D = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     order = rope_dim_order(D, cfg.get("rope_dim", D))
-    part, (shape, r) = what.split(".", 2)[-1], role
+    part, shape = what.split(".", 2)[-1], role[0]
     if part in ("attn.wq", "attn.wq_gate"):
         data, fmt = tz.stored(name, (nh * 2 * D, shape[1]))
         heads = data.reshape(nh, 2, D, *data.shape[1:])
