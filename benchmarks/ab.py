@@ -95,9 +95,10 @@ def _speed(job):
 
 def _overhead(job):
     import numpy as np
+    import colibri_edge
     from colibri_edge import Engine
-    from colibri_edge.model.demo import SHIPPED
-    with Engine.open(SHIPPED, backend="cpu", max_batch=1, max_seq_len=256) as eng:
+    shipped = os.path.join(os.path.dirname(colibri_edge.__file__), "default_model")   # both trees' layouts
+    with Engine.open(shipped, backend="cpu", max_batch=1, max_seq_len=256) as eng:
         be = eng.backend
         calls, spent, on = [0], [0.0], [False]
         wrappers = ("graph_step", "run_parts")  # they call ops; the ops are what count

@@ -1,7 +1,9 @@
 """Helpers shared by the test files (conftest.py holds only fixtures): the backends expected here and
 the variants each backend's suites run with, engine options, logits comparisons, routing hooks that
 record what the engine did, and the checks every family's suite runs. No test file imports another."""
+import json
 import os
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -176,3 +178,62 @@ def kernel_close(a, b, tol=2e-5):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     scale = max(1.0, np.abs(b).max())
     assert np.abs(a - b).max() <= tol * scale, f"max abs err {np.abs(a - b).max():.3g} (scale {scale:.3g})"
+
+
+def edit_json(path, name, fn):
+    """Apply fn to the JSON file `name` of the model directory `path`, in place."""
+    p = os.path.join(path, name)
+    obj = json.load(open(p))
+    fn(obj)
+    with open(p, "w") as f:
+        json.dump(obj, f)
+
+
+def refused(path, *words, code=None):
+    """Opening `path` raises ColibriError with `code` (default COLIBRI_ERR_INVALID_MODEL) naming every word."""
+    from colibri_edge import ColibriError, COLIBRI_ERR_INVALID_MODEL, Engine
+    code = COLIBRI_ERR_INVALID_MODEL if code is None else code
+    with pytest.raises(ColibriError) as ei:
+        Engine.open(path, backend="reference")
+    assert ei.value.code == code, ei.value
+    for w in words:
+        assert w in ei.value.message, (w, ei.value.message)
+    return ei.value
+
+
+def greedy_runner(col, prompt_len=11, warmup=4):
+    """An engine's runner with one sequence prefilled and `warmup` decode steps done;
+    returns (engine, step) where step() runs one more greedy decode step."""
+    from colibri_edge import Engine
+    eng = Engine.open(col, backend="cpu", max_seq_len=128, max_batch=2)
+    r = eng.runner
+    seq = r.new_sequence(1)
+    prompt = list(range(3, 3 + prompt_len))
+    r.reserve(seq, len(prompt))
+    state = {"logits": r.step([(seq, prompt)])}
+
+    def step():
+        tok = int(state["logits"][-1].argmax())
+        r.reserve(seq, 1)
+        state["logits"] = r.step([(seq, [tok])])
+
+    for _ in range(warmup):
+        step()
+    return eng, step
+
+
+def peak_step_bytes(col, steps=32) -> int:
+    """The most Python/NumPy heap a greedy decode step of the model at `col` (cpu) allocated, over `steps`."""
+    eng, step = greedy_runner(col)
+    tracemalloc.start()
+    try:
+        worst = 0
+        for _ in range(steps):
+            tracemalloc.reset_peak()
+            base = tracemalloc.get_traced_memory()[0]
+            step()
+            worst = max(worst, tracemalloc.get_traced_memory()[1] - base)
+    finally:
+        tracemalloc.stop()
+        eng.close()
+    return worst

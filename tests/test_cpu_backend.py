@@ -6,13 +6,12 @@ import os
 import subprocess
 import sys
 import textwrap
-import tracemalloc
 
 import numpy as np
 import pytest
 
 from colibri_edge import ColibriError, Engine
-from helpers import backend_available
+from helpers import backend_available, peak_step_bytes
 from hf_models import convert_case
 
 
@@ -118,43 +117,6 @@ def test_num_threads(model_cache):
         Engine.open(col, backend="cpu", num_threads=numba.config.NUMBA_NUM_THREADS + 1)
 
 
-def _greedy_runner(col, prompt_len=11, warmup=4):
-    """An engine's runner with one sequence prefilled and `warmup` decode steps done;
-    returns (engine, step) where step() runs one more greedy decode step."""
-    eng = Engine.open(col, backend="cpu", max_seq_len=128, max_batch=2)
-    r = eng.runner
-    seq = r.new_sequence(1)
-    prompt = list(range(3, 3 + prompt_len))
-    r.reserve(seq, len(prompt))
-    state = {"logits": r.step([(seq, prompt)])}
-
-    def step():
-        tok = int(state["logits"][-1].argmax())
-        r.reserve(seq, 1)
-        state["logits"] = r.step([(seq, [tok])])
-
-    for _ in range(warmup):
-        step()
-    return eng, step
-
-
-def peak_step_bytes(col, steps=32) -> int:
-    """The most Python/NumPy heap a greedy decode step of the model at `col` (cpu) allocated, over `steps`."""
-    eng, step = _greedy_runner(col)
-    tracemalloc.start()
-    try:
-        worst = 0
-        for _ in range(steps):
-            tracemalloc.reset_peak()
-            base = tracemalloc.get_traced_memory()[0]
-            step()
-            worst = max(worst, tracemalloc.get_traced_memory()[1] - base)
-    finally:
-        tracemalloc.stop()
-        eng.close()
-    return worst
-
-
 def test_decode_step_allocates_nothing_python(model_cache):
     _, col = convert_case(model_cache, "qwen2_moe", out_dtype="float16")   # dense, moe and shared layers
     worst = peak_step_bytes(col)
@@ -165,7 +127,7 @@ NRT_CHECK = textwrap.dedent("""
     import sys, numpy as np
     sys.path.insert(0, sys.argv[2])
     from numba.core.runtime import rtsys
-    from test_cpu_backend import _greedy_runner
+    from helpers import greedy_runner as _greedy_runner
     from colibri_edge.backends.cpu import kernels, moe_kernels
     eng, step = _greedy_runner(sys.argv[1])
     # Numba wraps every NumPy array argument in a MemInfo when it unboxes it (one NRT alloc, freed

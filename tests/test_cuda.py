@@ -201,7 +201,7 @@ def test_graph_and_stream_modes_agree(gpu, streams, model_cache, monkeypatch):
         assert be.graph_captures == captures and be.graph_replays > replays
         counts = eng.expert_counts
     assert graph_out == stream_out == again
-    from conftest import backend_available
+    from helpers import backend_available
     if backend_available("cpu")[0]:         # required in CI (toolchains/cuda/Makefile): fails there if missing
         with Engine.open(col, backend="cpu", max_batch=4, max_seq_len=64) as cpu:
             assert cpu.generate_batch(prompts, max_new_tokens=7) == stream_out

@@ -374,7 +374,7 @@ def test_int8_activation_dots_are_exact(rng):
     and K-quant mins), for 1 to 5 tokens (pairs, and an odd last token beside the zero row), whole
     groups of 256 and tail blocks."""
     from colibri_edge.model import quant
-    from conftest import backend_available
+    from helpers import backend_available
     bes = [create("cpu")] + ([create("opencl", int8_activations=True)] if backend_available("opencl") else [])
     ref = create("reference")
     for be, fmt in [(be, fmt) for be in bes for fmt in quant.BLOCK]:
@@ -404,7 +404,7 @@ def test_int8_activation_dots_are_exact(rng):
 
 def test_results_do_not_depend_on_queues(rng):
     """Several queues / streams split a layer's experts: the results are bit-identical to one."""
-    from conftest import backend_available
+    from helpers import backend_available
     from colibri_edge.backends import backend_class
     ran = 0
     for name in ("opencl", "cuda"):

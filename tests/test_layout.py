@@ -116,3 +116,41 @@ def test_imports_run_downhill(name):
     """A module imports from its own floor or the floors below it, never from above."""
     uphill = sorted(t for t in GRAPH[name] if floor(t) > floor(name))
     assert uphill == [], f"{name} imports from a floor above it: {uphill}"
+
+
+def _string_constants(path):
+    return {n.value for n in ast.walk(ast.parse(open(path).read()))
+            if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+
+
+def test_family_names_live_in_their_family_module():
+    """Every registered family's Hugging Face model_type and GGUF arch names are string constants of
+    its own module under model/families/ and of no other module of the package (backends, the
+    families' common module and the other family modules included): the drivers, the schema and the
+    runtime know no family by name."""
+    from colibri_edge.model import families
+    owners = {}
+    for fam in set(families.registry.BY_MODEL_TYPE.values()) | set(families.registry.BY_ARCH.values()):
+        mod = type(fam).__module__
+        for name in tuple(getattr(fam, "model_types", ())) + tuple(getattr(fam, "gguf_archs", ())):
+            owners.setdefault(name, set()).add(mod)
+    assert {"mixtral", "qwen3_5_moe", "deepseek2"} <= set(owners), "the registry lists the families"
+    for name, path in MODULES.items():
+        found = _string_constants(path) & set(owners)
+        found = {n for n in found if name not in owners[n]}
+        assert not found, f"{name} names families {sorted(found)} outside their family modules"
+
+
+def test_no_test_imports_another_test_file():
+    """Shared helpers live in tests/helpers.py (and the model builders in hf_models.py / gguf_models.py):
+    no test file imports another test file or conftest.py, at module level or inside a test."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    bad = []
+    for f in sorted(os.listdir(here)):
+        if not f.endswith(".py"):
+            continue
+        for node in ast.walk(ast.parse(open(os.path.join(here, f)).read())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            bad += [f"{f}: {n}" for n in names if n.split(".")[0].startswith("test_") or n == "conftest"]
+    assert len(os.listdir(here)) > 20 and bad == []

@@ -63,7 +63,7 @@ print(json.dumps({"growth": after - before, "counts": counts.tolist()}))
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 def test_unrouted_experts_are_never_read(backend, tmp_path):
-    from conftest import backend_available
+    from helpers import backend_available
     ok, why = backend_available(backend)
     if not ok:
         pytest.skip(why)

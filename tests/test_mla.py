@@ -11,99 +11,15 @@ import numpy as np
 import pytest
 
 from colibri_edge import Engine, ColibriError, COLIBRI_ERR_INVALID_MODEL
-from colibri_edge.backends import routing
 from colibri_edge.model.convert import translate_config
-from helpers import activation_runs, close, fp32
-from helpers import check_batch_single_ragged, check_slot_pool
-from hf_models import FAMILY_CASES, config_for, convert_case, hf_greedy
+from helpers import activation_runs, close, edit_json, fp32, refused
+from hf_models import FAMILY_CASES, config_for, convert_case
 
 CASES = ["deepseek_v2", "deepseek_v3", "glm4_moe_lite"]
 
 
 def open_engine(col, name, **kw):
     return Engine.open(col, backend=name, **fp32(name), **kw)
-
-
-def router_margin(mod, logits):
-    """How far transformers' choice is from a tie: the smaller of the gaps between the k-th and
-    (k+1)-th choice scores and between the kept and the first dropped group's score (inf when none)."""
-    import torch
-    v3 = hasattr(mod, "e_score_correction_bias")
-    p = torch.sigmoid(logits) if v3 else torch.softmax(logits, -1)
-    c = (p + mod.e_score_correction_bias if v3 else p).numpy().astype(np.float32)
-    T, E = c.shape
-    margin = np.full(T, np.inf)
-    n = mod.num_group if (v3 or mod.topk_method == "group_limited_greedy") else 1
-    if n and n > 1:
-        top = 2 if v3 else 1
-        gs = -np.sort(-np.sort(c.reshape(T, n, E // n), -1)[..., ::-1][..., :top].sum(-1), -1)
-        if mod.topk_group < n:
-            margin = gs[:, mod.topk_group - 1] - gs[:, mod.topk_group]
-        c = routing.group_mask(c, (n, mod.topk_group, top))
-    s = -np.sort(-c, -1)
-    k = mod.top_k
-    if k < E:
-        gap = s[:, k - 1] - s[:, k]
-        margin = np.minimum(margin, np.where(np.isfinite(gap), gap, np.inf))
-    return margin
-
-
-def hf_logits_and_choices(hf, ids):
-    """transformers' float32 logits and each MoE layer's router choice ([tokens, k]) with its margin."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, attn_implementation="eager").eval()
-    seen = {}
-
-    def hook(i):
-        def f(mod, inp, out):
-            logits, _, idx = out
-            seen[i] = (idx.numpy().copy(), router_margin(mod, logits))
-        return f
-    for i, layer in enumerate(model.model.layers):
-        if hasattr(layer.mlp, "gate") and hasattr(layer.mlp.gate, "top_k"):
-            layer.mlp.gate.register_forward_hook(hook(i))
-    with torch.no_grad():
-        logits = model(torch.as_tensor(np.asarray(ids), dtype=torch.long)).logits.float().numpy()
-    return logits, seen
-
-
-@pytest.mark.parametrize("case", CASES)
-def test_mla_logits_and_routing_match_transformers(backend_name, case, model_cache):
-    """Logits of a batch, a single prompt and ragged prompts within 1e-4 of max |logit|, and each
-    token's experts equal to transformers' router choice wherever the choice (and the groups kept)
-    is not within 1e-6 of a tie."""
-    hf, col = convert_case(model_cache, case)
-    V = FAMILY_CASES[case][1]["vocab_size"]
-    batch = np.random.default_rng(13).integers(0, V, size=(3, 13))
-    want, choices = hf_logits_and_choices(hf, batch)
-    assert np.abs(want).max() > 1.0 and choices
-    with open_engine(col, backend_name, max_seq_len=64) as eng:
-        check_batch_single_ragged(eng, batch, want, choices, lambda b: hf_logits_and_choices(hf, b)[0], 1e-6)
-
-
-@pytest.mark.parametrize("block", [1, 7, 16])
-@pytest.mark.parametrize("case", CASES)
-def test_mla_greedy_matches_transformers(backend_name, case, block, model_cache):
-    """32 greedy tokens, token for token, through latent caches of blocks of 1, 7 and 16 (decode
-    in the latent space at every step), and every block returned at the end."""
-    hf, col = convert_case(model_cache, case)
-    prompt = [5, 17, 3, 42, 8, 11, 29, 60, 2, 71]
-    key = os.path.join(model_cache, f"greedy_{case}.json")
-    if not os.path.exists(key):
-        json.dump(hf_greedy(hf, prompt, 32), open(key, "w"))
-    with open_engine(col, backend_name, kv_block_size=block, max_seq_len=64, kv_cache_tokens=64) as eng:
-        got = eng.generate(prompt, max_new_tokens=32, ignore_eos=True)
-        assert all(p.free_blocks == p.num_blocks for p in eng.runner.states.paged)
-    assert got == json.load(open(key))
-
-
-def test_mla_through_the_slot_pool(backend_name, model_cache):
-    """Experts streamed through 4 slots (sigmoid, groups, bias and scaling on the per-expert path):
-    the same logits and greedy tokens as with every expert resident."""
-    _, col = convert_case(model_cache, "deepseek_v3")
-    check_slot_pool(lambda **kw: open_engine(col, backend_name, max_seq_len=64, **kw),
-                    FAMILY_CASES["deepseek_v3"][1]["vocab_size"])
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -292,9 +208,8 @@ def test_mla_fields_are_checked(model_cache, tmp_path, edit, field, words):
     """Latent attention's and the routers' fields are typed and ranged, refused by name, and a config
     that implies other tensors than the directory holds is refused naming the tensor."""
     import shutil
-    from test_validation import _edit, _refused
     _, col = convert_case(model_cache, "deepseek_v3")
     dst = str(tmp_path / "m")
     shutil.copytree(col, dst)
-    _edit(dst, "config.json", edit)
-    _refused(dst, field, words)
+    edit_json(dst, "config.json", edit)
+    refused(dst, field, words)

@@ -2,7 +2,6 @@
 whole of it), a named regression test for every escape the first campaign found, and a battery of
 bad API arguments after each of which the engine gives the same logits as before with its KV pool
 as free as before."""
-import json
 import os
 import shutil
 
@@ -13,7 +12,7 @@ import fuzz
 from colibri_edge import (Engine, ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_MODEL,
                           COLIBRI_ERR_OUT_OF_MEMORY, COLIBRI_ERR_UNAVAILABLE)
 from colibri_edge.model.modeldir import ModelDir
-from helpers import backend_available, fp32
+from helpers import backend_available, edit_json, fp32, refused
 
 SLICE = {"reference": 1000, "cpu": 1000, "opencl": 300}
 
@@ -70,62 +69,45 @@ def model(base, tmp_path):
     return dst
 
 
-def _edit(path, name, fn):
-    p = os.path.join(path, name)
-    obj = json.load(open(p))
-    fn(obj)
-    with open(p, "w") as f:
-        json.dump(obj, f)
-
-
-def _refused(path, *words, code=COLIBRI_ERR_INVALID_MODEL):
-    with pytest.raises(ColibriError) as ei:
-        Engine.open(path, backend="reference")
-    assert ei.value.code == code, ei.value
-    for w in words:
-        assert w in ei.value.message, (w, ei.value.message)
-    return ei.value
-
-
 # -- the escapes of the first campaign, each by name ------------------------------------------------
 @pytest.mark.parametrize("name", ["config.json", "tensors.json", "experts.json", "colibri_weights.bin",
                                   "tokenizer_config.json", "generation_config.json", "tokenizer.json"])
 def test_file_replaced_by_a_directory(model, name):            # was IsADirectoryError
     os.remove(os.path.join(model, name))
     os.mkdir(os.path.join(model, name))
-    _refused(model, name, "is a directory")
+    refused(model, name, "is a directory")
 
 
 def test_file_replaced_by_a_link(model, tmp_path):
     os.remove(os.path.join(model, "tensors.json"))
     os.symlink("/dev/zero", os.path.join(model, "tensors.json"))
-    _refused(model, "tensors.json", "symbolic link")
+    refused(model, "tensors.json", "symbolic link")
 
 
 def test_tensor_shape_not_a_list(model):                      # was TypeError
-    _edit(model, "tensors.json", lambda t: t["layers.0.attn.wq"].update(shape=7))
-    _refused(model, "layers.0.attn.wq.shape", "expected a list")
+    edit_json(model, "tensors.json", lambda t: t["layers.0.attn.wq"].update(shape=7))
+    refused(model, "layers.0.attn.wq.shape", "expected a list")
 
 
 def test_deeply_nested_json(model):                           # was RecursionError
     with open(os.path.join(model, "experts.json"), "w") as f:
         f.write("[" * 100000 + "]" * 100000)
-    _refused(model, "experts.json", "nested deeper")
+    refused(model, "experts.json", "nested deeper")
 
 
 def test_huge_intermediate_size(model):                       # was MemoryError asking for 12 TiB
-    _edit(model, "config.json", lambda c: c.update(intermediate_size=2 ** 31))
-    _refused(model, "intermediate_size", "out of range")
-    _edit(model, "config.json", lambda c: c.update(intermediate_size=2 ** 20))
-    _refused(model, "tensors.json", "layers.0.mlp.gate.shape")      # the tensors say otherwise
+    edit_json(model, "config.json", lambda c: c.update(intermediate_size=2 ** 31))
+    refused(model, "intermediate_size", "out of range")
+    edit_json(model, "config.json", lambda c: c.update(intermediate_size=2 ** 20))
+    refused(model, "tensors.json", "layers.0.mlp.gate.shape")      # the tensors say otherwise
 
 
 @pytest.mark.parametrize("field,value", [("rms_norm_eps", float("nan")), ("rms_norm_eps", -1e-6), ("rms_norm_eps", 0),
                                          ("rms_norm_eps", 1e30), ("rope_theta", float("nan")), ("rope_theta", -5.0),
                                          ("rope_theta", float("inf")), ("rope_theta", 1e300), ("rope_theta", "1e4")])
 def test_absurd_norm_eps_and_rope_theta(model, field, value):  # were accepted, giving NaN logits
-    _edit(model, "config.json", lambda c: c.update({field: value}))
-    _refused(model, field)
+    edit_json(model, "config.json", lambda c: c.update({field: value}))
+    refused(model, field)
 
 
 @pytest.mark.parametrize("field,value", [("attention_scale", 0.0), ("attention_scale", float("nan")),
@@ -138,22 +120,22 @@ def test_absurd_norm_eps_and_rope_theta(model, field, value):  # were accepted, 
 def test_optional_scale_fields_typed(model, field, value):
     """attention_scale and folded_multipliers (written for Granite), router_choice_bias,
     router_norm_min and rope_pairs (ERNIE-4.5) are typed and ranged like the rest."""
-    _edit(model, "config.json", lambda c: c.update({field: value}))
-    _refused(model, field)
+    edit_json(model, "config.json", lambda c: c.update({field: value}))
+    refused(model, field)
 
 
 def test_choice_bias_needs_its_tensors_and_topk(model):
     """router_choice_bias set: every MoE layer needs its [E] bias tensor (named when missing); gated
     routing takes none."""
-    _edit(model, "config.json", lambda c: c.update(router_choice_bias=True))
-    _refused(model, "router_choice_bias")
-    _edit(model, "config.json", lambda c: c.update(router_choice_bias=False, router_norm_min=0.5, router_mode="gated"))
-    _refused(model, "router_mode", "renormalisation floor")
+    edit_json(model, "config.json", lambda c: c.update(router_choice_bias=True))
+    refused(model, "router_choice_bias")
+    edit_json(model, "config.json", lambda c: c.update(router_choice_bias=False, router_norm_min=0.5, router_mode="gated"))
+    refused(model, "router_mode", "renormalisation floor")
 
 
 def test_unknown_fields_and_tensors_are_refused(model):
-    _edit(model, "config.json", lambda c: c.update(attn_logit_softcapping=16.0))
-    _refused(model, "attn_logit_softcapping", "not a field this Colibri knows")
+    edit_json(model, "config.json", lambda c: c.update(attn_logit_softcapping=16.0))
+    refused(model, "attn_logit_softcapping", "not a field this Colibri knows")
 
 
 @pytest.mark.parametrize("edit,field,words", [
@@ -186,18 +168,18 @@ def test_window_sink_and_rope_fields_are_checked(model, edit, field, words):
         if "layer_types" in e and e["layer_types"] == ["local"]:
             e["layer_types"] = ["local"] * L
         c.update(e)
-    _edit(model, "config.json", apply)
-    _refused(model, field, words)
+    edit_json(model, "config.json", apply)
+    refused(model, field, words)
 
 
 def test_sinks_without_their_tensors_are_refused(model):
-    _edit(model, "config.json", lambda c: c.update(attention_sinks=True))
-    _refused(model, "layers.0.attn.sinks", "missing")
+    edit_json(model, "config.json", lambda c: c.update(attention_sinks=True))
+    refused(model, "layers.0.attn.sinks", "missing")
 
 
 def test_extra_tensor_is_refused(model):
-    _edit(model, "tensors.json", lambda t: t.update({"layers.0.attn.extra": dict(t["norm"])}))
-    _refused(model, "layers.0.attn.extra", "not a tensor of this layer plan")
+    edit_json(model, "tensors.json", lambda t: t.update({"layers.0.attn.extra": dict(t["norm"])}))
+    refused(model, "layers.0.attn.extra", "not a tensor of this layer plan")
 
 
 def test_nonfinite_weights_give_their_own_outcome(model):
@@ -338,5 +320,5 @@ def test_gemma4_fields_are_checked(model, edit, field, words):
     """Gemma 4's fields (the layout, the activations, scales, a layer's own attention geometry and
     rope) are typed and ranged, and a config that implies tensors the directory lacks (or of another
     shape) is refused naming the tensor."""
-    _edit(model, "config.json", edit)
-    _refused(model, field, words)
+    edit_json(model, "config.json", edit)
+    refused(model, field, words)
