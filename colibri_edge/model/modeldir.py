@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import families, validate
+from . import families, layerplan, validate
 from .dtypes import (QUANTIZED, WEIGHT_DTYPES, fits, is_block, narrow, nbytes, quantize_rows, storage_dtype,
                      storage_shape)
 from ..errors import ColibriError, COLIBRI_ERR_OUT_OF_MEMORY, invalid_model
@@ -126,7 +126,7 @@ def linear_tensors(cfg: dict, p: str) -> dict:
 def _attention_tensors(cfg: dict, layer: dict, p: str) -> dict:
     """A GQA layer's attention tensors."""
     H, W, f32 = cfg["hidden_size"], "weight", "float32"
-    nh, nkv, hd = validate.geometry(cfg, layer)
+    nh, nkv, hd = layerplan.geometry(cfg, layer)
     t = {}
     t[p + "attn.wq"] = ((nh * hd, H), W)
     if cfg.get("attention_output_gate"):
@@ -181,7 +181,7 @@ def tensor_roles(cfg: dict) -> dict:
             t[p + "scalar"] = ((1,), f32)
         if cfg.get("latent_attention"):
             t.update(latent_tensors(cfg, p))
-        elif validate.is_linear(cfg, layer):
+        elif layerplan.is_linear(cfg, layer):
             t.update(linear_tensors(cfg, p))
         else:
             t.update(_attention_tensors(cfg, layer, p))

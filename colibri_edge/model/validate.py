@@ -37,24 +37,7 @@ LAYER_OPTIONAL = ("head_dim", "num_key_value_heads", "rope_theta", "rope_partial
 YARN_FIELDS = ("rope_type", "factor", "beta_fast", "beta_slow", "original_max_position_embeddings",
                "attention_factor", "truncate", "mscale", "mscale_all_dim")
 
-def geometry(cfg: dict, layer: dict) -> tuple:
-    """(query heads, KV heads, head_dim) of a layer's attention."""
-    return cfg["num_attention_heads"], layer.get("num_key_value_heads", cfg["num_key_value_heads"]), \
-        layer.get("head_dim", cfg["head_dim"])
 
-
-def is_linear(cfg: dict, layer: dict) -> bool:
-    """Whether a layer's mixer is a recurrent one (gated delta-net: layer_types "linear_attention")."""
-    types = cfg.get("layer_types")
-    return bool(types) and types[layer["layer_id"]] == "linear_attention"
-
-
-def geometries(cfg: dict) -> set:
-    """Every attention geometry (Hq, Hkv, D) the layer plan has (Gemma 4: two; latent attention: none;
-    recurrent layers have none)."""
-    if cfg.get("latent_attention"):
-        return set()
-    return {geometry(cfg, l) for l in cfg["layers"] if not is_linear(cfg, l)}
 ROUTER_MODES = ("topk", "gated")
 QK_NORMS = ("none", "per_head", "full")
 WEIGHT_TYPES = dtypes.WEIGHT_DTYPES

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..backends.base import plan_buffers
-from ..model.validate import geometries
+from ..model.layerplan import geometries
 
 
 @dataclass(frozen=True)

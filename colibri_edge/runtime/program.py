@@ -31,7 +31,7 @@ import numpy as np
 from . import rope
 from ..backends.base import FFN, Act, Weight
 from ..errors import ColibriError, COLIBRI_ERR_UNAVAILABLE
-from ..model.validate import geometry
+from ..model.layerplan import geometry
 
 
 @dataclass

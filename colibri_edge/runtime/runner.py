@@ -25,7 +25,7 @@ from ..model.modeldir import ModelDir
 from .hooks import RoutingHook  # noqa: F401  (re-exported: the hook interface)
 from .slots import likely_experts
 from .state import States, state_pools
-from ..model.validate import geometries
+from ..model.layerplan import geometries
 
 
 def latent_widths(cfg: dict) -> list:

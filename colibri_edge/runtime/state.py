@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_OUT_OF_MEMORY
-from ..model.validate import geometry, is_linear
+from ..model.layerplan import geometry, is_linear
 
 
 @dataclass

@@ -94,7 +94,7 @@ def _cmd_inspect(a):
             mixer += " with an output gate" + (f", rope on {cfg['rope_dim']} of {cfg['head_dim']} dims"
                                                if cfg.get("rope_dim") else "")
         if "head_dim" in l or "num_key_value_heads" in l:
-            from ..model.validate import geometry
+            from ..model.layerplan import geometry
             _, nkv, hd = geometry(cfg, l)
             mixer += f" [{nkv} kv x {hd}{', keys as values' if l.get('k_eq_v') else ''}" + \
                 (f", rope theta {l['rope_theta']:g} on {l['rope_partial']:g} of the dims" if "rope_partial" in l else "") + "]"

@@ -1,0 +1,23 @@
+"""The layer plan as the runtime reads it from a validated config.json: each layer's attention
+geometry and mixer kind (validate.py holds the schema; this, what a checked config means)."""
+from __future__ import annotations
+
+
+def geometry(cfg: dict, layer: dict) -> tuple:
+    """(query heads, KV heads, head_dim) of a layer's attention."""
+    return cfg["num_attention_heads"], layer.get("num_key_value_heads", cfg["num_key_value_heads"]), \
+        layer.get("head_dim", cfg["head_dim"])
+
+
+def is_linear(cfg: dict, layer: dict) -> bool:
+    """Whether a layer's mixer is a recurrent one (gated delta-net: layer_types "linear_attention")."""
+    types = cfg.get("layer_types")
+    return bool(types) and types[layer["layer_id"]] == "linear_attention"
+
+
+def geometries(cfg: dict) -> set:
+    """Every attention geometry (Hq, Hkv, D) the layer plan has (Gemma 4: two; latent attention: none;
+    recurrent layers have none)."""
+    if cfg.get("latent_attention"):
+        return set()
+    return {geometry(cfg, l) for l in cfg["layers"] if not is_linear(cfg, l)}
