@@ -165,9 +165,11 @@ def cpu_backend_dtypes() -> tuple:
 def _converter_source_hash(extra=()) -> str:
     """The converter's code, so a model directory is rebuilt when its format may have changed."""
     import colibri_edge
-    root = os.path.dirname(colibri_edge.__file__)
+    root = os.path.join(os.path.dirname(colibri_edge.__file__), "model")   # the converters and the families
     h = hashlib.sha256()
-    for name in ("convert.py", "modeldir.py", "dtypes.py", *extra):
+    names = sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs
+                   if f.endswith(".py"))
+    for name in (*names, *extra):
         with open(os.path.join(root, name), "rb") as f:
             h.update(f.read())
     return h.hexdigest()[:16]
@@ -356,7 +358,7 @@ def build_llama_quant(src: str, out: str, q: str, s: dict, log=print) -> dict:
 
 def build_colibri_from_gguf(gguf_path: str, out: str, log=print) -> str:
     stamp = _stamp({"gguf": json.load(open(gguf_path + ".stamp.json"))["stamp"],
-                    "converter": _converter_source_hash(("gguf_import.py", "quant.py"))})
+                    "converter": _converter_source_hash()})
     return _colibri_convert([gguf_path, out], out, stamp, log)
 
 
