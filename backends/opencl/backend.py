@@ -60,15 +60,23 @@ class Backend(OpenCLRuntime):
         backend's buffer `slot`, and their row stride (floats). The buffer grows to the largest step
         seen (prefill), so decode steps allocate nothing."""
         ld = K // 32 * 10
-        need = (row0 + T) * ld
-        buf = self._qbufs.get(slot)
-        if buf is None or buf.size < need:
-            buf = self._qbufs[slot] = self.alloc((max(need, 2 * (0 if buf is None else buf.size)),), np.float32)
+        buf = self._qbuf(slot, (row0 + T) * ld, queue)
         k = self._kernel("dense.cl", "quantize_act", "q8_0" + ACT8)
         g, l = self._2d(k, K // 32, T, want=32)
         view = buf[row0 * ld:]
         self._launch(k, g, l, view, ld, x, ldx, T, K, queue=queue)
         return view, ld
+
+    def _qbuf(self, slot, need, queue=None):
+        """The packed-activation buffer `slot`, at least `need` floats. It grows on the main queue
+        only: `alloc` zero-fills it there, so a growth from a side queue would race that fill
+        against the side queue's own quantize (grouped_ffn reserves the "act" rows before it forks)."""
+        buf = self._qbufs.get(slot)
+        if buf is None or buf.size < need:
+            if queue is not None:
+                raise AssertionError(f"packed buffer {slot!r} grown on a side queue: reserve it before the fork")
+            buf = self._qbufs[slot] = self.alloc((max(need, 2 * (0 if buf is None else buf.size)),), np.float32)
+        return buf
 
     def _matmul(self, out, ldo, x, ldx, w, bias, T, K, N, queue=None, xq=None):
         """xq: x already quantised (packed, stride) for a block format with int8 activations."""
@@ -478,6 +486,11 @@ class Backend(OpenCLRuntime):
         if self._act8(gd):               # once, on the main queue: the side queues start after it
             xin = self._quantized(x, H, T, H, "x")[0]
             gd += ACT8
+
+        if parts > 1:                    # the side queues' int8 "act" rows exist before they start
+            I_max = max(experts[e].gate.shape[0] for e, _, _ in work)
+            if any(self._act8(experts[e].down.dtype) for e, _, _ in work):
+                self._qbuf("act", T * topk * (I_max // 32 * 10))
 
         def run(p, queue):
             for e, row0, n in work[p::parts]:
