@@ -28,6 +28,7 @@ class Backend(OpenCLRuntime):
         super().__init__(num_streams=num_streams, disable_fp16=disable_fp16, device=device,
                          int8_activations=int8_activations)
         self._qbufs = {}                 # "x" / "act" -> packed int8 activations (grown, never per step)
+        self._qfill = {}                 # slot -> the marker after its latest fill on the main queue (_quantized)
         self._inv_freq = {}              # (theta, D) -> the rotary frequency table on the device
         self._tables = {}                # id(expert list) -> (experts, (offset table, base buffers))
 
@@ -60,23 +61,21 @@ class Backend(OpenCLRuntime):
         backend's buffer `slot`, and their row stride (floats). The buffer grows to the largest step
         seen (prefill), so decode steps allocate nothing."""
         ld = K // 32 * 10
-        buf = self._qbuf(slot, (row0 + T) * ld, queue)
+        need = (row0 + T) * ld
+        buf = self._qbufs.get(slot)
+        if buf is None or buf.size < need:
+            buf = self._qbufs[slot] = self.alloc((max(need, 2 * (0 if buf is None else buf.size)),), np.float32)
+            # alloc zero-filled it on the main queue, after the side queues forked (grouped_ffn): every
+            # side queue that writes this buffer from now on waits for that fill (else the fill could
+            # land after its quantize and zero an expert's rows). grouped_ffn clears these per fork.
+            self._qfill[slot] = self.cl.enqueue_marker(self.queue)
+        if queue is not None and slot in self._qfill:
+            self.cl.enqueue_barrier(queue, wait_for=[self._qfill[slot]])
         k = self._kernel("dense.cl", "quantize_act", "q8_0" + ACT8)
         g, l = self._2d(k, K // 32, T, want=32)
         view = buf[row0 * ld:]
         self._launch(k, g, l, view, ld, x, ldx, T, K, queue=queue)
         return view, ld
-
-    def _qbuf(self, slot, need, queue=None):
-        """The packed-activation buffer `slot`, at least `need` floats. It grows on the main queue
-        only: `alloc` zero-fills it there, so a growth from a side queue would race that fill
-        against the side queue's own quantize (grouped_ffn reserves the "act" rows before it forks)."""
-        buf = self._qbufs.get(slot)
-        if buf is None or buf.size < need:
-            if queue is not None:
-                raise AssertionError(f"packed buffer {slot!r} grown on a side queue: reserve it before the fork")
-            buf = self._qbufs[slot] = self.alloc((max(need, 2 * (0 if buf is None else buf.size)),), np.float32)
-        return buf
 
     def _matmul(self, out, ldo, x, ldx, w, bias, T, K, N, queue=None, xq=None):
         """xq: x already quantised (packed, stride) for a block format with int8 activations."""
@@ -487,10 +486,7 @@ class Backend(OpenCLRuntime):
             xin = self._quantized(x, H, T, H, "x")[0]
             gd += ACT8
 
-        if parts > 1:                    # the side queues' int8 "act" rows exist before they start
-            I_max = max(experts[e].gate.shape[0] for e, _, _ in work)
-            if any(self._act8(experts[e].down.dtype) for e, _, _ in work):
-                self._qbuf("act", T * topk * (I_max // 32 * 10))
+        self._qfill.clear()              # fills queued before the fork: the side queues wait for them anyway
 
         def run(p, queue):
             for e, row0, n in work[p::parts]:
