@@ -18,7 +18,8 @@ help:
 	@echo "              (no toolchain checks, no CUDA emulator suite, no aarch64 bundle check)"
 	@echo "make lint   - ruff check (pyproject.toml [tool.ruff])"
 	@echo "make bench  - benchmarks against llama.cpp and transformers (installs llama-cpp-python)"
-	@echo "make capi   - build/capi/libcolibri.so and colibri.h, the C interface (toolchains/capi/example.c)"
+	@echo "make capi   - build/capi/libcolibri.so and colibri.h, the C interface, and build/capi/example"
+	@echo "              (toolchains/capi/example.c); needs only the base install and the capi extra (cffi)"
 	@echo "make bundle-aarch64 [CPU=cortex-a76] [MODEL=DIR] - build/bundle-aarch64(.tar.gz): an offline install"
 	@echo "              for an aarch64 board, kernels precompiled under emulation (toolchains/aarch64; root)"
 	@echo "make fuzz   - the whole fuzz campaign: 10,000 model-directory mutations on reference, 1,000 on cpu and opencl;"
@@ -33,7 +34,9 @@ $(VENV)/.base: pyproject.toml setup.py
 # torch is pinned to the CPU build on the CI disk (see pyproject.toml [test])
 # llama.cpp's converter (convert_hf_to_gguf.py, from llama-cpp-python's sdist on PyPI, sha256-pinned):
 # the GGUF tests' files are made by it; fetched here so pytest itself never touches the network
+# tmux: tests/test_cli_chat.py drives `colibri chat` in a real terminal (Debian's package; CI runs as root)
 $(VENV)/.test: $(VENV)/.base
+	command -v tmux >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux; }
 	$(PIP) install -q -e '.[test,opencl,cuda,gguf,serve]'
 	$(PY) tests/llamacpp_convert.py fetch
 	touch $@
@@ -59,9 +62,15 @@ lint: $(VENV)/.test
 toolchains: $(VENV)/.test
 	$(MAKE) -C toolchains all PY=$(abspath $(PY))
 
+# the C interface needs the base install and the capi extra (cffi) only, never the test environment
+$(VENV)/.capi: $(VENV)/.base
+	$(PIP) install -q -e '.[capi]'
+	touch $@
+
 # the C interface: build/capi/libcolibri.so and build/capi/colibri.h (cffi's embedding mode; the
-# library starts an interpreter and imports this venv's colibri_edge). Example: toolchains/capi/example.c
-capi: $(VENV)/.test
+# library starts an interpreter and imports this venv's colibri_edge), and build/capi/example
+# (toolchains/capi/example.c, run path $ORIGIN: it runs from any working directory)
+capi: $(VENV)/.capi
 	$(PY) toolchains/capi/build_capi.py --out build/capi
 
 # an aarch64 board's deployment bundle (toolchains/aarch64/bundle.py: wheels, launcher, kernel cache for

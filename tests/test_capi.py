@@ -2,6 +2,7 @@
 a C program compiled with gcc and from Python ctypes, against the Python Engine on the demo model:
 logits bit for bit on cpu, the same greedy and seeded tokens, the right code and message for each
 mistake a caller can make, handles checked after destroy, two engines on two threads."""
+import json
 import os
 import shutil
 import subprocess
@@ -18,17 +19,23 @@ from capi_expect import capi_ids, check_c_output, write_input
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "colibri_edge", "default_model")
+with open(os.path.join(DEMO, "config.json")) as _f:
+    DEMO_VOCAB = json.load(_f)["vocab_size"]           # 4098 since the chat tokens (b1e7be4)
 CAPI = os.path.join(ROOT, "toolchains", "capi")
 
 
-@pytest.fixture(scope="module")
-def lib(tmp_path_factory):
+def _build_capi():
     sys.path.insert(0, CAPI)
     try:
         import build_capi
     finally:
         sys.path.remove(CAPI)
-    return build_capi.build(str(tmp_path_factory.mktemp("capi")))
+    return build_capi
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    return _build_capi().build(str(tmp_path_factory.mktemp("capi")))
 
 
 def _gcc(lib, src, exe):
@@ -57,16 +64,40 @@ def test_c_program_matches_the_engine(lib, tmp_path):
     print(f"colibri_infer, 1 token, from C: {float(lines['infer_us']):.0f} us a call")
 
 
+def _check_example_output(stdout):
+    """example.c's lines: the Engine's argmax after 1 2 3 4 and its greedy tokens (the demo model, cpu)."""
+    with Engine.open(DEMO, backend="cpu", max_seq_len=256) as eng:
+        last = eng.infer(np.array([[1, 2, 3, 4]], np.int32))[0, 3]
+        gen = eng.generate([1, 2, 3, 4], max_new_tokens=16)
+    assert f"next token after 1 2 3 4: {int(last.argmax())} (logit {last.max():.4f})" in stdout
+    assert "generated: " + " ".join(map(str, gen)) in stdout
+
+
 def test_example_program(lib, tmp_path):
     """toolchains/capi/example.c, the README's C example, prints the Engine's argmax and tokens."""
     exe = _gcc(lib, os.path.join(CAPI, "example.c"), str(tmp_path / "example"))
     run = subprocess.run([exe, DEMO], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    with Engine.open(DEMO, backend="cpu", max_seq_len=256) as eng:
-        last = eng.infer(np.array([[1, 2, 3, 4]], np.int32))[0, 3]
-        gen = eng.generate([1, 2, 3, 4], max_new_tokens=16)
-    assert f"next token after 1 2 3 4: {int(last.argmax())} (logit {last.max():.4f})" in run.stdout
-    assert "generated: " + " ".join(map(str, gen)) in run.stdout
+    _check_example_output(run.stdout)
+
+
+def test_built_example_runs_from_any_directory(lib, tmp_path):
+    """The example `make capi` builds (build_capi.build_example: run path $ORIGIN, the installed demo
+    model as its default) runs with no argument from a working directory that is neither the
+    repository nor the library's, and again moved together with libcolibri.so, with no
+    LD_LIBRARY_PATH: the Engine's argmax and tokens."""
+    exe = _build_capi().build_example(os.path.dirname(lib))
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    for f in (exe, lib):
+        shutil.copy2(f, moved / os.path.basename(f))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    for prog in (exe, str(moved / "example")):
+        run = subprocess.run([prog], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        _check_example_output(run.stdout)
 
 
 CTYPES = textwrap.dedent('''
@@ -107,7 +138,7 @@ def test_python_ctypes(lib, tmp_path):
     run = subprocess.run([sys.executable, str(tmp_path / "via_ctypes.py"), lib, DEMO], capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "ctypes ok 4096" in run.stdout
+    assert f"ctypes ok {DEMO_VOCAB}" in run.stdout
 
 
 def test_python_half_checks_handles_and_pointers():
@@ -116,7 +147,7 @@ def test_python_half_checks_handles_and_pointers():
     from colibri_edge.serving import capi
     assert capi.vocab_size(0) == COLIBRI_ERR_INVALID_ARGUMENT and "not open" in capi.last_error()[1]
     h = capi.init(DEMO, "reference", 0, 0, 0, 0)
-    assert h > 0 and capi.vocab_size(h) == 4096
+    assert h > 0 and capi.vocab_size(h) == DEMO_VOCAB
     made = []
     assert capi.infer(h, lambda n: made.append(n), None, 0, 3) == COLIBRI_ERR_INVALID_ARGUMENT
     assert made == [] and "batch=0" in capi.last_error()[1]

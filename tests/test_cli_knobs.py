@@ -40,7 +40,7 @@ def test_convert_and_inspect(model_cache, tmp_path):
     prof = {"name": "tiny board", "memory_bytes": rest + int(4.5 * s["bytes_per_expert"]),
             "memory_bandwidth_gbs": 1, "miss_bandwidth_gbs": 0.1}
     (tmp_path / "dev.json").write_text(json.dumps(prof))
-    r = cli("inspect", str(tmp_path / "m"), "--context", "128", "--device", str(tmp_path / "dev.json"))
+    r = cli("inspect", str(tmp_path / "m"), "--context", "128", "--max-batch", "1", "--device", str(tmp_path / "dev.json"))
     assert r.returncode == 0 and "on tiny board: at most 4 of 6 experts resident" in r.stdout, r.stdout + r.stderr
 
 

@@ -5,6 +5,7 @@ endpoints users expect (/tokenize, /detokenize, /v1/embeddings, /slots, content 
 arrays, unknown fields ignored with a warning, n > 1 streamed). The slow cases run on a real
 uvicorn socket; the rest through FastAPI's TestClient."""
 import json
+import os
 import logging
 import socket
 import threading
@@ -394,3 +395,51 @@ def test_max_tokens_cap(eng):
         r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                                                  "ignore_eos": True})
         assert r.json()["usage"]["completion_tokens"] == 3
+
+
+# -- the embedded model, through the real OpenAI client ----------------------------------------
+
+DEMO = os.path.join(os.path.dirname(__import__("colibri_edge").__file__), "default_model")
+
+
+def test_the_openai_client_chats_with_the_embedded_model():
+    """The model `make demo` ships answers a two-turn conversation through its own template
+    (Engine.chat's replies, the prompt's tokens counted as the template renders them), and the
+    client's models.retrieve, embeddings and llama-server's tokenize / detokenize work on it."""
+    import openai
+    eng = Engine.open(DEMO, backend="cpu", max_seq_len=2048, max_batch=4)
+    try:
+        u1 = [{"role": "user", "content": "Tell me a fortune."}]
+        want1 = eng.chat(u1, max_new_tokens=24)
+        convo = u1 + [{"role": "assistant", "content": want1}, {"role": "user", "content": "Another one, please."}]
+        want2 = eng.chat(convo, max_new_tokens=24)
+        n_prompt2 = len(eng.codec.encode(eng.codec.render_chat(convo), add_special_tokens=False))
+        texts = ["Tell me a fortune.", "What does json.dumps do?", "Tell me a fortune."]
+        states = eng.embed([eng.codec.encode(t) for t in texts])
+        with Server(create_app({"colibri": eng})) as srv:
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+            a1 = client.chat.completions.create(model="colibri", messages=u1, max_tokens=24, temperature=0)
+            assert a1.choices[0].message.content == want1 and want1.strip()
+            msgs = u1 + [{"role": "assistant", "content": a1.choices[0].message.content},
+                         {"role": "user", "content": "Another one, please."}]
+            a2 = client.chat.completions.create(model="colibri", messages=msgs, max_tokens=24, temperature=0)
+            assert a2.choices[0].message.content == want2
+            assert a2.usage.prompt_tokens == n_prompt2 > a1.usage.prompt_tokens
+            assert client.models.retrieve("colibri").id == "colibri"
+            with pytest.raises(openai.NotFoundError):
+                client.models.retrieve("nope")
+            emb = client.embeddings.create(model="colibri", input=texts)
+            vecs = np.array([d.embedding for d in emb.data])
+            assert vecs.shape == (3, eng.config["hidden_size"]) and emb.usage.prompt_tokens == sum(map(len, states))
+            assert np.allclose(np.linalg.norm(vecs, axis=1), 1.0, atol=1e-6)
+            assert np.array_equal(vecs[0], vecs[2]) and not np.allclose(vecs[0], vecs[1])      # deterministic
+            pooled = np.stack([s.mean(axis=0) for s in states])
+            assert np.allclose(vecs, pooled / np.linalg.norm(pooled, axis=1, keepdims=True), atol=1e-6)
+            again = client.embeddings.create(model="colibri", input=texts[1])
+            assert np.array_equal(np.array(again.data[0].embedding), vecs[1])
+            toks = httpx.post(srv.url + "/tokenize", json={"content": texts[1]}).json()["tokens"]
+            assert toks == eng.codec.encode(texts[1], add_special_tokens=False)
+            assert httpx.post(srv.url + "/detokenize", json={"tokens": toks}).json()["content"] == texts[1]
+        assert settled(eng)
+    finally:
+        eng.close()

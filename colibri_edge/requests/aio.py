@@ -2,14 +2,19 @@
 
 The core thread puts each event in the request's queue and wakes the awaiting task through
 loop.call_soon_threadsafe; nothing blocks the event loop. A task cancelled while streaming (or an
-`async for` left early) cancels its request, whose blocks return to the pool within one step."""
+`async for` left early) cancels its request, whose blocks return to the pool within one step.
+
+Closing: `async with AsyncEngine.open(...) as ae:` (or `await ae.aclose()`) in a coroutine; `with
+AsyncEngine.open(...) as ae:` (or `ae.close()`) around asyncio.run(...) in plain code. Either closes
+the Engine (once: closing again does nothing); a request still running then ends with an error."""
 from __future__ import annotations
 
 import asyncio
 import queue
 
 from .scheduler import DONE, ERROR, TOKEN, text_piece
-from .engine import Engine
+from .engine import Engine, Generation
+from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
 
 
 class AsyncEngine:
@@ -20,14 +25,31 @@ class AsyncEngine:
     def open(cls, path, backend=None, **kw) -> "AsyncEngine":
         return cls(Engine.open(path, backend=backend, **kw))
 
+    @property
+    def closed(self) -> bool:
+        return self.engine.closed
+
     async def __aenter__(self):
         return self
 
     async def __aexit__(self, *exc):
         await self.aclose()
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
     async def aclose(self):
+        """Close the engine from a coroutine (the core thread is joined in a worker thread: the event
+        loop never blocks)."""
         await asyncio.to_thread(self.engine.close)
+
+    def close(self):
+        """Close the engine from plain code (outside a running event loop, e.g. after asyncio.run;
+        in a coroutine, await aclose() instead: this one blocks until the core thread has stopped)."""
+        self.engine.close()
 
     def submit(self, prompt, priority=0, index=0, **gen):
         """-> (the Request, an async iterator of its Events); leaving the iterator early cancels it.
@@ -84,28 +106,37 @@ class AsyncEngine:
         finally:
             await it.aclose()
 
-    async def generate(self, prompt, **gen) -> list:
-        """The generated token ids (Engine.generate's arguments)."""
-        out = []
+    async def generate(self, prompt, **gen) -> Generation:
+        """Engine.generate's result (the generated token ids and their finish_reason) and arguments."""
+        out = Generation()
         async for ev in self.events(prompt, **gen):
             if ev.kind == ERROR:
                 raise ev.error
             if ev.kind == TOKEN:
                 out.append(ev.token)
+            elif ev.kind == DONE:
+                out.finish_reason = ev.reason
         return out
 
     async def stream(self, prompt, **gen):
-        """Text pieces as they are generated (never splitting a UTF-8 character)."""
-        from .textio import StreamDecoder
+        """Text pieces as they are generated (never splitting a UTF-8 character), ending before the
+        first stop string (Engine.stream)."""
+        from .textio import StopCutter, StreamDecoder
         dec = StreamDecoder(self.engine.codec)
+        cutter = StopCutter(gen.get("stop"))
         async for ev in self.events(prompt, **gen):
-            piece = text_piece(dec, ev)
+            piece = cutter.push(text_piece(dec, ev))
             if piece:
                 yield piece
-        tail = dec.flush()
+        tail = cutter.push(dec.flush()) + cutter.finish()
         if tail:
             yield tail
 
     async def chat(self, messages, **gen) -> str:
+        """Engine.chat: the reply's text (a harmony reply's final message), before the first stop string."""
+        from .textio import cut_at_stop
+        if not isinstance(messages, (list, tuple)) or not messages or not isinstance(messages[0], dict):
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"messages={messages!r:.80}: expected a list of "
+                               "{'role': str, 'content': str} (use generate() for a plain prompt)")
         ids = await self.generate(list(messages), **gen)
-        return self.engine.codec.decode(ids)
+        return cut_at_stop(self.engine.codec.reply(ids)[0], gen.get("stop"))

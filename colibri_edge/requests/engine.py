@@ -88,6 +88,20 @@ SAMPLING_EXTRAS = {"min_p", "repetition_penalty", "presence_penalty", "frequency
 STEP_WINDOW = 4096     # decode steps whose times the step percentiles cover (the latest ones)
 
 
+class Generation(list):
+    """What generate() returns: the generated token ids (a list), and why generation ended,
+    finish_reason, as the OpenAI API and colibri serve report it: "stop" (an end-of-sequence id, the
+    last id, or a stop string) or "length" (max_new_tokens ids, or fewer when the context reached the
+    engine's max_seq_len first: len(ids) < max_new_tokens with "length" says the context is full)."""
+
+    def __init__(self, ids=(), finish_reason: str = "length"):
+        super().__init__(ids)
+        self.finish_reason = finish_reason
+
+    def __repr__(self):
+        return f"Generation({list.__repr__(self)}, finish_reason={self.finish_reason!r})"
+
+
 @dataclass
 class Stats:
     prefill_tokens: int = 0
@@ -121,7 +135,12 @@ class Engine:
                  prefill_chunk=256, kv_block_size=None, num_streams=None, router_warmup=None,
                  disable_fp16=None, num_threads=None, expert_slots=None, slot_policy=None, cuda_graphs=None,
                  int8_activations=None,
-                 device=None, max_queue=1024, interleave=2.0, core_thread=None, memory_budget=None, top_k=None):
+                 device=None, max_queue=1024, interleave=2.0, core_thread=None, memory_budget=None, top_k=None,
+                 chat_template=None):
+        # chat_template: a Jinja file's path or the template text, over the model's own (textio.load_chat_template);
+        # a model with neither renders chats as ChatML, with a warning (textio.FALLBACK_CHAT_TEMPLATE)
+        from .textio import load_chat_template
+        self._chat_template = None if chat_template is None else load_chat_template(chat_template)
         # top_k (COLIBRI_TOP_K): experts per token at run time instead of the model's (with_top_k); not
         # the sampling top_k that generate() takes
         self.model = with_top_k(open_model_dir(path), knobs.resolve("COLIBRI_TOP_K", top_k))
@@ -214,7 +233,7 @@ class Engine:
                 raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{self.path} has no tokenizer.json: pass "
                                    "token ids instead of text")
             from .textio import TextCodec
-            self._codec = TextCodec(self.path, self.model.tokenizer_config)
+            self._codec = TextCodec(self.path, self.model.tokenizer_config, self._chat_template)
         return self._codec
 
 
@@ -239,13 +258,16 @@ class Engine:
 
     # -- public API -------------------------------------------------------------------------
     def infer(self, input_ids):
-        """int [seq] or [batch, seq] -> float32 logits [batch, seq, vocab] ([1, seq, vocab] for 1-D);
-        a list of 1-D arrays of different lengths -> a list of [len, vocab] arrays."""
+        """int token ids [seq] or [batch, seq] (an array or nested lists, e.g. [[1, 2, 3, 4]]) -> float32
+        logits, an array [batch, seq, vocab] ([1, seq, vocab] for 1-D). Sequences of different lengths
+        (a list of them) -> a list of float32 [len, vocab] arrays, one per sequence (nothing is padded:
+        a pad position's logits would mean nothing)."""
         self._check_open()
         as_list = isinstance(input_ids, (list, tuple)) and len(input_ids) > 0 and \
             not np.isscalar(input_ids[0])
         if as_list:
             seqs = [self._check_ids(x) for x in input_ids]
+            as_list = len({len(x) for x in seqs}) > 1           # ragged: one array each
         else:
             arr = np.asarray(input_ids)
             if arr.ndim == 1:
@@ -258,9 +280,24 @@ class Engine:
         for j, r in enumerate(results):
             if not np.isfinite(r.max()):
                 raise nonfinite(f"input {j}")
+        results = [r.astype(np.float32, copy=False) for r in results]
         return results if as_list else np.stack(results)
 
-    def _score(self, seqs) -> list:
+    def embed(self, input_ids) -> list:
+        """Token ids ([seq], or a list of sequences of any lengths) -> a list of float32 [len, hidden]
+        arrays: every token's final hidden state after the final norm (the rows the lm_head reads), as
+        transformers' output.hidden_states[-1] after model.norm. serve's /v1/embeddings mean-pools them."""
+        self._check_open()
+        one = len(input_ids) > 0 and np.isscalar(input_ids[0]) if isinstance(input_ids, (list, tuple)) \
+            else np.asarray(input_ids).ndim == 1
+        seqs = [self._check_ids(input_ids)] if one else [self._check_ids(x) for x in input_ids]
+        out = self._score(seqs, kind="hidden")
+        for j, r in enumerate(out):
+            if not np.isfinite(r).all():
+                raise nonfinite(f"input {j}'s hidden states")
+        return out
+
+    def _score(self, seqs, kind=True) -> list:
         """Every token's logits of each sequence, through the request core: scoring requests (no
         generation) prefilled in chunks beside whatever else is running, max_batch at a time."""
         out = []
@@ -268,7 +305,7 @@ class Engine:
         for g in range(0, len(seqs), self.max_batch):
             reqs = [Request(ids, params) for ids in seqs[g:g + self.max_batch]]
             for r in reqs:
-                r.score = True
+                r.score = kind
             self._core.submit(reqs)
             for r in reqs:
                 for ev in r.iter_events():
@@ -357,36 +394,45 @@ class Engine:
     def generate(self, prompt, max_new_tokens=32, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=None,
                  ignore_eos=False, **extra):
         """prompt: token ids, a string (with a tokenizer) or chat messages [{"role","content"}].
-        Returns the generated token ids (including a final end-of-sequence id, as transformers does).
-        ignore_eos (as vLLM's) generates exactly max_new_tokens. extra: min_p, repetition_penalty,
+        Returns a Generation: the generated token ids (a list, including a final end-of-sequence id,
+        as transformers does, and the token that completed a stop string) and its finish_reason,
+        "stop" or "length". ignore_eos (as vLLM's) generates max_new_tokens ids, unless the context
+        (prompt + ids) reaches max_seq_len first: then it ends there with finish_reason "length" and
+        fewer ids, as colibri serve does (open the engine with a larger max_seq_len, up to the model's
+        max_position_embeddings, or ask for fewer tokens). extra: min_p, repetition_penalty,
         presence_penalty, frequency_penalty, logit_bias, priority (sampling.SamplingParams)."""
         return self.generate_batch([prompt], max_new_tokens, temperature, top_p, top_k, seed, stop,
                                    ignore_eos=ignore_eos, **extra)[0]
 
     def chat(self, messages, **kw):
         """Messages rendered with the model's chat template; returns the reply's text (of a harmony
-        reply, gpt-oss's, the final channel's message: TextCodec.reply)."""
+        reply, gpt-oss's, the final channel's message: TextCodec.reply), up to, not including, the
+        first stop string (the OpenAI API's stop, as colibri serve cuts it); kw: generate()'s."""
         if not isinstance(messages, (list, tuple)) or not messages or not isinstance(messages[0], dict):
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"messages={messages!r:.80}: expected a list of "
                                "{'role': str, 'content': str} (use generate() for a plain prompt)")
         ids = self.generate(messages, **kw)
-        return self.codec.reply(ids)[0]
+        from .textio import cut_at_stop
+        return cut_at_stop(self.codec.reply(ids)[0], kw.get("stop"))
 
     def stream(self, prompt, max_new_tokens=32, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=None,
                ignore_eos=False, **extra):
-        """Yields text pieces as they are generated; a piece never splits a UTF-8 character. Closing
-        the generator early (break, del) cancels the request: its blocks return within one step."""
-        from .textio import StreamDecoder
+        """Yields text pieces as they are generated; a piece never splits a UTF-8 character. The text
+        ends before the first stop string (as chat() and colibri serve cut it): the last len(longest
+        stop) - 1 characters are held back until they cannot start one. Closing the generator early
+        (break, del) cancels the request: its blocks return within one step."""
+        from .textio import StopCutter, StreamDecoder
         dec = StreamDecoder(self.codec)
         priority = extra.pop("priority", 0)
         req = self._submit([prompt], priority, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                            top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos, **extra)[0]
+        cutter = StopCutter(stop)
         try:
             for ev in req.iter_events():
-                piece = text_piece(dec, ev)
+                piece = cutter.push(text_piece(dec, ev))
                 if piece:
                     yield piece
-            tail = dec.flush()
+            tail = cutter.push(dec.flush()) + cutter.finish()
             if tail:
                 yield tail
         finally:
@@ -397,18 +443,21 @@ class Engine:
         """Decode several sequences together (submitted at once: one step can prefill all of them);
         prompt i samples with its own RNG, seeded [seed, i]. A request that can never fit (larger
         than the whole KV pool) fails alone: with return_errors its entry is the ColibriError,
-        otherwise the first such error is raised after the others finish; the others wait for room."""
+        otherwise the first such error is raised after the others finish; the others wait for room.
+        Each entry is a Generation (generate()'s: the ids and their finish_reason)."""
         prompts = self._check_prompts(prompts)
         return_errors = sampling.flag("return_errors", return_errors)
         priority = extra.pop("priority", 0)
         reqs = self._submit(prompts, priority, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                             top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos, **extra)
-        outs, errors = [[] for _ in reqs], [None] * len(reqs)
+        outs, errors = [Generation() for _ in reqs], [None] * len(reqs)
         try:
             for i, r in enumerate(reqs):
                 for ev in r.iter_events():
                     if ev.kind == TOKEN:
                         outs[i].append(ev.token)
+                    elif ev.kind == DONE:
+                        outs[i].finish_reason = ev.reason
                     elif ev.kind == ERROR:
                         errors[i] = ev.error
         finally:

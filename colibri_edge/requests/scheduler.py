@@ -97,10 +97,15 @@ class Event:
     token: int = -1
     error: ColibriError | None = None
     logprob: float | None = None    # of the chosen token (when the request asked for logprobs)
-    top: list | None = None         # [(token, logprob)] * top_logprobs
+    top_logprobs: list | None = None  # [(token, logprob)] * top_logprobs, best first (when asked for)
     reason: str = ""                # DONE: "stop" (eos / stop string), "length", "cancelled"
     logits: np.ndarray | None = None  # DONE of a scoring request: float32 [len(prompt), V]
     t: float = 0.0                  # time.perf_counter() when the core emitted it
+
+    @property
+    def top(self) -> list | None:
+        """The old name of top_logprobs (serving/serve.py still reads it); new code: top_logprobs."""
+        return self.top_logprobs
 
 
 def text_piece(dec, ev: Event) -> str:
@@ -140,6 +145,7 @@ class Request:
         self.order = 0                  # submission order (the core's)
         self.admitted = 0.0
         self.first_token_at = None
+        # "hidden" (Engine.embed): every prompt token's final-normed hidden state instead of its logits
         self.score = False              # a scoring request (Engine.infer / trace): every prompt token's
         self.chunks: list = []          # logits, gathered chunk by chunk; it finishes when the prompt is in
 
@@ -460,6 +466,8 @@ class Core:
         scoring = [bool(r.score) for r, _ in owners] if any(r.score for r, _ in owners) else False
         t0 = time.perf_counter()
         logits = e.backend.host_view(runner.step(entries, all_logits=scoring))
+        hidden = e.backend.host_view(runner.hidden) if scoring and any(r.score == "hidden" for r, _ in owners) \
+            else None
         dt = time.perf_counter() - t0
         ndec = len(decode)
         npre = sum(len(t) for _, t in entries[ndec:])
@@ -473,7 +481,7 @@ class Core:
         row = 0
         for (r, was_decode), (_, toks) in zip(owners, entries):
             if r.score:                                  # keep the chunk's rows; done once the prompt is in
-                r.chunks.append(np.array(logits[row:row + len(toks)]))
+                r.chunks.append(np.array((hidden if r.score == "hidden" else logits)[row:row + len(toks)]))
                 row += len(toks)
                 if r.pos >= len(r.ctx):
                     self._finish(r, logits=np.concatenate(r.chunks))
@@ -497,17 +505,19 @@ class Core:
         if r.first_token_at is None:
             r.first_token_at = time.perf_counter()
             e.stats.first_token_seconds = r.first_token_at - r.admitted
-        r._emit(Event(TOKEN, token=tok, logprob=lp, top=top))
+        r._emit(Event(TOKEN, token=tok, logprob=lp, top_logprobs=top))
         n = len(r.produced) + 1
+        # a stop string completed by the last token allowed is a "stop", as the OpenAI API reports it;
+        # "length": max_new_tokens, or the context reached max_seq_len first (then fewer tokens)
         if tok in p.eos:
+            r.produced.append(tok)
+            self._finish(r, reason="stop")
+        elif p.stops and any(s in e.codec.decode(r.produced[-63:] + [tok]) for s in p.stops):
             r.produced.append(tok)
             self._finish(r, reason="stop")
         elif n >= p.max_new_tokens or r.seq.cached + 1 > e.max_seq_len:
             r.produced.append(tok)
             self._finish(r, reason="length")
-        elif p.stops and any(s in e.codec.decode(r.produced[-63:] + [tok]) for s in p.stops):
-            r.produced.append(tok)
-            self._finish(r, reason="stop")
         else:
             r.pending = tok
 

@@ -7,11 +7,47 @@ from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, invalid_model
 
 
 HARMONY_CHANNEL, HARMONY_MESSAGE = "<|channel|>", "<|message|>"
+# The template of a model that ships none: ChatML, as llama.cpp falls back to it (its
+# llm_chat_template "chatml"); used with a warning on stderr, once per codec
+FALLBACK_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def load_chat_template(spec: str) -> str:
+    """--chat-template / Engine.open(chat_template=...): a Jinja file's path, or the template text itself
+    (anything holding '{%' or '{{'), as llama-server's --chat-template-file and transformers'
+    chat_template= take them."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"chat_template={spec!r:.60}: give a Jinja file's path "
+                           "or the template text")
+    if "{%" in spec or "{{" in spec:
+        text = spec
+    else:
+        try:
+            with open(spec, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"chat template {spec}: cannot read it "
+                               f"({type(e).__name__}: {e}); give a readable UTF-8 Jinja file") from None
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    try:
+        ImmutableSandboxedEnvironment().parse(text)
+    except TemplateSyntaxError as e:
+        raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"chat template {spec if text is not spec else ''}"
+                           f"is not valid Jinja (line {e.lineno}: {e.message}); fix the template") from None
+    return text
 HARMONY_ENDS = ("<|return|>", "<|end|>", "<|call|>", "<|start|>")
 
 
 class TextCodec:
-    def __init__(self, model_dir: str, tokenizer_config: dict):
+    """chat_template: a template over the model's (load_chat_template's text); a model with neither
+    renders chats with FALLBACK_CHAT_TEMPLATE (ChatML) and says so once on stderr."""
+
+    def __init__(self, model_dir: str, tokenizer_config: dict, chat_template: str | None = None):
         from tokenizers import Tokenizer
         path = os.path.join(model_dir, "tokenizer.json")
         try:
@@ -19,7 +55,12 @@ class TextCodec:
         except Exception as e:                  # tokenizers raises plain Exception for a bad file
             raise invalid_model(path, "(file)", f"not a tokenizers file ({e}); copy the model's tokenizer.json "
                                 "again or re-run `colibri convert`") from None
-        self.config = tokenizer_config or {}
+        self.config = dict(tokenizer_config or {})
+        if chat_template is not None:
+            self.config["chat_template"] = chat_template
+        self.template_source = "given" if chat_template is not None else (
+            "model" if self.config.get("chat_template") else "fallback")
+        self._warned = False
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list:
         if not isinstance(text, str):
@@ -65,8 +106,13 @@ class TextCodec:
         if isinstance(template, list):       # named templates: take "default"
             template = {t["name"]: t["template"] for t in template}.get("default")
         if not template:
-            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, "this model has no chat_template in "
-                               "tokenizer_config.json; pass a plain prompt instead of messages")
+            template = FALLBACK_CHAT_TEMPLATE
+            if not self._warned:
+                self._warned = True
+                import sys
+                print("[colibri] this model has no chat template (tokenizer_config.json / chat_template.jinja): "
+                      "chats are rendered as ChatML; give the model's own with --chat-template FILE "
+                      "(Engine.open(chat_template=...))", file=sys.stderr)
         from jinja2.sandbox import ImmutableSandboxedEnvironment
         from jinja2 import ext
 
@@ -110,3 +156,54 @@ class StreamDecoder:
         tail = self.codec.decode(self.ids[self.read:]) if self.read < len(self.ids) else ""
         self.read = len(self.ids)
         return tail
+
+
+# -- stop strings: the OpenAI API's semantics (the text ends before the first stop string) -----------
+
+def stop_strings(stop) -> list:
+    """A stop= argument (None, a string or a list of strings; sampling.check_generation checks it) as a
+    list."""
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def cut_at_stop(text: str, stop) -> str:
+    """text up to, not including, the earliest stop string in it (text itself when it holds none): the
+    OpenAI API's stop semantics, as Engine.chat / stream and AsyncEngine's return text and colibri serve
+    answers (stop: None, a string or a list of strings)."""
+    found = [i for i in (text.find(s) for s in stop_strings(stop)) if i >= 0]
+    return text[:min(found)] if found else text
+
+
+class StopCutter:
+    """cut_at_stop for streamed text: push(piece) returns what can be shown now, holding back the last
+    len(longest stop) - 1 characters until they can no longer start a stop string; once a stop string
+    appears, the text before it and nothing after (stopped is then True); finish() returns what was held
+    back. The pieces joined are cut_at_stop of the whole text."""
+
+    def __init__(self, stop):
+        self.stops = stop_strings(stop)
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.tail = ""              # pushed, not yet returned (at most hold characters between pushes)
+        self.stopped = False
+
+    def push(self, piece: str) -> str:
+        if self.stopped or not piece:
+            return ""
+        # the text before this piece held no stop string: a new one ends in the piece, so starts at or
+        # after len(tail) - hold
+        start = max(0, len(self.tail) - self.hold)
+        self.tail += piece
+        found = [i for i in (self.tail.find(s, start) for s in self.stops) if i >= 0]
+        if found:
+            self.stopped = True
+            out, self.tail = self.tail[:min(found)], ""
+            return out
+        n = max(0, len(self.tail) - self.hold)
+        out, self.tail = self.tail[:n], self.tail[n:]
+        return out
+
+    def finish(self) -> str:
+        out, self.tail = ("" if self.stopped else self.tail), ""
+        return out

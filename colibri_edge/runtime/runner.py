@@ -340,6 +340,7 @@ class Runner:
             self._forward(s)
         for hook in self.hooks:
             hook.end_step()
+        self.hidden = s.sel         # the final-normed hidden rows behind those logits [nrows, H] (embeddings)
         self.steps += 1
         self.step_tokens.append(T)
         if len(self.step_tokens) > 4096:

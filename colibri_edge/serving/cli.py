@@ -19,14 +19,72 @@ def _cmd_convert(a):
     return 0
 
 
+# what Engine.open allocates when it is given neither: the engine's own defaults (engine.py)
+ENGINE_MAX_BATCH, ENGINE_PREFILL_CHUNK = 8, 256
+
+
+def engine_kv_tokens(max_seq_len: int, max_batch: int) -> int:
+    """Engine.open's default kv_cache_tokens (engine.py): a pool for every sequence at full length,
+    capped at max(4096, max_seq_len) tokens."""
+    return min(max_seq_len * max_batch, max(4096, max_seq_len))
+
+
+def _inspect_settings(a, cfg) -> tuple:
+    """inspect's limits: each one given, or what `colibri serve` opens the engine with (its parser's
+    defaults, then the engine's) -> (context, max_batch, prefill_chunk, block_size, kv_tokens, the
+    settings taken from serve's defaults)."""
+    from .. import knobs
+    serve = a.serve_defaults or {}
+    max_pos = int(cfg["max_position_embeddings"])
+    assumed = []
+    context = a.context
+    if context is None:
+        context = serve.get("max_seq_len") or max_pos
+        assumed.append(f"context {context} (the model's maximum)" if context == max_pos else f"context {context}")
+    if context > max_pos:
+        raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"--context {context} is beyond this model's maximum context "
+                           f"of {max_pos} tokens (max_position_embeddings in config.json): Engine.open("
+                           f"max_seq_len={context}) refuses it, so inspect refuses it too; give --context {max_pos} "
+                           "or less")
+    max_batch, chunk = a.max_batch, a.prefill_chunk
+    if max_batch is None:
+        max_batch = serve.get("max_batch") or ENGINE_MAX_BATCH
+        assumed.append(f"--max-batch {max_batch}")
+    if chunk is None:
+        chunk = serve.get("prefill_chunk") or ENGINE_PREFILL_CHUNK
+        assumed.append(f"--prefill-chunk {chunk}")
+    block = a.block_size
+    if block is None:
+        block = knobs.resolve("COLIBRI_KV_BLOCK_SIZE", None)
+        assumed.append(f"KV blocks of {block} (COLIBRI_KV_BLOCK_SIZE)")
+    for flag, v in (("--context", context), ("--max-batch", max_batch), ("--prefill-chunk", chunk),
+                    ("--block-size", block), ("--kv-cache-tokens", a.kv_cache_tokens)):
+        if v is not None and v < 1:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{flag} {v}: give a positive number")
+    kv = a.kv_cache_tokens
+    if kv is None:
+        kv = engine_kv_tokens(context, max_batch)
+        assumed.append(f"a KV pool of {kv} tokens (the engine's: min(context x batch, max(4096, context)))")
+    return context, max_batch, chunk, block, kv, assumed
+
+
 def _cmd_inspect(a):
     from ..model.modeldir import ModelDir
-    from ..analysis.sizing import summary
+    from ..analysis.sizing import engine_memory, summary
     from ..units import human
-    m = ModelDir(a.model)
+    if a.model and a.model_flag and os.path.normpath(a.model) != os.path.normpath(a.model_flag):
+        raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"two models given ({a.model} and --model {a.model_flag}): "
+                           "give one, as DIR or --model DIR")
+    m = ModelDir(_model_or_default(a.model or a.model_flag))
     cfg = m.config
-    s = summary(m, a.context, a.max_batch, a.prefill_chunk, a.block_size)
+    context, max_batch, chunk, block, kv_tokens, assumed = _inspect_settings(a, cfg)
+    s = summary(m, context, max_batch, chunk, block)
+    mem = engine_memory(cfg, context, max_batch, chunk, kv_tokens, block)     # what Engine.open allocates
+    s["kv_cache_bytes"], s["scratch_bytes"] = mem["state_bytes"], mem["arena_bytes"]
+    s["total_bytes"] = s["non_expert_bytes"] + s["expert_bytes"] + s["kv_cache_bytes"] + s["scratch_bytes"]
     print(f"{m.path}: valid (format {cfg['format_version']})")
+    print(f"  maximum context: {cfg['max_position_embeddings']} tokens (max_position_embeddings; the default "
+          "max_seq_len of Engine.open, colibri serve and colibri run)")
     print(f"  model_type {cfg['model_type']}, hidden {cfg['hidden_size']}, heads {cfg['num_attention_heads']}"
           f"/{cfg['num_key_value_heads']} kv, head_dim {cfg['head_dim']}, vocab {cfg['vocab_size']}, "
           f"weights {cfg['weight_dtype']}")
@@ -105,16 +163,19 @@ def _cmd_inspect(a):
     print(f"  weight bytes read per decoded token: {human(s['bytes_per_decoded_token'])}")
     print(f"  KV cache: {s['kv_bytes_per_token']} bytes per token"
           + (f" (full-attention layers) + at most {s['kv_window_bytes_per_sequence']} bytes per sequence in the "
-             f"sliding-window layers (blocks of {a.block_size})" if s["kv_window_bytes_per_sequence"] else "")
+             f"sliding-window layers (blocks of {block})" if s["kv_window_bytes_per_sequence"] else "")
           + (f"; recurrent state: {s['state_bytes_per_sequence']} bytes per sequence at any length (conv + delta "
              f"rule, {sum(t == 'linear_attention' for t in types)} layers)" if s["state_bytes_per_sequence"] else ""))
-    print(f"  memory at context {a.context} x batch {a.max_batch} (prefill chunk {a.prefill_chunk}, KV blocks of "
-          f"{a.block_size}): weights {human(s['non_expert_bytes'])} + experts {human(s['expert_bytes'])} + "
-          f"{'KV cache and recurrent state' if s['state_bytes_per_sequence'] else 'KV cache'} "
+    print(f"  memory at context {context} x batch {max_batch} (prefill chunk {chunk}, a KV pool of {kv_tokens} "
+          f"tokens in blocks of {block}): weights {human(s['non_expert_bytes'])} + experts "
+          f"{human(s['expert_bytes'])} + {'KV cache and recurrent state' if s['state_bytes_per_sequence'] else 'KV cache'} "
           f"{human(s['kv_cache_bytes'])} + scratch {human(s['scratch_bytes'])} = {human(s['total_bytes'])}")
     print(f"  allocated at open: arena {s['scratch_bytes']} bytes, KV cache {s['kv_cache_bytes']} bytes "
-          f"(Engine.open(max_seq_len={a.context}, max_batch={a.max_batch}, prefill_chunk={a.prefill_chunk}, "
-          f"kv_cache_tokens={a.context * a.max_batch}, kv_block_size={a.block_size}))")
+          f"(Engine.open(max_seq_len={context}, max_batch={max_batch}, prefill_chunk={chunk}, "
+          f"kv_cache_tokens={kv_tokens}, kv_block_size={block}))")
+    print("  settings: " + ("what `colibri serve` allocates with its defaults: " + ", ".join(assumed) if assumed
+                            else "all given") + ("" if len(assumed) in (0, 5) else " (the rest as given)")
+          + "; --context, --max-batch, --prefill-chunk, --kv-cache-tokens, --block-size change them")
     if a.device:
         from ..analysis.simulate import load_profile
         prof = load_profile(a.device)
@@ -157,21 +218,61 @@ def _default_model():
     return ensure_default_model()
 
 
-def _cmd_run(a):
-    from ..requests.engine import Engine
-    model = a.model
+def _model_or_default(model):
+    """--model as given, or the embedded demo model (saying so on stderr): every subcommand that takes
+    a model (run, chat, trace, inspect) takes it this way."""
     if model is None:
         model, note = _default_model()
         print(f"[colibri] no --model given: using the embedded default model ({note})", file=sys.stderr)
-    with Engine.open(model, backend=a.backend, max_seq_len=a.max_seq_len, expert_slots=a.expert_slots,
-                     slot_policy=a.slot_policy, top_k=a.experts_per_token) as eng:
+    return model
+
+
+def _version() -> str:
+    """The installed distribution's version, else the package's __version__."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            return version("colibri-edge")
+        except PackageNotFoundError:
+            pass
+    except ImportError:
+        pass
+    import colibri_edge
+    return getattr(colibri_edge, "__version__", "unknown")
+
+
+def _need_matplotlib(flag: str):
+    """--plot's dependency, checked before any work: the plot extra."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{flag} needs matplotlib, which is not installed: "
+                           "pip install 'colibri-edge[plot]' (or leave out --plot)") from None
+
+
+def _sampling_kw(a) -> dict:
+    """Engine.stream / generate arguments of the sampling flags (_add_sampling_args)."""
+    return dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                seed=a.seed, ignore_eos=a.ignore_eos, min_p=a.min_p, repetition_penalty=a.repeat_penalty)
+
+
+def _open_kw(a) -> dict:
+    """Engine.open arguments of the engine flags (_add_engine_args)."""
+    return dict(backend=a.backend, max_seq_len=a.max_seq_len, expert_slots=a.expert_slots,
+                slot_policy=a.slot_policy, top_k=a.experts_per_token, num_threads=a.threads,
+                chat_template=a.chat_template)
+
+
+def _cmd_run(a):
+    from ..requests.engine import Engine
+    model = _model_or_default(a.model)
+    with Engine.open(model, **_open_kw(a)) as eng:
         prompt = a.prompt
         if a.chat:
             prompt = [{"role": "user", "content": a.prompt}]
         elif a.ids:
             prompt = [int(t) for t in a.prompt.split()]
-        kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                  seed=a.seed, ignore_eos=a.ignore_eos, min_p=a.min_p, repetition_penalty=a.repeat_penalty)
+        kw = _sampling_kw(a)
         t0 = time.perf_counter()
         if a.ids or not os.path.exists(os.path.join(eng.path, "tokenizer.json")):
             ids = eng.generate(prompt if a.ids else [int(t) for t in prompt.split()], **kw)
@@ -222,12 +323,111 @@ def _cmd_run(a):
     return 0
 
 
+CHAT_HELP = "commands: /reset (forget the conversation), /stats (the last reply's speed, the context used), " \
+            "/help, /exit (or Ctrl-D); Ctrl-C stops a reply"
+
+
+def _fit_conversation(eng, system: list, history: list, max_new: int):
+    """The messages to send: the system message and as many of the latest exchanges as leave room for
+    the reply (max_new tokens, at most a quarter of the context), dropping the oldest exchanges first
+    -> (messages, prompt tokens, exchanges dropped); None when even the last message alone is too long."""
+    reserve = min(max_new, max(1, eng.max_seq_len // 4))
+    dropped = 0
+    while history:
+        msgs = system + history
+        n = len(eng.codec.encode(eng.codec.render_chat(msgs), add_special_tokens=False))
+        if n + reserve <= eng.max_seq_len:
+            return msgs, n, dropped
+        if len(history) == 1:
+            return None
+        del history[:2]                 # the oldest user message and its reply
+        dropped += 1
+    return None
+
+
+def _cmd_chat(a):
+    """An interactive chat in the terminal (as llama-cli -cnv and ollama run): each line a user turn,
+    the reply streamed, the conversation kept and rendered with the model's chat template."""
+    from ..requests.engine import Engine
+    model = _model_or_default(a.model)
+    with Engine.open(model, **_open_kw(a)) as eng:
+        eng.codec.render_chat([{"role": "user", "content": "hi"}])    # no tokenizer / a broken template: now
+        system = [{"role": "system", "content": a.system}] if a.system else []
+        history, last = [], None
+        print(f"[colibri] chat with {os.path.basename(os.path.normpath(eng.path))} on {eng.backend.name}, context "
+              f"{eng.max_seq_len} tokens ({eng.codec.template_source} chat template). {CHAT_HELP}", file=sys.stderr)
+        while True:
+            try:
+                line = input("> ")
+            except (EOFError, KeyboardInterrupt):
+                print()
+                break
+            text = line.strip()
+            if not text:
+                continue
+            if text.startswith("/"):
+                cmd = text.split()[0].lower()
+                if cmd in ("/exit", "/quit", "/bye"):
+                    break
+                if cmd == "/reset":
+                    history.clear()
+                    last = None
+                    print("[conversation reset]")
+                elif cmd == "/stats":
+                    print(_chat_stats(eng, last, history))
+                elif cmd == "/help":
+                    print(CHAT_HELP)
+                else:
+                    print(f"unknown command {cmd}; {CHAT_HELP}")
+                continue
+            history.append({"role": "user", "content": text})
+            fit = _fit_conversation(eng, system, history, a.max_new_tokens)
+            if fit is None:
+                history.pop()
+                print(f"[colibri] that message does not fit the context of {eng.max_seq_len} tokens with room for "
+                      "a reply: send a shorter one (or open the model with a larger --max-seq-len)")
+                continue
+            msgs, n_prompt, dropped = fit
+            if dropped:
+                print(f"[colibri] the conversation outgrew the context: the oldest {dropped} exchange(s) dropped")
+            kw = _sampling_kw(a)
+            kw["max_new_tokens"] = min(a.max_new_tokens, eng.max_seq_len - n_prompt)
+            st = eng.stats
+            before = (st.prefill_tokens, st.prefill_seconds, st.decode_tokens, st.decode_seconds)
+            parts, t0 = [], time.perf_counter()
+            gen = eng.stream(msgs, **kw)
+            try:
+                for piece in gen:
+                    print(piece, end="", flush=True)
+                    parts.append(piece)
+            except KeyboardInterrupt:
+                print(" [stopped]", end="")
+            finally:
+                gen.close()             # cancels the request if it was cut short: its KV blocks return
+            print(flush=True)
+            history.append({"role": "assistant", "content": "".join(parts)})
+            last = dict(prompt=n_prompt, wall=time.perf_counter() - t0,
+                        prefill=(st.prefill_tokens - before[0], st.prefill_seconds - before[1]),
+                        decode=(st.decode_tokens - before[2], st.decode_seconds - before[3]))
+    return 0
+
+
+def _chat_stats(eng, last, history) -> str:
+    if last is None:
+        return f"no reply yet; context {eng.max_seq_len} tokens, {len(history) // 2} exchanges kept"
+    (pt, ps), (dt, ds) = last["prefill"], last["decode"]
+    return (f"last reply: prompt {last['prompt']} tokens (prefill {pt} at {pt / ps if ps else 0:.1f} tok/s), "
+            f"{dt} tokens decoded at {dt / ds if ds else 0:.1f} tok/s, wall {last['wall']:.2f} s; "
+            f"context {last['prompt'] + dt} of {eng.max_seq_len} tokens; {len(history) // 2} exchanges kept")
+
+
 def _cmd_trace(a):
     from ..requests.engine import Engine
     lines = [l.strip() for l in open(a.prompts, encoding="utf-8") if l.strip()]
     if not lines:
         raise ColibriError(-1, f"{a.prompts}: no prompts (one a line)")
-    with Engine.open(a.model, backend=a.backend, max_batch=a.max_batch, top_k=a.experts_per_token) as eng:
+    with Engine.open(_model_or_default(a.model), backend=a.backend, max_batch=a.max_batch,
+                     top_k=a.experts_per_token) as eng:
         prompts = [[int(t) for t in l.split()] for l in lines] if a.ids else lines
         tr = eng.trace(prompts, max_new_tokens=a.max_new_tokens, ignore_eos=a.max_new_tokens > 0)
     tr.save(a.out)
@@ -240,6 +440,8 @@ def _cmd_simulate(a):
     import json as _json
     from ..analysis.simulate import estimate, load_profile, plot_sweep, replay, sweep_points
     from ..analysis.trace import Trace
+    if a.plot:
+        _need_matplotlib("simulate --plot")
     tr = Trace.load(a.trace)
     prof = load_profile(a.device) if a.device else None
     policies = a.policy.split(",")
@@ -296,6 +498,8 @@ def _cmd_probe_device(a):
 def _cmd_stats(a):
     import json as _json
     from ..analysis.trace import Trace, routing_stats
+    if a.plot:
+        _need_matplotlib("stats --plot")
     tr = Trace.load(a.trace)
     st = routing_stats(tr)
     if a.json:
@@ -326,20 +530,85 @@ def _cmd_stats(a):
     return 0
 
 
-def _cmd_serve(a):
-    import os
-    from ..errors import COLIBRI_ERR_INVALID_ARGUMENT
-    from .serve import serve
-    models = {}
-    for spec in a.model:
-        name, sep, path = spec.partition("=")
-        if not sep:
-            name, path = os.path.basename(os.path.normpath(spec)), spec
-        if not name or name in models:
-            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"--model {spec!r}: give each model a distinct "
-                               "name (NAME=DIR)")
-        models[name] = path
-    budgets, default = {}, None
+def _read_config(path: str) -> dict:
+    """serve --config FILE: {"models": {NAME: {"path": DIR, OPTION: value, ...}}} in JSON, or the same
+    in TOML ([models.NAME] tables) -> {name: {"path": ..., options...}}."""
+    import json as _json
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"--config {path}: cannot read it ({e.strerror})") from None
+    try:
+        if path.lower().endswith(".toml"):
+            import tomllib
+            doc = tomllib.loads(raw.decode("utf-8"))
+        else:
+            doc = _json.loads(raw)
+    except Exception as e:      # json / tomllib / UnicodeDecodeError: the file is not what it says
+        raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"--config {path}: not valid "
+                           f"{'TOML' if path.lower().endswith('.toml') else 'JSON'} ({e})") from None
+    models = doc.get("models") if isinstance(doc, dict) else None
+    if not isinstance(models, dict) or not models:
+        raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"--config {path}: expected a 'models' table of "
+                           "NAME: {path: DIR, ...options}")
+    known = set(PER_MODEL) | {"path", "memory_budget"}
+    for name, spec in models.items():
+        if not isinstance(spec, dict) or not isinstance(spec.get("path"), str):
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"--config {path}: model {name!r} needs a 'path'")
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"--config {path}: model {name!r}: unknown option(s) "
+                               f"{', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    return models
+
+
+def _api_key(a):
+    """--api-key, else --api-key-file's first line, else $COLIBRI_API_KEY, else none."""
+    if a.api_key and a.api_key_file:
+        raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, "--api-key and --api-key-file both given: give one")
+    if a.api_key_file:
+        try:
+            with open(a.api_key_file, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"--api-key-file {a.api_key_file}: cannot read it "
+                               f"({e})") from None
+        if not key:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"--api-key-file {a.api_key_file}: its first line "
+                               "is empty; write the key there")
+        return key
+    return a.api_key or os.environ.get("COLIBRI_API_KEY") or None
+
+
+def serve_plan(a) -> tuple:
+    """serve's arguments -> (models {name: dir}, options {name: {Engine.open keyword: value}}, budgets
+    {name: bytes}, the Engine.open keywords every model shares)."""
+    models, options, budgets = {}, {}, {}
+    if a.config and a.model:
+        raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, "--config and --model both given: describe the models "
+                           "in one place")
+    if a.config:
+        for name, spec in _read_config(a.config).items():
+            models[name] = spec["path"]
+            options[name] = {PER_MODEL[k]: v for k, v in spec.items() if k in PER_MODEL}
+            if "memory_budget" in spec:
+                mb = spec["memory_budget"]
+                budgets[name] = mb if isinstance(mb, int) else parse_size(str(mb), f"{name}: memory_budget")
+    else:
+        if not a.model:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, "serve needs --model DIR (or NAME=DIR, repeated) or "
+                               "--config FILE")
+        for i, spec in enumerate(a.model):
+            name, sep, path = spec.partition("=")
+            if not sep:
+                name, path = os.path.basename(os.path.normpath(spec)), spec
+            if not name or name in models:
+                raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"--model {spec!r}: give each model a distinct "
+                                   "name (NAME=DIR)")
+            models[name] = path
+            options[name] = {PER_MODEL[k]: v for k, v in ((a.per_model or {}).get(i) or {}).items()}
+    default = None
     for spec in a.memory_budget or []:
         name, sep, size = spec.rpartition("=")
         if sep:
@@ -348,11 +617,22 @@ def _cmd_serve(a):
             default = parse_size(size, f"--memory-budget {spec}")
     if default is not None:
         budgets = {**{n: default for n in models}, **budgets}
-    if a.host not in ("127.0.0.1", "localhost", "::1") and not a.api_key:
+    shared = {PER_MODEL[k]: getattr(a, k) for k in PER_MODEL}
+    shared["max_queue"] = a.max_queue
+    return models, options, budgets, shared
+
+
+def _cmd_serve(a):
+    from .serve import serve
+    models, options, budgets, shared = serve_plan(a)
+    api_key = _api_key(a)
+    if a.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         print(f"[colibri] serving on {a.host} without --api-key: anyone who can reach it can use it", file=sys.stderr)
-    serve(models, host=a.host, port=a.port, api_key=a.api_key, cors=a.cors, request_timeout=a.request_timeout,
-          budgets=budgets, backend=a.backend, max_seq_len=a.max_seq_len, max_batch=a.max_batch,
-          max_queue=a.max_queue, prefill_chunk=a.prefill_chunk, interleave=a.interleave)
+    if a.max_tokens is not None and a.max_tokens < 1:
+        raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"--max-tokens {a.max_tokens}: give a positive number")
+    serve(models, host=a.host, port=a.port, api_key=api_key, cors=a.cors, request_timeout=a.request_timeout,
+          budgets=budgets, options=options, max_body=parse_size(a.max_body, f"--max-body {a.max_body}"),
+          max_tokens=a.max_tokens, **shared)
     return 0
 
 
@@ -365,8 +645,72 @@ def parse_size(text: str, what: str) -> int:
     return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
 
 
+def _add_engine_args(p, per_model=False):
+    """The Engine.open flags run, chat and serve share (serve: each may follow a --model, for that model)."""
+    act = dict(action=_PerModel) if per_model else {}
+    p.add_argument("--backend", default=None, help="auto, cpu, opencl, cuda, reference (default: COLIBRI_BACKEND or auto)",
+                   **act)
+    p.add_argument("--max-seq-len", type=int, default=None, help="context in tokens (default: the model's maximum)",
+                   **act)
+    p.add_argument("--expert-slots", type=_slots_arg, default=None, metavar="N|auto",
+                   help="keep at most N experts resident (slot pool); auto: as many as the free memory holds", **act)
+    p.add_argument("--slot-policy", default=None, choices=["lru", "lfu", "prefetch"], **act)
+    p.add_argument("--experts-per-token", type=int, default=None, metavar="K",
+                   help="route each token to K experts instead of the model's (Engine.open(top_k=K), "
+                        "COLIBRI_TOP_K)" + ("" if per_model else "; --top-k is the sampler's"), **act)
+    p.add_argument("--threads", type=int, default=None, help="cpu backend threads (COLIBRI_NUM_THREADS; 0: all cores)",
+                   **act)
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template over the model's own (a model without one chats in ChatML, "
+                        "with a warning)", **act)
+
+
+def _add_sampling_args(p, max_new=48):
+    p.add_argument("--max-new-tokens", type=int, default=max_new)
+    p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens (as llama.cpp's)")
+    # llama.cpp's sampling defaults (llama-cli), with its classic repetition guard; --temperature 0 is greedy
+    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default 0.8, as llama.cpp)")
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.1,
+                   help="divide the logits of tokens already in the context (1 turns it off)")
+    p.add_argument("--seed", type=int, default=None)
+
+
+# serve's flags that may follow a --model and then apply to that model alone -> Engine.open keyword
+PER_MODEL = {"backend": "backend", "max_seq_len": "max_seq_len", "expert_slots": "expert_slots",
+             "slot_policy": "slot_policy", "experts_per_token": "top_k", "threads": "num_threads",
+             "chat_template": "chat_template", "max_batch": "max_batch", "kv_cache_tokens": "kv_cache_tokens",
+             "prefill_chunk": "prefill_chunk", "interleave": "interleave"}
+
+
+class _PerModel(argparse.Action):
+    """A serve flag: before any --model it sets every model's value; after a --model, that model's."""
+
+    def __call__(self, parser, ns, values, option_string=None):
+        models = getattr(ns, "model", None) or []
+        if not models:
+            setattr(ns, self.dest, values)
+            return
+        if getattr(ns, "per_model", None) is None:
+            ns.per_model = {}
+        ns.per_model.setdefault(len(models) - 1, {})[self.dest] = values
+
+
+def _port(v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"{v!r}: a TCP port is a number from 0 to 65535 (0: any free one)")
+    return n
+
+
 def build_parser():
     p = argparse.ArgumentParser(prog="colibri", description="Colibri Edge: MoE inference on edge hardware")
+    p.add_argument("--version", action="version", version=f"colibri {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
     from ..model.dtypes import MIXES, WEIGHT_DTYPES
     c = sub.add_parser("convert", help="Hugging Face safetensors checkpoint or GGUF file -> Colibri model directory")
@@ -379,13 +723,17 @@ def build_parser():
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(fn=_cmd_convert)
     i = sub.add_parser("inspect", help="validate a model directory and print its plan and memory needs")
-    i.add_argument("model")
-    i.add_argument("--context", type=int, default=4096, help="context length for the memory estimate")
-    i.add_argument("--max-batch", type=int, default=1)
-    i.add_argument("--prefill-chunk", type=int, default=256, help="tokens per prefill step (the arena's rows)")
-    i.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    i.add_argument("model", nargs="?", default=None, help="model directory (default: the embedded demo model)")
+    i.add_argument("--model", dest="model_flag", default=None, help="the same, as the other subcommands take it")
+    i.add_argument("--context", type=int, default=None,
+                   help="context length for the memory estimate (default: the model's maximum, as serve opens it)")
+    i.add_argument("--max-batch", type=int, default=None, help="sequences at once (default: serve's, 8)")
+    i.add_argument("--prefill-chunk", type=int, default=None, help="tokens per prefill step, the arena's rows "
+                   "(default: serve's, 256)")
+    i.add_argument("--kv-cache-tokens", type=int, default=None, help="the KV pool (default: the engine's)")
+    i.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: COLIBRI_KV_BLOCK_SIZE)")
     i.add_argument("--device", default=None, help="a device profile (rk3588, ..., this): how many experts fit")
-    i.set_defaults(fn=_cmd_inspect)
+    i.set_defaults(fn=_cmd_inspect, serve_defaults={"max_batch": 8, "prefill_chunk": 256})
     b = sub.add_parser("backends", help="which backends are present, with devices, and why others are missing")
     b.set_defaults(fn=_cmd_backends)
     r = sub.add_parser("run", help="generate text, then print speed and which experts fired")
@@ -393,49 +741,51 @@ def build_parser():
     r.add_argument("--prompt", default="The Python interpreter")
     r.add_argument("--chat", action="store_true", help="render the prompt with the model's chat template")
     r.add_argument("--ids", action="store_true", help="the prompt is space-separated token ids")
-    r.add_argument("--max-new-tokens", type=int, default=48)
-    r.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens (as llama.cpp's)")
-    # llama.cpp's sampling defaults (llama-cli), with its classic repetition guard; --temperature 0 is greedy
-    r.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default 0.8, as llama.cpp)")
-    r.add_argument("--top-p", type=float, default=0.95)
-    r.add_argument("--top-k", type=int, default=40)
-    r.add_argument("--min-p", type=float, default=0.05)
-    r.add_argument("--repeat-penalty", type=float, default=1.1,
-                   help="divide the logits of tokens already in the context (1 turns it off)")
-    r.add_argument("--seed", type=int, default=None)
-    r.add_argument("--backend", default=None, help="auto, cpu, opencl, cuda, reference (default: COLIBRI_BACKEND or auto)")
-    r.add_argument("--max-seq-len", type=int, default=None)
-    r.add_argument("--expert-slots", type=_slots_arg, default=None, metavar="N|auto",
-                   help="keep at most N experts resident (slot pool); auto: as many as the free memory holds")
-    r.add_argument("--slot-policy", default=None, choices=["lru", "lfu", "prefetch"])
-    r.add_argument("--experts-per-token", type=int, default=None, metavar="K",
-                   help="route each token to K experts instead of the model's (Engine.open(top_k=K), "
-                        "COLIBRI_TOP_K); --top-k is the sampler's")
+    _add_sampling_args(r)
+    _add_engine_args(r)
     r.add_argument("--stats", action="store_true",
                    help="print the backend's setup (cpu: threads used), decode step time p50/p99, the slot pool's counters")
     r.set_defaults(fn=_cmd_run)
-    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (the serve extra)")
-    sv.add_argument("--model", action="append", required=True, help="DIR or NAME=DIR (repeat for several models)")
+    ch = sub.add_parser("chat", help="an interactive chat in the terminal (/reset, /stats, /exit)")
+    ch.add_argument("--model", default=None, help="model directory (default: the embedded demo model)")
+    ch.add_argument("--system", default=None, help="a system message that opens the conversation")
+    _add_sampling_args(ch, max_new=512)
+    _add_engine_args(ch)
+    ch.set_defaults(fn=_cmd_chat)
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (the serve extra)",
+                        description="Engine flags given before any --model apply to every model; given after "
+                        "a --model, to that model alone (e.g. --model a=DIR --max-seq-len 4096 --model b=DIR2). "
+                        "--config FILE describes the models in JSON or TOML instead.")
+    sv.add_argument("--model", action="append", default=None, help="DIR or NAME=DIR (repeat for several models)")
+    sv.add_argument("--config", default=None, metavar="FILE", help="models and their options, JSON or TOML: "
+                    "{\"models\": {\"NAME\": {\"path\": DIR, \"max_seq_len\": 4096, ...}}} (docs/serving.md)")
     sv.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
-    sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    sv.add_argument("--cors", default=None, help="allow this origin (CORS), e.g. http://localhost:3000")
-    sv.add_argument("--request-timeout", type=float, default=None, help="seconds a request may run")
-    sv.add_argument("--backend", default=None)
-    sv.add_argument("--max-seq-len", type=int, default=None)
-    sv.add_argument("--max-batch", type=int, default=8)
+    sv.add_argument("--port", type=_port, default=8000)
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or --api-key-file, or "
+                    "the COLIBRI_API_KEY environment variable)")
+    sv.add_argument("--api-key-file", default=None, metavar="FILE", help="read the API key from FILE (its first line)")
+    sv.add_argument("--cors", action="append", default=None, metavar="ORIGIN",
+                    help="allow this origin (CORS), e.g. http://localhost:3000; repeat for several")
+    sv.add_argument("--request-timeout", type=float, default=None, help="seconds a request may run (then 504)")
+    sv.add_argument("--max-tokens", type=int, default=None, help="cap every request's max_tokens at this")
+    sv.add_argument("--max-body", default="8M", metavar="SIZE", help="largest request body (default 8M; then 413)")
+    _add_engine_args(sv, per_model=True)
+    sv.add_argument("--max-batch", type=int, default=8, action=_PerModel)
+    sv.add_argument("--kv-cache-tokens", type=int, default=None, action=_PerModel,
+                    help="KV pool tokens (default: min(context x batch, max(4096, context)))")
     sv.add_argument("--max-queue", type=int, default=1024, help="waiting requests before 429")
-    sv.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens prefilled per step at most")
-    sv.add_argument("--interleave", type=float, default=2.0,
+    sv.add_argument("--prefill-chunk", type=int, default=256, action=_PerModel,
+                    help="prompt tokens prefilled per step at most")
+    sv.add_argument("--interleave", type=float, default=2.0, action=_PerModel,
                     help="a step that prefills beside decodes may take this many decode steps' time "
                     "(0: no cap, more throughput, slower streams meanwhile)")
     sv.add_argument("--memory-budget", action="append", metavar="[NAME=]SIZE",
                     help="memory a model's engine may allocate (arena, KV pool, expert slots), e.g. 2G; "
                     "NAME=SIZE for one model, SIZE for the others; the server refuses to start, with the "
                     "numbers, when they do not fit")
-    sv.set_defaults(fn=_cmd_serve)
+    sv.set_defaults(fn=_cmd_serve, per_model=None)
     t = sub.add_parser("trace", help="record which experts every token chose, to an .npz")
-    t.add_argument("--model", required=True)
+    t.add_argument("--model", default=None, help="model directory (default: the embedded demo model)")
     t.add_argument("--prompts", required=True, help="a file, one prompt a line")
     t.add_argument("--ids", action="store_true", help="prompts are space-separated token ids")
     t.add_argument("--out", required=True)

@@ -438,7 +438,7 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
 
         def lp_chat(ev):
             return {"token": piece_of(ev.token), "logprob": ev.logprob,
-                    "top_logprobs": [{"token": piece_of(t), "logprob": v} for t, v in (ev.top or [])]}
+                    "top_logprobs": [{"token": piece_of(t), "logprob": v} for t, v in (ev.top_logprobs or [])]}
 
         def lp_legacy(entries):
             return {"tokens": [x["token"] for x in entries], "token_logprobs": [x["logprob"] for x in entries],

@@ -2,6 +2,8 @@
 
     python toolchains/capi/build_capi.py [--out build/capi] [--cc CC] [--sysroot ARM64_ROOT]
 
+Needs the base install and the `capi` extra (cffi) only, and a C compiler (`make capi`).
+
 The library exports colibri.h's functions. Its first call starts an interpreter (the libpython this
 Python links, Py_ENABLE_SHARED), adds the site directories this build ran with (its venv's
 site-packages, whose .pth files find an editable install) after COLIBRI_PYTHONPATH's (colon-separated)
@@ -15,7 +17,9 @@ directory baked in: the bundle's is found at run time). The pointers become NumP
 views of the caller's memory (no copy of the input ids; logits written in place once), and handles
 are integers looked up in a table (capi.py), so a bad handle is an error code, not a crash.
 
-Writes OUT/libcolibri.so and OUT/colibri.h (a copy of toolchains/capi/colibri.h)."""
+Writes OUT/libcolibri.so and OUT/colibri.h (a copy of toolchains/capi/colibri.h), and (not with
+--sysroot) OUT/example, toolchains/capi/example.c built against them with the run path $ORIGIN and the
+installed demo model as its default: it runs from any working directory (build_example)."""
 from __future__ import annotations
 
 import argparse
@@ -29,6 +33,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HEADER = os.path.join(HERE, "colibri.h")
+EXAMPLE = os.path.join(HERE, "example.c")
 
 # Runs when the library is loaded, before cffi starts an interpreter on the first call: cffi imports
 # its _cffi_backend at start-up, before the init code below can add a site directory, so an interpreter
@@ -219,6 +224,33 @@ def build(out: str, cc: str | None = None, verbose=False) -> str:
     return dst
 
 
+def default_model_dir() -> str:
+    """The installed colibri_edge's demo model directory (colibri_edge/default_model), absolute, found
+    without importing the package."""
+    import importlib.util
+    spec = importlib.util.find_spec("colibri_edge")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("colibri_edge is not installed in this Python: run `make capi` (it installs it), or "
+                         "pip install -e '.[capi]' first")
+    return os.path.join(os.path.abspath(list(spec.submodule_search_locations)[0]), "default_model")
+
+
+def build_example(out: str, cc: str | None = None) -> str:
+    """OUT/example from toolchains/capi/example.c, linked to OUT/libcolibri.so with the run path $ORIGIN
+    (the loader looks beside the executable, so it runs from any working directory, and the two can
+    move together), its default model (no argument) the installed demo model's absolute path."""
+    import shlex
+    import subprocess
+    out = os.path.abspath(out)
+    exe = os.path.join(out, "example")
+    model = default_model_dir().replace("\\", "\\\\").replace('"', '\\"')
+    cmd = shlex.split(cc or os.environ.get("CC") or "gcc") + [
+        "-O1", "-Wall", "-o", exe, EXAMPLE, f"-I{out}", f"-L{out}", "-lcolibri", "-Wl,-rpath,$ORIGIN",
+        f'-DCOLIBRI_DEFAULT_MODEL="{model}"']
+    subprocess.run(cmd, check=True)
+    return exe
+
+
 def build_cross(out: str, sysroot: str, cc: str = "aarch64-linux-gnu-gcc", include_out: str | None = None,
                 pyver: str = "3.11", triplet: str = "aarch64-linux-gnu") -> str:
     """OUT/libcolibri.so for another architecture: cffi emits the C source, `cc` compiles it against
@@ -263,6 +295,8 @@ def main(argv=None):
     path = (build_cross(a.out, a.sysroot, cc=a.cc or "aarch64-linux-gnu-gcc") if a.sysroot
             else build(a.out, a.cc, a.verbose))
     print(f"{path} ({os.path.getsize(path) / 1024:.0f} KiB), {os.path.join(a.out, 'colibri.h')}")
+    if not a.sysroot:
+        print(f"{build_example(a.out, a.cc)} (toolchains/capi/example.c; runs from any directory)")
 
 
 if __name__ == "__main__":

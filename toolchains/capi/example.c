@@ -1,7 +1,10 @@
 /* example.c -- Colibri Edge from C: open a model, get logits, generate greedily.
  *
- *   make capi
- *   gcc -o example toolchains/capi/example.c -Ibuild/capi -Lbuild/capi -lcolibri -Wl,-rpath,build/capi
+ *   make capi                          # also builds build/capi/example (run path $ORIGIN: any directory)
+ *   build/capi/example [MODEL_DIR]     # default: the installed demo model
+ *
+ * or by hand, in the repository root (an absolute run path: the program then runs from anywhere):
+ *   gcc -o example toolchains/capi/example.c -Ibuild/capi -Lbuild/capi -lcolibri -Wl,-rpath,"$PWD/build/capi"
  *   ./example colibri_edge/default_model
  */
 #include <stdio.h>
@@ -9,8 +12,12 @@
 
 #include "colibri.h"
 
+#ifndef COLIBRI_DEFAULT_MODEL       /* make capi (build_capi.py) passes the demo model's absolute path */
+#define COLIBRI_DEFAULT_MODEL "colibri_edge/default_model"
+#endif
+
 int main(int argc, char **argv) {
-    colibri_config_t config = {.model_path = argc > 1 ? argv[1] : "colibri_edge/default_model",
+    colibri_config_t config = {.model_path = argc > 1 ? argv[1] : COLIBRI_DEFAULT_MODEL,
                                .backend = "cpu", .max_seq_len = 256};
     colibri_engine_t *engine = colibri_init(&config);
     if (!engine) {
