@@ -237,3 +237,31 @@ def peak_step_bytes(col, steps=32) -> int:
         tracemalloc.stop()
         eng.close()
     return worst
+
+
+class Server:
+    """An ASGI app (serve.create_app(...)) served by uvicorn in a thread on a free loopback port."""
+
+    def __init__(self, app):
+        import socket
+        import threading
+        import uvicorn
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            self.port = sk.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        import time
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(30)

@@ -170,6 +170,8 @@ def test_serve_options_per_model_and_from_a_config(tmp_path):
     assert options == {"a": {"max_seq_len": 1024, "expert_slots": 4}, "b": {"kv_cache_tokens": 2048}}
     assert shared["max_seq_len"] == 512 and shared["num_threads"] == 1 and shared["kv_cache_tokens"] is None
     assert budgets == {"a": 1 << 30, "b": 512 << 20}
+    a = p.parse_args(["serve", "--model", "x", "--cors", "http://a.test", "--cors", "http://b.test"])
+    assert a.cors == ["http://a.test", "http://b.test"]                 # both origins kept, not the last
     # a second parse starts from nothing (no per-model state kept in the parser)
     assert cli.serve_plan(p.parse_args(["serve", "--model", "c=/m/c"]))[1] == {"c": {}}
     toml = tmp_path / "models.toml"
@@ -229,3 +231,13 @@ def test_plot_without_matplotlib_says_what_to_install(tmp_path, monkeypatch, cap
     assert rc == abs(COLIBRI_ERR_INVALID_ARGUMENT)
     assert "pip install 'colibri-edge[plot]'" in capsys.readouterr().err
     assert not (tmp_path / "heat.png").exists()
+
+
+def test_make_capi_installs_the_capi_extra_not_the_test_environment(tmp_path):
+    """`make capi` on a fresh venv: the base install and the capi extra (cffi), never torch, cupy or
+    pocl (the test extras); a dry run lists what it would do."""
+    r = subprocess.run(["make", "-n", "capi", f"VENV={tmp_path / 'venv'}"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "'.[capi]'" in r.stdout and "build_capi.py" in r.stdout
+    assert "[test" not in r.stdout and "opencl" not in r.stdout and "cuda" not in r.stdout

@@ -5,7 +5,6 @@ budgets, and the requests the server refuses by name (tool calls, structured out
 is bounded in count and time, and the server is stopped at the end."""
 import json
 import os
-import socket
 import threading
 import time
 
@@ -17,39 +16,14 @@ pytest.importorskip("openai", reason="the openai client is part of the test extr
 
 import httpx  # noqa: E402
 import openai  # noqa: E402
-import uvicorn  # noqa: E402
 
 from colibri_edge import ColibriError, Engine, COLIBRI_ERR_OUT_OF_MEMORY  # noqa: E402
 from colibri_edge.serving.serve import check_budgets, create_app  # noqa: E402
+from helpers import Server  # noqa: E402
 from hf_models import build_text_model  # noqa: E402
 
 DEMO = os.path.join(os.path.dirname(__import__("colibri_edge").__file__), "default_model")
 WORDS = "the model routes each token to two experts and adds what they return".split()
-
-
-class Server:
-    """create_app(engines) served by uvicorn in a thread on a free loopback port."""
-
-    def __init__(self, engines, **kw):
-        with socket.socket() as sk:
-            sk.bind(("127.0.0.1", 0))
-            self.port = sk.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(engines, **kw), host="127.0.0.1", port=self.port,
-                                                    log_level="error"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(30)
 
 
 def idle_and_whole(engines, timeout=30):
@@ -88,7 +62,7 @@ def test_the_openai_client(models):
         want = eng.codec.decode(eng.generate(prompt, max_new_tokens=16, ignore_eos=True))
         msgs = [{"role": "user", "content": "What is a list?"}]
         want_chat = chat_eng.chat(msgs, max_new_tokens=12, ignore_eos=True)
-        with Server({"demo": eng, "chat": chat_eng}, api_key="k") as srv:
+        with Server(create_app({"demo": eng, "chat": chat_eng}, api_key="k")) as srv:
             client = openai.OpenAI(base_url=srv.url + "/v1", api_key="k", max_retries=0, timeout=60)
             assert [m.id for m in client.models.list().data] == ["demo", "chat"]
             c = client.completions.create(model="demo", prompt=prompt, max_tokens=16, temperature=0,
@@ -182,7 +156,7 @@ def test_load_three_models_sixteen_clients(models):
                 solo[(name, prompt, mt)] = e.codec.decode(e.generate(prompt, max_new_tokens=mt, ignore_eos=True))
         assert max(len(engines[n].codec.encode(p)) for n, p, _, _ in jobs) > 2 * 16
         results, errors, lock = {}, [], threading.Lock()
-        with Server(engines) as srv:
+        with Server(create_app(engines)) as srv:
             def client(c):
                 for i in range(c, len(jobs), 16):
                     name, prompt, mt, leave = jobs[i]
@@ -232,7 +206,7 @@ def test_one_exhausted_pool_leaves_the_others_alone(models):
         flood_prompt = " ".join(WORDS[:4])                     # ~20 tokens + 10 new: one or two fit at a time
         flood_solo = engines["qwen3"].codec.decode(engines["qwen3"].generate(flood_prompt, max_new_tokens=10,
                                                                               ignore_eos=True))
-        with Server(engines) as srv:
+        with Server(create_app(engines)) as srv:
             def timed(jobs, out):
                 for j in jobs:
                     t0 = time.perf_counter()

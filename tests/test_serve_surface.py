@@ -17,11 +17,11 @@ import pytest
 pytest.importorskip("fastapi", reason="the serve extra is part of make test's install")
 
 import httpx  # noqa: E402
-import uvicorn  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
 from colibri_edge import ColibriError, Engine, COLIBRI_ERR_INVALID_ARGUMENT  # noqa: E402
 from colibri_edge.serving.serve import create_app, describe, serve  # noqa: E402
+from helpers import Server  # noqa: E402
 from hf_models import build_text_model  # noqa: E402
 
 
@@ -41,30 +41,6 @@ def eng(model_dir):
 def client(eng):
     with TestClient(create_app({"tiny": eng})) as c:
         yield c
-
-
-class Server:
-    """create_app(...) served by uvicorn in a thread on a free loopback port."""
-
-    def __init__(self, app):
-        with socket.socket() as sk:
-            sk.bind(("127.0.0.1", 0))
-            self.port = sk.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(30)
 
 
 def slowed(monkeypatch, eng, seconds=0.01):
