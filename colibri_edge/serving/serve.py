@@ -406,7 +406,7 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
     async def run(h: _Host, http: HTTPRequest, prompts: list, b: Common, chat: bool, logprobs: bool, top: int):
         """One generation over one or more prompts (n choices each): a JSON body or an SSE stream."""
         import json
-        from ..requests.textio import StreamDecoder
+        from ..requests.textio import StopCutter, StreamDecoder, cut_at_stop
         e = h.engine
         endpoint = "chat" if chat else "completions"
         gen = gen_args(b, e, logprobs, top)
@@ -448,8 +448,7 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
             return "stop" if reason == "stop" or any(s in text for s in stops) else "length"
 
         def cut(text):
-            idx = [text.find(s) for s in stops if s in text]
-            return text[:min(idx)] if idx else text
+            return cut_at_stop(text, stops)
 
         def usage_of(n_out):
             return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
@@ -506,7 +505,6 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
                                  "usage": usage_of(sum(map(len, toks)))})
 
         include_usage = bool((b.stream_options or {}).get("include_usage"))
-        hold = max((len(s) for s in stops), default=1) - 1
 
         def chunk(i=0, text=None, fr=None, lp=None, usage=None, role=False):
             if usage is not None:
@@ -524,7 +522,8 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
 
         async def sse():
             decs = [StreamDecoder(codec) for _ in subs]
-            full, sent, reasons = [""] * len(subs), [0] * len(subs), ["length"] * len(subs)
+            full, reasons = [""] * len(subs), ["length"] * len(subs)
+            cutters = [StopCutter(stops) for _ in subs]      # the shown text: up to the first stop string
             n_out, status = 0, "200"
             try:
                 for i in range(len(subs)):
@@ -538,22 +537,21 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
                             raise ev.error
                         if ev.kind == DONE:
                             reasons[i] = ev.reason
-                            full[i] += decs[i].flush()
-                            text = cut(full[i])
-                            if len(text) > sent[i]:
-                                yield chunk(i, text=text[sent[i]:])
+                            tail = decs[i].flush()
+                            full[i] += tail
+                            text = cutters[i].push(tail) + cutters[i].finish()
+                            if text:
+                                yield chunk(i, text=text)
                             yield chunk(i, text=None if chat else "", fr=finish(reasons[i], full[i]))
                             continue
                         n_out += 1
-                        full[i] += decs[i].push(ev.token)
+                        new = decs[i].push(ev.token)
+                        full[i] += new
                         lp = None
                         if logprobs:
                             entry = lp_chat(ev)
                             lp = {"content": [entry]} if chat else lp_legacy([entry])
-                        f = full[i]
-                        upto = len(cut(f)) if any(s in f for s in stops) else max(sent[i], len(f) - hold)
-                        piece = f[sent[i]:upto]
-                        sent[i] = upto
+                        piece = cutters[i].push(new)
                         if piece or lp:
                             yield chunk(i, text=piece, lp=lp)
                 except ColibriError as err:
