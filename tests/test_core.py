@@ -133,8 +133,9 @@ def test_priority_and_submission_order_when_the_pool_is_small(model_cache):
     """A pool that holds one request at a time: requests finish by priority, then submission order,
     and none fails."""
     _, col = convert_case(model_cache, "qwen3_moe")
+    # prefix_cache=False: with it the four equal prompts share their blocks, and two fit at once
     with Engine.open(col, backend="reference", max_batch=4, max_seq_len=64, kv_block_size=4,
-                     kv_cache_tokens=24) as eng:
+                     kv_cache_tokens=24, prefix_cache=False) as eng:
         reqs = eng.submit_batch([PROMPTS[2]] * 4, priorities=[0, 0, 5, 0], max_new_tokens=12, ignore_eos=True)
         for r in reqs:
             for ev in r.iter_events(timeout=60):
@@ -348,8 +349,9 @@ def test_n_samples_share_one_prefill(backend_name, model_cache):
     their own seeds [seed, i] like generate_batch's; every block returns to the pool."""
     _, col = convert_case(model_cache, "qwen3_moe")
     prompt = [(3 * j + 1) % V for j in range(37)]                 # 37 tokens, blocks of 8: 32 shared
+    # prefix_cache=False: the solo run's blocks would otherwise serve the first sample too
     with Engine.open(col, backend=backend_name, max_batch=4, max_seq_len=128, kv_block_size=8,
-                     **fp32(backend_name)) as eng:
+                     prefix_cache=False, **fp32(backend_name)) as eng:
         solo = eng.generate(prompt, max_new_tokens=10, ignore_eos=True)
         before = eng.stats.prefill_tokens
         reqs = eng.submit_n(prompt, 3, max_new_tokens=10, ignore_eos=True)

@@ -68,7 +68,7 @@ def test_state_pools_fail_one_sequence_alone():
     assert len(b.tables[0]) == 1 and st.paged[0].free_blocks == 1
     st.release(a)
     st.reserve(c, 2)                                  # now it fits
-    assert st.usage() == {"KV cache": {"kind": "paged", "blocks": 5, "free": 3, "block_size": 4},
+    assert st.usage() == {"KV cache": {"kind": "paged", "blocks": 5, "free": 3, "block_size": 4, "cached": 0, "idle": 0},
                           "recurrent state": {"kind": "fixed", "slots": 2, "free": 0}}
     for s in (b, c):
         st.release(s)

@@ -401,6 +401,13 @@ def test_the_openai_client_chats_with_the_embedded_model():
             a2 = client.chat.completions.create(model="colibri", messages=msgs, max_tokens=24, temperature=0)
             assert a2.choices[0].message.content == want2
             assert a2.usage.prompt_tokens == n_prompt2 > a1.usage.prompt_tokens
+            # turn 2 starts with turn 1's context: its whole KV blocks come from the prefix cache
+            turn1 = a1.usage.prompt_tokens + a1.usage.completion_tokens - 1     # the last token was never fed
+            cached = a2.usage.prompt_tokens_details.cached_tokens
+            assert turn1 // 16 * 16 <= cached < a2.usage.prompt_tokens and cached % 16 == 0
+            hit = [l for l in httpx.get(srv.url + "/metrics").text.splitlines()
+                   if l.startswith('colibri_prefix_cache_hit_rate{model="colibri"}')]
+            assert hit and 0 < float(hit[0].split()[-1]) <= 1
             assert client.models.retrieve("colibri").id == "colibri"
             with pytest.raises(openai.NotFoundError):
                 client.models.retrieve("nope")

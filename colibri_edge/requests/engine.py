@@ -110,6 +110,8 @@ class Stats:
     decode_seconds: float = 0.0
     decode_steps: int = 0
     first_token_seconds: float = 0.0
+    prompt_tokens: int = 0          # prompt tokens of the generation requests admitted
+    cached_tokens: int = 0          # ... of which found in the prefix cache (not prefilled)
     step_seconds: np.ndarray = field(default_factory=lambda: np.zeros(STEP_WINDOW), repr=False)
 
     def add_decode_step(self, seconds: float, tokens: int):
@@ -119,6 +121,11 @@ class Stats:
         self.decode_seconds += seconds
         self.decode_tokens += tokens
         self.decode_steps += 1
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens found in the prefix cache / prompt tokens admitted (0 before any)."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def step_ms(self) -> dict:
         """p50 / p99 / max of the latest decode steps' times in milliseconds (None before any)."""
@@ -136,7 +143,7 @@ class Engine:
                  disable_fp16=None, num_threads=None, expert_slots=None, slot_policy=None, cuda_graphs=None,
                  int8_activations=None,
                  device=None, max_queue=1024, interleave=2.0, core_thread=None, memory_budget=None, top_k=None,
-                 chat_template=None):
+                 chat_template=None, prefix_cache=True):
         # chat_template: a Jinja file's path or the template text, over the model's own (textio.load_chat_template);
         # a model with neither renders chats as ChatML, with a warning (textio.FALLBACK_CHAT_TEMPLATE)
         from .textio import load_chat_template
@@ -186,6 +193,10 @@ class Engine:
                              expert_slots=slots or None, slot_policy=policy,
                              memory_budget=None if memory_budget is None else
                              sampling.integer("memory_budget", memory_budget, 1, 1 << 60))
+        # prefix caching (runtime/state.py States.adopt_prefix): a request starts from the longest
+        # prefix of whole KV blocks an earlier one left in the pool, prefilling only the rest
+        if not sampling.flag("prefix_cache", prefix_cache):
+            self.runner.states.prefix_block = 0
         self.stats = Stats()
         # end-of-sequence ids (generation_config.json); the engine's own copy, so it may be changed
         self.eos_token_ids = list(cfg["eos_token_ids"])

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import sampling
+from ..runtime.state import block_hashes
 from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_OUT_OF_MEMORY, COLIBRI_ERR_UNAVAILABLE, nonfinite
 
 class StepCost:
@@ -142,6 +143,8 @@ class Request:
         self.seq = None
         self.parent = None              # n > 1: the request whose prefilled prompt this one shares
         self.shared = 0                 # positions it took from the parent (not prefilled itself)
+        self.cached_tokens = 0          # prompt positions found in the prefix cache (not prefilled)
+        self.hashes: list = []          # prefix hashes of its sequence's whole blocks (published)
         self.order = 0                  # submission order (the core's)
         self.admitted = 0.0
         self.first_token_at = None
@@ -373,6 +376,16 @@ class Core:
                 # share the parent's whole blocks below the last prompt token (which this one computes
                 # itself, for its own first logits): n samples of one prompt, one prefill
                 start = e.runner.states.share_prefix(p.seq, seq, len(r.ctx) - 1)
+            shared, states = start, e.runner.states
+            if not start and states.prefix_block and not r.score and not e.runner.hooks:
+                # the longest cached prefix of whole blocks, short of the last token (whose logits
+                # this request computes itself); not while hooks watch every token (traces, tests)
+                B = states.prefix_block
+                hashes = block_hashes(r.ctx, B, upto=(len(r.ctx) - 1) // B)
+                start = states.adopt_prefix(seq, hashes)
+                r.hashes = hashes[:start // B]
+                if not r.produced:
+                    r.cached_tokens = start
             try:
                 e.runner.reserve(seq, len(r.ctx) - start)
             except ColibriError as err:
@@ -381,9 +394,12 @@ class Core:
                     self._finish(r, error=err)
                     continue
                 break                                   # waits (strictly in order) until blocks free
+            if not r.produced and not r.score and p is None:
+                e.stats.prompt_tokens += len(r.ctx)
+                e.stats.cached_tokens += r.cached_tokens
             with self.cond:
                 self.waiting.pop(0)
-            r.seq, r.pos, r.shared, r.admitted = seq, start, start, time.perf_counter()
+            r.seq, r.pos, r.shared, r.admitted = seq, start, shared, time.perf_counter()
             self.running.append(r)
 
     def _preempt(self, need: Request) -> bool:
@@ -401,6 +417,7 @@ class Core:
             v.counts[v.pending] = v.counts.get(v.pending, 0) + 1
         v.ctx = np.concatenate([v.prompt, np.asarray(v.produced, np.int32)]) if v.produced else v.prompt
         v.pos, v.pending = 0, None
+        v.hashes = []
         v.chunks.clear()
         with self.cond:
             self.waiting.append(v)
@@ -479,7 +496,10 @@ class Core:
             e.stats.prefill_seconds += dt if not ndec else dt * npre / (npre + ndec)
         # 3. sample: decode rows, and prefill chunks that completed their context
         row = 0
+        B = runner.states.prefix_block
         for (r, was_decode), (_, toks) in zip(owners, entries):
+            if B and r.seq.cached // B > len(r.hashes):
+                self._publish(r, was_decode)
             if r.score:                                  # keep the chunk's rows; done once the prompt is in
                 r.chunks.append(np.array((hidden if r.score == "hidden" else logits)[row:row + len(toks)]))
                 row += len(toks)
@@ -494,6 +514,20 @@ class Core:
             elif r.pos < len(r.ctx):
                 continue                                 # more of the prompt next step
             self._sample(r, logits[row - 1])
+
+    def _publish(self, r: Request, was_decode: bool):
+        """Name r's newly whole blocks by their prefix hashes (prefix caching). The sequence holds
+        ctx[:pos] and then, once prefilled, the tokens decoded since (produced past those in ctx; the
+        token this step fed is still `pending` when it was a decode step)."""
+        fed = r.ctx[:r.pos]
+        if r.pos >= len(r.ctx):
+            tail = r.produced[len(r.ctx) - len(r.prompt):] + ([r.pending] if was_decode else [])
+            if tail:
+                fed = np.concatenate([r.ctx, np.asarray(tail, np.int32)])
+        states = self.e.runner.states
+        old = len(r.hashes)
+        r.hashes = block_hashes(fed, states.prefix_block, r.hashes, upto=r.seq.cached // states.prefix_block)
+        states.publish(r.seq, r.hashes, old)
 
     def _sample(self, r: Request, logits: np.ndarray):
         e = self.e

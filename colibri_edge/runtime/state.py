@@ -22,6 +22,8 @@ other kinds nor the request layer.
 """
 from __future__ import annotations
 
+import collections
+import hashlib
 import math
 from dataclasses import dataclass, field
 
@@ -64,6 +66,21 @@ class FreeList:
 EVICTED = -1            # a window pool's table entry whose block was returned (never read again)
 
 
+def block_hashes(tokens, block_size: int, prev: list | None = None, upto: int | None = None) -> list:
+    """The prefix hashes of the whole blocks of `tokens` (prefix caching): block j's hash covers its
+    block_size token ids and, through the previous block's hash, every token before it, so equal
+    hashes mean equal prefixes (BLAKE2b, 128 bits). prev: hashes already known for the first blocks
+    (extended, not recomputed); upto: at most this many blocks."""
+    import numpy as np
+    out = list(prev or [])
+    n = len(tokens) // block_size if upto is None else min(upto, len(tokens) // block_size)
+    for j in range(len(out), n):
+        h = hashlib.blake2b(out[-1] if out else b"colibri-kv", digest_size=16)
+        h.update(np.asarray(tokens[j * block_size:(j + 1) * block_size], dtype=np.int32).tobytes())
+        out.append(h.digest())
+    return out
+
+
 class PagedPool:
     """Blocks of `block_size` positions for `layers`, each layer storing `per_token` float32 values
     per position and per tensor (`tensors`, e.g. ("k", "v"), each [num_blocks * B, *per_token]), or
@@ -80,10 +97,30 @@ class PagedPool:
         self.tensors = tuple(self.shapes)
         self._free = FreeList(self.num_blocks)
         self._refs = {}                 # block -> sequences holding it, for blocks held by more than one
+        # prefix cache (States.publish / adopt_prefix): whole blocks named by the hash of their prefix;
+        # a named block no sequence holds is idle: kept, and taken back (least recently used first)
+        # only when the pool has no free block left
+        self._block_of = {}             # prefix hash -> block
+        self._hash_of = {}              # block -> prefix hash
+        self._idle = collections.OrderedDict()     # idle named blocks, least recently used first
+        self.evictions = 0
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a sequence can take: free ones and idle cached ones (evicted on demand)."""
+        return len(self._free) + len(self._idle)
+
+    @property
+    def cached_blocks(self) -> int:
+        return len(self._block_of)
+
+    def _take(self) -> int:
+        if self._free:
+            return self._free.pop()
+        b, _ = self._idle.popitem(last=False)          # the least recently used idle cached block
+        del self._block_of[self._hash_of.pop(b)]
+        self.evictions += 1
+        return b
 
     def need(self, seq: SeqState, index: int, tokens: int) -> int:
         return max(0, -(-tokens // self.block_size) - len(seq.tables[index]))
@@ -106,10 +143,10 @@ class PagedPool:
 
     def shortfall(self, seq, index, tokens) -> str | None:
         need = self.need(seq, index, tokens)
-        if need <= len(self._free) + len(self._stale(seq, index)):
+        if need <= self.free_blocks + len(self._stale(seq, index)):
             return None
         return (f"{self.name} pool exhausted: sequence {seq.seq_id} needs {need} more block(s) of "
-                f"{self.block_size} tokens, {len(self._free)} free of {self.num_blocks}; open the engine "
+                f"{self.block_size} tokens, {self.free_blocks} free of {self.num_blocks}; open the engine "
                 f"with a larger {self.hint} or run fewer sequences at once")
 
     def grow(self, seq, index, tokens):
@@ -118,7 +155,7 @@ class PagedPool:
             self._put(table[j])
             table[j] = EVICTED
         for _ in range(self.need(seq, index, tokens)):
-            table.append(self._free.pop())
+            table.append(self._take())
 
     def release(self, seq, index):
         table = seq.tables[index]
@@ -132,8 +169,38 @@ class PagedPool:
             if n > 0:
                 if n > 1:
                     self._refs[b] = n
+            elif b in self._hash_of:
+                self._idle[b] = None                   # kept for a later prefix match
             else:
                 self._free.append(b)
+
+    def publish(self, seq, index, hashes, start: int):
+        """Name seq's whole blocks start..len(hashes)-1 by their prefix hashes (their positions are
+        written and never written again). A hash already naming another block keeps that one."""
+        table = seq.tables[index]
+        for j in range(start, len(hashes)):
+            b, h = table[j], hashes[j]
+            if b != EVICTED and h not in self._block_of and b not in self._hash_of:
+                self._block_of[h] = b
+                self._hash_of[b] = h
+
+    def cached_prefix(self, hashes) -> int:
+        """How many of the leading hashes name blocks this pool holds."""
+        n = 0
+        while n < len(hashes) and hashes[n] in self._block_of:
+            n += 1
+        return n
+
+    def adopt(self, dst, index, hashes):
+        """dst (empty) holds the named blocks of `hashes` (all cached here): an idle one becomes dst's,
+        a held one is shared (read-only, as share() does)."""
+        for h in hashes:
+            b = self._block_of[h]
+            if b in self._idle:
+                del self._idle[b]
+            else:
+                self._refs[b] = self._refs.get(b, 1) + 1
+            dst.tables[index].append(b)
 
     def can_share(self, src, index, tokens) -> bool:
         """Whether src still holds what a sequence continuing at position `tokens` reads (a window
@@ -161,7 +228,8 @@ class PagedPool:
         return 4 * len(self.layers) * sum(math.prod(s) for s in self.shapes.values())
 
     def usage(self) -> dict:
-        u = {"kind": self.kind, "blocks": self.num_blocks, "free": self.free_blocks, "block_size": self.block_size}
+        u = {"kind": self.kind, "blocks": self.num_blocks, "free": self.free_blocks, "block_size": self.block_size,
+             "cached": self.cached_blocks, "idle": len(self._idle)}
         if self.window:
             u["window"] = self.window
         return u
@@ -209,11 +277,34 @@ class FixedPool:
 class States:
     """The per-sequence state pools of one engine."""
 
-    def __init__(self, pools, max_seq_len: int):
+    def __init__(self, pools, max_seq_len: int, prefix_cache: bool = True):
         self.pools = list(pools)
         self.paged = [p for p in self.pools if p.kind == "paged"]
         self.fixed = [p for p in self.pools if p.kind == "fixed"]
         self.max_seq_len = max_seq_len
+        # prefix caching: whole blocks of every paged pool named by their prefix hash. Not yet for
+        # sliding-window pools (their blocks leave as the window moves) nor for fixed per-sequence
+        # state (a recurrent state cannot be rewound to a prefix without snapshots)
+        sizes = {p.block_size for p in self.paged}
+        self.prefix_block = (sizes.pop() if prefix_cache and len(sizes) == 1 and not self.fixed
+                             and not any(p.window for p in self.paged) else 0)
+
+    def adopt_prefix(self, dst: SeqState, hashes) -> int:
+        """dst (new, empty) starts with the longest prefix of `hashes` every paged pool holds: its
+        blocks, shared, not recomputed. Returns the positions dst now holds."""
+        if not self.prefix_block or dst.cached or not hashes:
+            return 0
+        n = min(p.cached_prefix(hashes) for p in self.paged)
+        for i, p in enumerate(self.paged):
+            p.adopt(dst, i, hashes[:n])
+        dst.cached = n * self.prefix_block
+        return dst.cached
+
+    def publish(self, seq: SeqState, hashes, start: int = 0):
+        """seq's whole blocks start.. (written, final) named by `hashes` in every paged pool."""
+        if self.prefix_block:
+            for i, p in enumerate(self.paged):
+                p.publish(seq, i, hashes, start)
 
     def new(self, seq_id: int) -> SeqState:
         return SeqState(seq_id, tables=[[] for _ in self.paged], slots=[-1] * len(self.fixed))

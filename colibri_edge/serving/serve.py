@@ -80,7 +80,9 @@ class _Metrics:
                     ("kv_blocks_total", "KV cache blocks of the pool"),
                     ("state_slots_used", "Recurrent-state slots held by sequences (hybrid models; 0 without)"),
                     ("state_slots_total", "Recurrent-state slots of the pool (hybrid models; 0 without)"),
-                    ("expert_slot_hit_rate", "Expert slot pool hit rate (1 when every expert is resident)"))}
+                    ("expert_slot_hit_rate", "Expert slot pool hit rate (1 when every expert is resident)"),
+                    ("kv_blocks_cached", "KV blocks named in the prefix cache (held or idle)"),
+                    ("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens admitted"))}
                 for name, h in hosts.items():
                     e = h.engine
                     if e.closed:
@@ -95,6 +97,8 @@ class _Metrics:
                     g["state_slots_total"].add_metric([name], sum(p.num_slots for p in fixed))
                     st = e.slot_stats
                     g["expert_slot_hit_rate"].add_metric([name], 1.0 if st is None else float(st["hit_rate"]))
+                    g["kv_blocks_cached"].add_metric([name], pool.cached_blocks)
+                    g["prefix_cache_hit_rate"].add_metric([name], e.stats.prefix_hit_rate)
                 return list(g.values())
         r.register(Pools())
 
@@ -451,7 +455,11 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
             return cut_at_stop(text, stops)
 
         def usage_of(n_out):
-            return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+            # prompt tokens found in the prefix cache (the OpenAI field): each prompt's first sample
+            # (its other samples share that sample's prefill)
+            cached = sum(subs[k * b.n][0].cached_tokens for k in range(len(ids_list)))
+            return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
+                    "prompt_tokens_details": {"cached_tokens": cached}}
 
         if not b.stream:
             toks = [[] for _ in subs]
