@@ -132,3 +132,110 @@ def test_greedy_with_a_cached_prefix_on_gpu_backends(backend, model_cache):
         assert r.cached_tokens == 28
     with Engine.open(col, prefix_cache=False, **opts) as fresh:
         assert got == fresh.generate(p2, max_new_tokens=10, ignore_eos=True)
+
+
+# -- sessions on disk ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "opencl"])
+def test_a_saved_session_answers_the_next_turn_without_prefilling_it(backend, model_cache, tmp_path):
+    """Turn 1 runs, its blocks are saved; a new engine (a restart) loads the file and turn 2 takes every
+    saved block: its tokens and logprobs equal the first engine's turn 2 (reference, cpu: bit for bit
+    also against a fresh engine without the file) and only the rest is prefilled."""
+    need(backend)
+    _, col = convert_case(model_cache, "mixtral")
+    opts = dict(backend=backend, max_seq_len=96, max_batch=2, kv_block_size=4, **fp32(backend))
+    path = str(tmp_path / "chat.session")
+    with Engine.open(col, **opts) as eng:
+        head, (p1, p2) = prompts(eng)
+        _, out1 = run(eng, p1)
+        turn1 = p1 + [t for t, _, _ in out1]
+        assert eng.save_session(turn1, path) == (len(turn1) - 1) // 4 * 4
+        _, want = run(eng, turn1 + p2[len(head):])
+    with Engine.open(col, **opts) as restarted:
+        assert restarted.load_session(path) == (len(turn1) - 1) // 4 * 4
+        before = restarted.stats.prefill_tokens
+        r, got = run(restarted, turn1 + p2[len(head):])
+        assert r.cached_tokens == (len(turn1) - 1) // 4 * 4
+        assert restarted.stats.prefill_tokens - before == len(turn1) + len(p2) - len(head) - r.cached_tokens
+        assert restarted.kv_free_blocks == restarted.runner.pool.num_blocks
+    if backend in ("reference", "cpu"):
+        assert got == want
+        with Engine.open(col, prefix_cache=False, **opts) as fresh:
+            assert run(fresh, turn1 + p2[len(head):])[1] == got
+    else:
+        assert [t for t, _, _ in got] == [t for t, _, _ in want]
+
+
+def test_a_session_of_another_model_or_a_damaged_file_is_refused(model_cache, tmp_path):
+    from colibri_edge import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_UNAVAILABLE
+    _, col = convert_case(model_cache, "mixtral")
+    _, other = convert_case(model_cache, "qwen3_moe")
+    opts = dict(backend="reference", max_seq_len=96, max_batch=2, kv_block_size=4)
+    path = tmp_path / "s.session"
+    with Engine.open(col, **opts) as eng:
+        head, (p1, _) = prompts(eng)
+        with pytest.raises(ColibriError) as e:
+            eng.save_session(p1, str(path))
+        assert e.value.code == COLIBRI_ERR_INVALID_ARGUMENT and "run a request with it first" in e.value.message
+        run(eng, p1)
+        eng.save_session(p1, str(path))
+    data = path.read_bytes()
+
+    def refused(engine, blob, *words):
+        bad = tmp_path / "bad.session"
+        bad.write_bytes(blob)
+        with pytest.raises(ColibriError) as e:
+            engine.load_session(str(bad))
+        assert e.value.code == COLIBRI_ERR_INVALID_ARGUMENT and all(w in e.value.message for w in words), e.value
+        assert engine.runner.pool.cached_blocks == 0          # nothing of it entered the cache
+    with Engine.open(col, **opts) as eng:
+        refused(eng, data[:len(data) // 2], "unreadable")
+        refused(eng, b"\0" * 64, "unreadable")
+        refused(eng, data.replace(b'"colibri-session"', b'"colibri-sessiox"'), "not a Colibri session")
+        refused(eng, data.replace(b'"version":"1"', b'"version":"9"'), "version")
+    with Engine.open(col, top_k=1, **opts) as eng:                 # same weights, other routing: other KV
+        refused(eng, data, "another model")
+    with Engine.open(other, **opts) as eng:
+        refused(eng, data, "another model")
+    with Engine.open(col, **dict(opts, kv_block_size=8)) as eng:
+        refused(eng, data, "blocks of 4")
+    with Engine.open(col, prefix_cache=False, **opts) as eng:
+        with pytest.raises(ColibriError) as e:
+            eng.load_session(str(path))
+        assert e.value.code == COLIBRI_ERR_UNAVAILABLE
+    with Engine.open(col, **opts) as eng:                          # the intact file still loads
+        assert eng.load_session(str(path)) == len(p1) // 4 * 4
+
+
+def test_cache_dir_keeps_at_most_its_size_least_recently_used_out(model_cache, tmp_path):
+    """serve --cache-dir's folder: a file per conversation with a name per whole block; past max_bytes
+    the least recently used file goes with all its names, and a damaged file is removed, not loaded."""
+    import os
+    import time
+    from colibri_edge.serving.diskcache import DiskCache
+    _, col = convert_case(model_cache, "mixtral")
+    with Engine.open(col, backend="reference", max_seq_len=96, max_batch=2, kv_block_size=4) as eng:
+        V = vocab(eng)
+        a, b = ([(m * j + 1) % V for j in range(21)] for m in (3, 5))
+        disk = DiskCache(str(tmp_path), "m/x", eng, max_bytes=1 << 30)
+        assert disk.dir == str(tmp_path / "m_x")
+        run(eng, a, n=2)
+        pa = disk.store(a)
+        os.utime(pa, (time.time() - 60, time.time() - 60))
+        run(eng, b, n=2)
+        pb = disk.store(b)
+        names = sorted(os.listdir(disk.dir))
+        assert len(names) == 10                                        # 20 fed positions: 5 blocks each
+        assert sum(os.path.samefile(pa, os.path.join(disk.dir, f)) for f in names) == 5
+        disk.max_bytes = os.path.getsize(pb)
+        disk.trim()
+        left = os.listdir(disk.dir)
+        assert len(left) == 5 and all(os.path.samefile(os.path.join(disk.dir, f), pb) for f in left)
+    with Engine.open(col, backend="reference", max_seq_len=96, max_batch=2, kv_block_size=4) as eng:
+        disk = DiskCache(str(tmp_path), "m/x", eng, max_bytes=1 << 30)
+        assert disk.restore(b + [1, 2]) == 20 and disk.restore(a + [1, 2]) == 0
+        with open(pb, "r+b") as f:
+            f.truncate(100)
+    with Engine.open(col, backend="reference", max_seq_len=96, max_batch=2, kv_block_size=4) as eng:
+        disk = DiskCache(str(tmp_path), "m/x", eng, max_bytes=1 << 30)
+        assert disk.restore(b + [1, 2]) == 0 and not os.path.exists(pb)

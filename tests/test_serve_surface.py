@@ -426,3 +426,43 @@ def test_the_openai_client_chats_with_the_embedded_model():
         assert settled(eng)
     finally:
         eng.close()
+
+
+def test_a_restarted_server_answers_from_its_cache_dir(tmp_path):
+    """--cache-dir: two turns, the server and its engine closed, a new one on the same folder: turn 3
+    takes turns 1-2's whole blocks from disk (cached_tokens), and its reply equals an uncached engine's."""
+    import openai
+    opts = dict(backend="reference", max_seq_len=2048, max_batch=2)
+    msgs = [{"role": "user", "content": "Tell me a fortune."}]
+
+    def ask(srv, msgs):
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        return client.chat.completions.create(model="demo", messages=msgs, max_tokens=24, temperature=0)
+    eng = Engine.open(DEMO, **opts)
+    try:
+        with Server(create_app({"demo": eng}, cache_dir=str(tmp_path))) as srv:
+            a1 = ask(srv, msgs)
+            msgs += [{"role": "assistant", "content": a1.choices[0].message.content},
+                     {"role": "user", "content": "Another one, please."}]
+            a2 = ask(srv, msgs)
+    finally:
+        eng.close()
+    saved = list((tmp_path / "demo").glob("*.session"))
+    # turn 2's file holds turn 1's blocks too: one file, a name (hard link) per whole block it holds
+    assert len({f.stat().st_ino for f in saved}) == 1 and len(saved) == (a2.usage.prompt_tokens + 23) // 16
+    msgs += [{"role": "assistant", "content": a2.choices[0].message.content},
+             {"role": "user", "content": "What does json.dumps do?"}]
+    eng = Engine.open(DEMO, **opts)
+    try:
+        with Server(create_app({"demo": eng}, cache_dir=str(tmp_path))) as srv:
+            a3 = ask(srv, msgs)
+    finally:
+        eng.close()
+    # turn 3 re-tokenises the end of turn 2's reply (cut at 24 tokens) differently: it matches turn 2's
+    # tokens up to there, and takes every whole block before that from the saved file
+    fed2 = eng.codec.encode(eng.codec.render_chat(msgs[:3]), add_special_tokens=False)
+    want3 = eng.codec.encode(eng.codec.render_chat(msgs), add_special_tokens=False)
+    assert a3.usage.prompt_tokens == len(want3) and len(fed2) == a2.usage.prompt_tokens
+    assert a3.usage.prompt_tokens_details.cached_tokens >= len(fed2) // 16 * 16 > 16
+    with Engine.open(DEMO, prefix_cache=False, **opts) as fresh:
+        assert a3.choices[0].message.content == fresh.chat(msgs, max_new_tokens=24)

@@ -308,6 +308,22 @@ class Engine:
                 raise nonfinite(f"input {j}'s hidden states")
         return out
 
+    def save_session(self, prompt, path: str) -> int:
+        """Save the KV blocks of `prompt`'s cached prefix (token ids, text or chat messages: what a
+        request with it, or a longer one, ran) to a file; -> the positions saved (whole blocks). A
+        later engine of the same model loads it (load_session) and answers the conversation's next
+        turn without prefilling them. The file format: requests/session.py."""
+        from . import session
+        self._check_open()
+        return session.save(self, [int(t) for t in self._prompt_ids(prompt)], path)
+
+    def load_session(self, path: str) -> int:
+        """Load a save_session file into the prefix cache; -> the positions it holds. A file of another
+        model, weights, block size or cache type, or a damaged one, is COLIBRI_ERR_INVALID_ARGUMENT."""
+        from . import session
+        self._check_open()
+        return session.load(self, path)
+
     def _score(self, seqs, kind=True) -> list:
         """Every token's logits of each sequence, through the request core: scoring requests (no
         generation) prefilled in chunks beside whatever else is running, max_batch at a time."""

@@ -191,6 +191,28 @@ class PagedPool:
             n += 1
         return n
 
+    def blocks_of(self, hashes) -> list:
+        """The blocks the (cached) hashes name."""
+        return [self._block_of[h] for h in hashes]
+
+    def install(self, hashes) -> list:
+        """Name blocks for the hashes not cached here yet (sessions loaded from disk): each takes a
+        free block (or evicts an idle one) and is left idle, named, for the caller to fill before the
+        next step. -> [(position in hashes, block)] of the blocks to fill. The caller checks room
+        first (free_blocks)."""
+        out = []
+        for j, h in enumerate(hashes):
+            if h in self._block_of:
+                b = self._block_of[h]
+                if b in self._idle:
+                    self._idle.move_to_end(b)           # used again: the most recently used
+                continue
+            b = self._take()
+            self._block_of[h], self._hash_of[b] = b, h
+            self._idle[b] = None
+            out.append((j, b))
+        return out
+
     def adopt(self, dst, index, hashes):
         """dst (empty) holds the named blocks of `hashes` (all cached here): an idle one becomes dst's,
         a held one is shared (read-only, as share() does)."""

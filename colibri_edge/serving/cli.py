@@ -619,6 +619,8 @@ def serve_plan(a) -> tuple:
         budgets = {**{n: default for n in models}, **budgets}
     shared = {PER_MODEL[k]: getattr(a, k) for k in PER_MODEL}
     shared["max_queue"] = a.max_queue
+    if a.no_prefix_cache:
+        shared["prefix_cache"] = False
     return models, options, budgets, shared
 
 
@@ -632,7 +634,8 @@ def _cmd_serve(a):
         raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"--max-tokens {a.max_tokens}: give a positive number")
     serve(models, host=a.host, port=a.port, api_key=api_key, cors=a.cors, request_timeout=a.request_timeout,
           budgets=budgets, options=options, max_body=parse_size(a.max_body, f"--max-body {a.max_body}"),
-          max_tokens=a.max_tokens, **shared)
+          max_tokens=a.max_tokens, cache_dir=a.cache_dir,
+          cache_dir_bytes=parse_size(a.cache_dir_size, f"--cache-dir-size {a.cache_dir_size}"), **shared)
     return 0
 
 
@@ -769,6 +772,12 @@ def build_parser():
     sv.add_argument("--request-timeout", type=float, default=None, help="seconds a request may run (then 504)")
     sv.add_argument("--max-tokens", type=int, default=None, help="cap every request's max_tokens at this")
     sv.add_argument("--max-body", default="8M", metavar="SIZE", help="largest request body (default 8M; then 413)")
+    sv.add_argument("--cache-dir", default=None, metavar="DIR", help="keep conversations' KV prefixes in DIR across "
+                    "restarts (session files, per model)")
+    sv.add_argument("--cache-dir-size", default="2G", metavar="SIZE", help="most bytes --cache-dir keeps per model "
+                    "(least recently used files go first; default 2G)")
+    sv.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt whole (no KV reuse "
+                    "across requests)")
     _add_engine_args(sv, per_model=True)
     sv.add_argument("--max-batch", type=int, default=8, action=_PerModel)
     sv.add_argument("--kv-cache-tokens", type=int, default=None, action=_PerModel,

@@ -46,6 +46,7 @@ def _deps():
 STATUS = {COLIBRI_ERR_INVALID_ARGUMENT: 400, COLIBRI_ERR_OUT_OF_MEMORY: 400, COLIBRI_ERR_UNAVAILABLE: 429,
           COLIBRI_ERR_TIMEOUT: 504}
 MAX_BODY = 8 << 20          # bytes of a request body (--max-body); a 2,048-token prompt is ~10 KiB
+CACHE_DIR_BYTES = 2 << 30    # --cache-dir: the most bytes of session files kept per model (--cache-dir-size)
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/embeddings": "embeddings",
              "/tokenize": "tokenize", "/detokenize": "detokenize"}
 
@@ -107,9 +108,10 @@ class _Metrics:
 
 
 class _Host:
-    def __init__(self, name, engine):
+    def __init__(self, name, engine, disk=None):
         self.name, self.engine, self.aio = name, engine, AsyncEngine(engine)
         self.created = int(time.time())
+        self.disk = disk                # serve --cache-dir: a diskcache.DiskCache, or None
 
     def card(self):
         e = self.engine
@@ -191,10 +193,13 @@ class _Auth:
 
 
 def create_app(models: dict, api_key: str | None = None, cors=None, request_timeout: float | None = None,
-               max_body: int = MAX_BODY, max_tokens: int | None = None):
+               max_body: int = MAX_BODY, max_tokens: int | None = None, cache_dir: str | None = None,
+               cache_dir_bytes: int = CACHE_DIR_BYTES):
     """The FastAPI app serving `models` ({name: Engine}); the engines stay the caller's to close
     (serve() closes those it opened). cors: an origin or a list of them; max_tokens: the most
-    tokens a request may generate (a request asking more, or not saying, gets this many)."""
+    tokens a request may generate (a request asking more, or not saying, gets this many);
+    cache_dir: conversations' KV prefixes kept there across restarts (diskcache.py), at most
+    cache_dir_bytes per model."""
     _deps()
     from fastapi import FastAPI, Request as HTTPRequest
     from fastapi.exceptions import RequestValidationError
@@ -203,7 +208,9 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    hosts = {n: _Host(n, e) for n, e in models.items()}
+    from .diskcache import DiskCache
+    hosts = {n: _Host(n, e, DiskCache(cache_dir, n, e, cache_dir_bytes) if cache_dir else None)
+             for n, e in models.items()}
     metrics = _Metrics(hosts)
     app = FastAPI(title="Colibri Edge", version=_version())
     origins = [] if not cors else [cors] if isinstance(cors, str) else list(cors)
@@ -416,6 +423,15 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
         gen = gen_args(b, e, logprobs, top)
         # tokenising (and rendering the template) in a worker thread: a long prompt never holds the loop
         ids_list = await asyncio.to_thread(lambda: [e._prompt_ids(p) for p in prompts])
+        if h.disk is not None:                # --cache-dir: a saved prefix the cache lacks, loaded first
+            for ids in ids_list:
+                await asyncio.to_thread(h.disk.restore, [int(t) for t in ids])
+
+        async def keep(replies):
+            """--cache-dir: each prompt's first reply's whole blocks saved (before the answer ends)."""
+            if h.disk is not None:
+                for k, ids in enumerate(ids_list):
+                    await asyncio.to_thread(h.disk.store, [int(t) for t in ids] + list(replies[k * b.n]))
         subs = []
         try:
             for ids in ids_list:              # all or nothing; n > 1 shares each prompt's prefill
@@ -507,6 +523,7 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
                     c = {"index": i, "text": echo[i] + text, "finish_reason": fr,
                          "logprobs": lp_legacy(lps[i]) if logprobs else None}
                 choices.append(c)
+            await keep(toks)
             metrics.requests.labels(h.name, endpoint, "200").inc()
             return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
                                  "created": created, "model": h.name, "choices": choices,
@@ -569,6 +586,7 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
                     return
                 if include_usage:
                     yield chunk(usage=usage_of(n_out))
+                await keep([d.ids for d in decs])
                 yield "data: [DONE]\n\n"
             except asyncio.CancelledError:           # the client went away: the request is cancelled
                 status = "499"
@@ -830,7 +848,7 @@ def describe(name, e) -> str:
 
 def serve(models: dict, host="127.0.0.1", port=8000, api_key=None, cors=None, request_timeout=None,
           budgets: dict | None = None, options: dict | None = None, max_body=MAX_BODY, max_tokens=None,
-          **engine_kw):
+          cache_dir=None, cache_dir_bytes=None, **engine_kw):
     """Open an engine per model directory ({name: dir}) and serve them until SIGINT / SIGTERM
     (uvicorn stops accepting, lets running responses finish, then the engines are closed).
     The port is bound first: a busy port is an error before any model loads.
@@ -860,7 +878,8 @@ def serve(models: dict, host="127.0.0.1", port=8000, api_key=None, cors=None, re
                 raise ColibriError(e.code, f"model {name!r} ({path}): {e.message}") from None
             log.warning("%s", describe(name, engines[name]))
         app = create_app(engines, api_key=api_key, cors=cors, request_timeout=request_timeout,
-                         max_body=max_body, max_tokens=max_tokens)
+                         max_body=max_body, max_tokens=max_tokens, cache_dir=cache_dir,
+                         cache_dir_bytes=cache_dir_bytes or CACHE_DIR_BYTES)
         config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=30)
         uvicorn.Server(config).run(sockets=[sock])
     finally:

@@ -1,0 +1,183 @@
+"""Sessions on disk: a prompt's cached KV blocks saved to a file and loaded into another engine (after
+a restart, say), so the conversation's next turn starts from them instead of prefilling it again.
+
+The file is a safetensors file (the `safetensors` package writes and reads it): the token ids of the
+saved prefix (`tokens`, int32 [n]) and, per paged pool, layer and tensor, the rows of those positions
+(`kv.{pool}.{layer}.{tensor}`, float32 [n, *per_token], block after block), with metadata:
+
+    format        "colibri-session"
+    version       "1" (SESSION_VERSION; another is refused)
+    model         the model's fingerprint (model_fingerprint: its config as the engine runs it, its
+                  tensors.json and the size and first and last MiB of its weights file)
+    block_size    the KV block size the prefix was cut at
+    kv_dtype      "float32" (the cache's element type)
+    backend       the backend that computed it (information: another backend may load it)
+    tokens        n, a multiple of block_size
+
+Loading checks all of it and every tensor's name, dtype and shape against the engine's own pools
+before anything is written: a truncated, foreign or mismatched file is COLIBRI_ERR_INVALID_ARGUMENT
+naming what is wrong, never a wrong answer. The loaded blocks enter the prefix cache idle, named by
+the hashes of the saved tokens, exactly as if this engine had computed them.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import numpy as np
+
+from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_OUT_OF_MEMORY, COLIBRI_ERR_UNAVAILABLE
+from ..runtime.state import block_hashes
+
+SESSION_FORMAT, SESSION_VERSION = "colibri-session", "1"
+
+
+def model_fingerprint(engine) -> str:
+    """What KV values depend on: the config the engine runs (top_k overrides included), tensors.json,
+    and the weights file's size and first and last MiB (a retrained model of the same shape differs
+    there)."""
+    m = getattr(engine.model, "_model", engine.model)
+    h = hashlib.blake2b(digest_size=16)
+    h.update(json.dumps(engine.config, sort_keys=True, default=str).encode())
+    tj = os.path.join(m.path, "tensors.json")
+    if os.path.exists(tj):
+        with open(tj, "rb") as f:
+            h.update(f.read())
+    wpath = getattr(m, "weights_path", None)
+    if wpath and os.path.exists(wpath):
+        size = os.path.getsize(wpath)
+        h.update(str(size).encode())
+        with open(wpath, "rb") as f:
+            h.update(f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            h.update(f.read(1 << 20))
+    return h.hexdigest()
+
+
+def _cacheable(engine):
+    states = engine.runner.states
+    if not states.prefix_block:
+        raise ColibriError(COLIBRI_ERR_UNAVAILABLE, "sessions need the prefix cache, which this engine does not "
+                           "keep (opened with prefix_cache=False, or a model with sliding-window layers or "
+                           "recurrent state, not cached yet)")
+    return states
+
+
+def _paged_keys(engine):
+    """(storage key, its pool) of every paged pool's tensor, in a stable order."""
+    runner = engine.runner
+    return [(key, runner.states.pools[key[0]]) for key in sorted(runner.state_storage, key=str)
+            if runner.states.pools[key[0]].kind == "paged"]
+
+
+def save(engine, ids, path: str) -> int:
+    """Write the cached whole blocks of `ids`' prefix to `path`; -> the positions saved."""
+    from safetensors.numpy import save_file
+    states = _cacheable(engine)
+    B = states.prefix_block
+    hashes = block_hashes(ids, B)
+
+    def job():
+        n = min(p.cached_prefix(hashes) for p in states.paged)
+        if n == 0:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"none of this prompt's {len(ids)} tokens is in the KV "
+                               f"cache (blocks of {B}): run a request with it first, then save the session")
+        tensors = {"tokens": np.ascontiguousarray(np.asarray(ids[:n * B], np.int32))}
+        for key, pool in _paged_keys(engine):
+            host = engine.backend.download(engine.runner.state_storage[key])
+            rows = [host[b * B:(b + 1) * B] for b in pool.blocks_of(hashes[:n])]
+            tensors["kv.%d.%d.%s" % key] = np.ascontiguousarray(np.concatenate(rows), np.float32)
+        return n, tensors
+    n, tensors = engine._core.call(job)
+    meta = {"format": SESSION_FORMAT, "version": SESSION_VERSION, "model": model_fingerprint(engine),
+            "block_size": str(B), "kv_dtype": "float32", "backend": engine.backend.name, "tokens": str(n * B)}
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        save_file(tensors, tmp, metadata=meta)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"cannot write the session to {path} ({e.strerror}); "
+                           "give a writable path") from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return n * B
+
+
+def _bad(path, what):
+    return ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"session file {path}: {what}")
+
+
+def load(engine, path: str) -> int:
+    """Read a session file into the engine's prefix cache; -> the positions it holds (the tokens a
+    request starting with them will not prefill)."""
+    from safetensors import SafetensorError, safe_open
+    states = _cacheable(engine)
+    B = states.prefix_block
+    try:
+        with safe_open(path, framework="numpy") as f:
+            meta = f.metadata() or {}
+            names = set(f.keys())
+            if meta.get("format") != SESSION_FORMAT:
+                raise _bad(path, f"not a Colibri session (format {meta.get('format')!r}); save one with "
+                                 "Engine.save_session")
+            if meta.get("version") != SESSION_VERSION:
+                raise _bad(path, f"version {meta.get('version')!r}, this Colibri reads {SESSION_VERSION!r}; save "
+                                 "it again")
+            if meta.get("model") != model_fingerprint(engine):
+                raise _bad(path, "saved from another model (or the same model with other weights or top_k): "
+                                 "its KV values do not belong to this one; prefill the conversation instead")
+            if meta.get("kv_dtype") != "float32":
+                raise _bad(path, f"a {meta.get('kv_dtype')!r} KV cache; this engine keeps float32")
+            if meta.get("block_size") != str(B):
+                raise _bad(path, f"blocks of {meta.get('block_size')} tokens; this engine's are {B} "
+                                 "(open it with that kv_block_size)")
+            keys = _paged_keys(engine)
+            want = {"tokens"} | {"kv.%d.%d.%s" % key for key, _ in keys}
+            if names != want:
+                raise _bad(path, f"holds {sorted(names - want) or 'no extra'} tensors and lacks "
+                                 f"{sorted(want - names) or 'none'}: not a session of this model's cache layout")
+            tokens = f.get_tensor("tokens")
+            n = len(tokens)
+            if tokens.dtype != np.int32 or tokens.ndim != 1 or n == 0 or n % B or str(n) != meta.get("tokens"):
+                raise _bad(path, "its token ids are not a whole number of blocks as its metadata says")
+            if tokens.min() < 0 or tokens.max() >= engine.config["vocab_size"]:
+                raise _bad(path, "holds token ids outside this model's vocabulary")
+            rows, shapes = {}, engine.runner.states.storage()
+            for key, pool in keys:
+                name = "kv.%d.%d.%s" % key
+                a = f.get_tensor(name)
+                shape = (n, *shapes[key][1:])
+                if a.dtype != np.float32 or a.shape != shape:
+                    raise _bad(path, f"{name} is {a.dtype} {a.shape}, this engine's layout needs float32 {shape}")
+                if not np.isfinite(a).all():
+                    raise _bad(path, f"{name} holds non-finite values")
+                rows[key] = a
+    except SafetensorError as e:
+        raise _bad(path, f"unreadable ({e}): a truncated or damaged file? save it again") from None
+    except OSError as e:
+        raise _bad(path, f"cannot read it ({e.strerror})") from None
+    if n > engine.max_seq_len:
+        raise _bad(path, f"holds {n} tokens, longer than this engine's max_seq_len={engine.max_seq_len}")
+    hashes = block_hashes(tokens, B)
+
+    def job():
+        missing = [sum(h not in p._block_of for h in hashes) for p in states.paged]
+        for p, need in zip(states.paged, missing):
+            if need > p.free_blocks:
+                raise ColibriError(COLIBRI_ERR_OUT_OF_MEMORY, f"the session needs {need} blocks of the {p.name} pool, "
+                                   f"{p.free_blocks} are free; load it when fewer requests run, or open the engine "
+                                   "with a larger kv_cache_tokens")
+        fills = {id(p): p.install(hashes) for p in states.paged}
+        for key, pool in keys:
+            todo = fills[id(pool)]
+            if not todo:
+                continue
+            buf = engine.runner.state_storage[key]
+            host = np.array(engine.backend.download(buf))
+            for j, b in todo:
+                host[b * B:(b + 1) * B] = rows[key][j * B:(j + 1) * B]
+            engine.backend.upload_into(buf, host)
+        return n
+    return engine._core.call(job)
