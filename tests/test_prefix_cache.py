@@ -239,3 +239,21 @@ def test_cache_dir_keeps_at_most_its_size_least_recently_used_out(model_cache, t
     with Engine.open(col, backend="reference", max_seq_len=96, max_batch=2, kv_block_size=4) as eng:
         disk = DiskCache(str(tmp_path), "m/x", eng, max_bytes=1 << 30)
         assert disk.restore(b + [1, 2]) == 0 and not os.path.exists(pb)
+
+
+def test_a_preempted_request_resumes_from_its_own_cached_blocks(model_cache):
+    """A pool too small for three requests at once: preempted requests recompute their context; with
+    the prefix cache they take back the whole blocks they had written (when not taken meanwhile), so
+    fewer tokens are prefilled than without it, and every answer is the same."""
+    _, col = convert_case(model_cache, "olmoe")
+    ps = [list(range(1, 14)), list(range(20, 37)), list(range(40, 55))]
+    res = {}
+    for cache in (True, False):
+        with Engine.open(col, backend="reference", max_batch=3, max_seq_len=64, kv_block_size=4,
+                         kv_cache_tokens=40, prefix_cache=cache) as eng:
+            outs = eng.generate_batch(ps, max_new_tokens=16, ignore_eos=True)
+            res[cache] = (outs, eng._core.preemptions, eng.stats.prefill_tokens)
+            assert eng.kv_free_blocks == eng.runner.pool.num_blocks
+    (with_cache, pre_on, prefill_on), (without, pre_off, prefill_off) = res[True], res[False]
+    assert with_cache == without and pre_on > 0 and pre_off > 0
+    assert prefill_on < prefill_off, (prefill_on, prefill_off)
