@@ -57,6 +57,10 @@ def model_fingerprint(engine) -> str:
 
 def _cacheable(engine):
     states = engine.runner.states
+    if any(p.window for p in states.paged):
+        raise ColibriError(COLIBRI_ERR_UNAVAILABLE, "sessions of models with sliding-window layers are not "
+                           "saved yet (their window blocks leave as the window moves); the prefix cache "
+                           "still serves them within one engine")
     if not states.prefix_block:
         raise ColibriError(COLIBRI_ERR_UNAVAILABLE, "sessions need the prefix cache, which this engine does not "
                            "keep (opened with prefix_cache=False, or a model with sliding-window layers or "

@@ -213,10 +213,24 @@ class PagedPool:
             out.append((j, b))
         return out
 
+    def needed_from(self, n: int) -> int:
+        """The first of n whole blocks a sequence continuing after them reads: 0, or for a window pool
+        the first block of the window of position n * block_size (the ones below were returned)."""
+        if not self.window:
+            return 0
+        return max(0, n * self.block_size - self.window + 1) // self.block_size
+
+    def holds(self, hashes, n: int) -> bool:
+        """Whether this pool holds what a continuation after the first n hashed blocks reads."""
+        return all(h in self._block_of for h in hashes[self.needed_from(n):n])
+
     def adopt(self, dst, index, hashes):
-        """dst (empty) holds the named blocks of `hashes` (all cached here): an idle one becomes dst's,
-        a held one is shared (read-only, as share() does)."""
-        for h in hashes:
+        """dst (empty) holds the named blocks of `hashes` (those it reads cached here; a window pool's
+        below the window are EVICTED in its table): an idle one becomes dst's, a held one is shared
+        (read-only, as share() does)."""
+        lo = self.needed_from(len(hashes))
+        dst.tables[index].extend([EVICTED] * lo)
+        for h in hashes[lo:]:
             b = self._block_of[h]
             if b in self._idle:
                 del self._idle[b]
@@ -304,19 +318,21 @@ class States:
         self.paged = [p for p in self.pools if p.kind == "paged"]
         self.fixed = [p for p in self.pools if p.kind == "fixed"]
         self.max_seq_len = max_seq_len
-        # prefix caching: whole blocks of every paged pool named by their prefix hash. Not yet for
-        # sliding-window pools (their blocks leave as the window moves) nor for fixed per-sequence
-        # state (a recurrent state cannot be rewound to a prefix without snapshots)
+        # prefix caching: whole blocks of every paged pool named by their prefix hash (a sliding-window
+        # pool's only while they are in some sequence's window, or idle since). Not yet for fixed
+        # per-sequence state (a recurrent state cannot be rewound to a prefix without snapshots)
         sizes = {p.block_size for p in self.paged}
-        self.prefix_block = (sizes.pop() if prefix_cache and len(sizes) == 1 and not self.fixed
-                             and not any(p.window for p in self.paged) else 0)
+        self.prefix_block = sizes.pop() if prefix_cache and len(sizes) == 1 and not self.fixed else 0
 
     def adopt_prefix(self, dst: SeqState, hashes) -> int:
         """dst (new, empty) starts with the longest prefix of `hashes` every paged pool holds: its
         blocks, shared, not recomputed. Returns the positions dst now holds."""
         if not self.prefix_block or dst.cached or not hashes:
             return 0
-        n = min(p.cached_prefix(hashes) for p in self.paged)
+        full = [p for p in self.paged if not p.window]
+        n = min(p.cached_prefix(hashes) for p in full) if full else len(hashes)
+        while n and not all(p.holds(hashes, n) for p in self.paged if p.window):
+            n -= 1                              # a window pool lacks what a continuation there reads
         for i, p in enumerate(self.paged):
             p.adopt(dst, i, hashes[:n])
         dst.cached = n * self.prefix_block

@@ -38,7 +38,7 @@ class DiskCache:
         Runs in a worker thread (the load itself waits for the core, between steps)."""
         states = self.engine.runner.states
         B = states.prefix_block
-        if not B or len(ids) <= B:
+        if not B or len(ids) <= B or any(p.window for p in states.paged):     # no sessions for those yet
             return 0
         hashes = block_hashes(ids, B, upto=(len(ids) - 1) // B)
         have = min(p.cached_prefix(hashes) for p in states.paged)
@@ -62,7 +62,7 @@ class DiskCache:
         """Save the cached whole blocks of `ids` (a finished request's prompt + reply); -> the file."""
         states = self.engine.runner.states
         B = states.prefix_block
-        if not B or len(ids) < B:
+        if not B or len(ids) < B or any(p.window for p in states.paged):
             return None
         hashes = block_hashes(ids, B)
         n = min(p.cached_prefix(hashes) for p in states.paged)
