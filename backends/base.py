@@ -16,6 +16,7 @@ Required -- abstract here; there is no per-op fallback, so the suite proves each
 Optional -- each has its default below, and the core never probes a backend with hasattr:
     OPTIONS                         the Engine.open options it takes                 ()
     host_view(buf)                  host access to a small buffer (logits)          a download
+    copy_into(dst, src)             buffer to buffer of one shape (state snapshots)  download + upload_into
     synchronize()                   wait for queued work                            nothing to wait for
     begin_step()                    once before each step (cpu: re-read free cores)  nothing
     graph_step(key, fn, *args)      capture a decode step once, replay it after     run fn
@@ -180,6 +181,11 @@ class Backend:
         """Read-only host access to a small buffer (logits). Host-memory backends return the buffer
         itself (no copy: the decode loop stays allocation-free); a device copies it."""
         return self.download(buf)
+
+    def copy_into(self, dst, src):
+        """Copy buffer src into dst (same shape and dtype; leading-index views of allocated buffers):
+        recurrent-state snapshots. Default: through the host."""
+        self.upload_into(dst, np.ascontiguousarray(self.download(src)))
 
     def synchronize(self):
         """Wait until everything queued has run (devices with queues)."""

@@ -1,11 +1,11 @@
 """Automatic prefix caching (runtime/state.py, the request core): a request whose prompt starts with
 whole KV blocks an earlier request left in the pool takes them and prefills only the rest, and
 answers as a fresh engine does; idle cached blocks count as free and are evicted least recently used;
-models whose state cannot be reused yet (sliding-window layers, recurrent state) run uncached."""
+recurrent state (Qwen3.5) resumes from snapshots taken during prefill."""
 import numpy as np
 import pytest
 
-from colibri_edge import Engine
+from colibri_edge import COLIBRI_ERR_INVALID_ARGUMENT, ColibriError, Engine
 from colibri_edge.requests.scheduler import TOKEN
 from helpers import fp32, need
 from hf_models import convert_case
@@ -89,18 +89,98 @@ def test_idle_blocks_are_evicted_least_recently_used(model_cache):
         assert pool.free_blocks == pool.num_blocks
 
 
-@pytest.mark.parametrize("case", ["qwen3_5_moe"])
-def test_models_it_cannot_serve_yet_run_uncached(case, model_cache):
-    """Recurrent state (no snapshots yet): no prefix is adopted, answers unchanged."""
-    _, col = convert_case(model_cache, case)
-    with Engine.open(col, backend="reference", max_seq_len=96, max_batch=2, kv_block_size=4) as eng:
-        assert eng.runner.states.prefix_block == 0
-        head, (p1, p2) = prompts(eng)
-        run(eng, p1)
-        r, out = run(eng, p2)
-        assert r.cached_tokens == 0
-    with Engine.open(col, backend="reference", max_seq_len=96, max_batch=2, kv_block_size=4) as fresh:
-        assert run(fresh, p2)[1] == out
+# -- recurrent state (Qwen3.5's gated delta-nets): snapshots -----------------------------------
+
+HYBRID = dict(max_seq_len=128, max_batch=2, kv_block_size=4, prefill_chunk=64)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "opencl", "cuda"])
+def test_a_hybrid_model_resumes_from_a_state_snapshot(backend, model_cache):
+    """Qwen3.5 (gated delta-nets beside full attention): turn 1's prefill is cut at the last multiple
+    of lcm(block 4, delta-rule chunk 16) before its last token, 32, and its recurrent state kept there;
+    turn 2 (sharing 37 tokens, 9 whole blocks) resumes from that snapshot: 32 cached tokens, not 36
+    (a recurrent state cannot be rewound), and answers as a fresh engine does: tokens, logprobs and top
+    logprobs bit for bit on reference and cpu, greedy tokens on opencl and cuda."""
+    need(backend)
+    _, col = convert_case(model_cache, "qwen3_5_moe")
+    opts = dict(backend=backend, **HYBRID, **fp32(backend))
+    with Engine.open(col, **opts) as eng:
+        head, (p1, p2) = prompts(eng, n_shared=37, tails=(3, 7))
+        assert eng.runner.states.prefix_block == 4
+        r1, _ = run(eng, p1)
+        snaps = eng.runner.states.snapshots
+        assert r1.cached_tokens == 0 and snaps.taken == 1
+        r2, out2 = run(eng, p2)
+        assert r2.cached_tokens == 32 and snaps.restored == 1
+    with Engine.open(col, prefix_cache=False, **opts) as fresh:
+        want = run(fresh, p2)[1]
+    if backend in ("reference", "cpu"):
+        assert out2 == want
+    else:
+        assert [t for t, _, _ in out2] == [t for t, _, _ in want]
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_a_hybrid_session_is_saved_at_its_snapshot(backend, model_cache, tmp_path):
+    """A hybrid model's session ends at the last snapshot inside the cached prefix (turn 1's prompt cut
+    at 32) and carries the recurrent state there: a restarted engine answers turn 2 from 32 cached
+    tokens, bit for bit as a fresh engine."""
+    _, col = convert_case(model_cache, "qwen3_5_moe")
+    opts = dict(backend=backend, **HYBRID)
+    path = str(tmp_path / "hybrid.session")
+    with Engine.open(col, **opts) as eng:
+        head, (p1, p2) = prompts(eng, n_shared=37, tails=(3, 7))
+        _, out1 = run(eng, p1)
+        turn1 = p1 + [t for t, _, _ in out1]
+        assert eng.save_session(turn1, path) == 32
+    turn2 = turn1 + p2[len(head):]
+    with Engine.open(col, **opts) as restarted:
+        assert restarted.load_session(path) == 32
+        r, got = run(restarted, turn2)
+        assert r.cached_tokens == 32
+    with Engine.open(col, prefix_cache=False, **opts) as fresh:
+        assert run(fresh, turn2)[1] == got
+    with Engine.open(col, state_snapshots=0, **opts) as nosnap, pytest.raises(ColibriError) as e:
+        nosnap.load_session(path)
+    assert "state_snapshots=0" in e.value.message
+
+
+def test_snapshots_align_with_every_backends_delta_rule_chunk():
+    """Snapshot positions are multiples of state.DELTA_CHUNK because each backend's prefill runs the
+    delta rule in chunks of that many tokens from where its step starts: the constants must agree."""
+    from colibri_edge.runtime.state import DELTA_CHUNK
+    from colibri_edge.backends.reference.backend import DELTA_CHUNK as ref
+    from colibri_edge.backends.cpu.recurrent import DELTA_CHUNK as cpu
+    from colibri_edge.backends.opencl.runtime import DELTA_CHUNK as ocl
+    from colibri_edge.backends.cuda.sources import DEFINES
+    assert DELTA_CHUNK == ref == cpu == ocl == DEFINES["DELTA_CHUNK"] == 16
+
+
+def test_snapshots_every_n_tokens_and_least_recently_used_out(model_cache):
+    """snapshot_every=16: a 50-token prefill keeps its state at 16, 32 and 48 (also its last multiple
+    of 16 before the last token), so a prompt sharing only its first 20 tokens resumes at 16; with one
+    snapshot slot each new snapshot evicts the one before."""
+    _, col = convert_case(model_cache, "qwen3_5_moe")
+    with Engine.open(col, backend="reference", snapshot_every=16, state_snapshots=4, **HYBRID) as eng:
+        V = vocab(eng)
+        a = [(3 * j + 1) % V for j in range(50)]
+        run(eng, a, n=1)
+        snaps = eng.runner.states.snapshots
+        assert snaps.taken == 3 and snaps.usage()["held"] == 3
+        r, got = run(eng, a[:20] + [7, 7, 7, 7, 7])
+        assert r.cached_tokens == 16
+    with Engine.open(col, backend="reference", prefix_cache=False, **HYBRID) as fresh:
+        assert run(fresh, a[:20] + [7, 7, 7, 7, 7])[1] == got
+    with Engine.open(col, backend="reference", snapshot_every=16, state_snapshots=1, **HYBRID) as eng:
+        run(eng, a, n=1)
+        snaps = eng.runner.states.snapshots
+        assert snaps.taken == 3 and snaps.evictions == 2
+        assert run(eng, a[:20] + [7, 7, 7, 7, 7])[0].cached_tokens == 0     # 16's snapshot was evicted
+        # that prefill kept its own at 16 (its last multiple of 16), evicting 48's
+        assert run(eng, a[:40] + [7, 7])[0].cached_tokens == 16
+    with pytest.raises(ColibriError) as e:
+        Engine.open(col, backend="reference", snapshot_every=-1, **HYBRID)
+    assert e.value.code == COLIBRI_ERR_INVALID_ARGUMENT
 
 
 def test_concurrent_requests_share_a_system_prompt(model_cache):
@@ -244,16 +324,21 @@ def test_cache_dir_keeps_at_most_its_size_least_recently_used_out(model_cache, t
         assert disk.restore(b + [1, 2]) == 0 and not os.path.exists(pb)
 
 
-def test_a_preempted_request_resumes_from_its_own_cached_blocks(model_cache):
+@pytest.mark.parametrize("case", ["olmoe", "qwen3_5_moe"])
+def test_a_preempted_request_resumes_from_its_own_cached_blocks(case, model_cache):
     """A pool too small for three requests at once: preempted requests recompute their context; with
-    the prefix cache they take back the whole blocks they had written (when not taken meanwhile), so
-    fewer tokens are prefilled than without it, and every answer is the same."""
-    _, col = convert_case(model_cache, "olmoe")
+    the prefix cache they take back the whole blocks they had written (when not taken meanwhile; a
+    hybrid model from its prompt's snapshot), so fewer tokens are prefilled than without it, and every
+    answer is the same."""
+    _, col = convert_case(model_cache, case)
     ps = [list(range(1, 14)), list(range(20, 37)), list(range(40, 55))]
+    kv = 40
+    if case == "qwen3_5_moe":                    # snapshots at multiples of 16: longer prompts
+        ps, kv = [list(range(1, 22)), list(range(30, 53)), list(range(60, 80))], 64
     res = {}
     for cache in (True, False):
         with Engine.open(col, backend="reference", max_batch=3, max_seq_len=64, kv_block_size=4,
-                         kv_cache_tokens=40, prefix_cache=cache) as eng:
+                         kv_cache_tokens=kv, prefix_cache=cache) as eng:
             outs = eng.generate_batch(ps, max_new_tokens=16, ignore_eos=True)
             res[cache] = (outs, eng._core.preemptions, eng.stats.prefill_tokens)
             assert eng.kv_free_blocks == eng.runner.pool.num_blocks

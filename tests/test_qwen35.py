@@ -18,7 +18,8 @@ from colibri_edge.model.dtypes import is_block
 from colibri_edge.model.quant import fake_quantized_activations
 from colibri_edge.model.convert import translate_config
 from colibri_edge.model.families.common import rope_dim_order
-from colibri_edge.analysis.sizing import engine_memory, kv_full_bytes_per_token, state_bytes_per_sequence, summary
+from colibri_edge.analysis.sizing import (engine_memory, kv_full_bytes_per_token, snapshot_bytes,
+                                          state_bytes_per_sequence, summary)
 from colibri_edge.model.modeldir import ModelDir
 from helpers import edit_json, fp32, refused
 from hf_models import FAMILY_CASES, QWEN35_TEXT, config_for, convert_case, hf_greedy
@@ -165,7 +166,7 @@ def test_memory_constant_state_and_kv_that_grows(model_cache):
     per_token, per_seq = kv_full_bytes_per_token(cfg), state_bytes_per_sequence(cfg)
     assert got[256][2] == got[4096][2] == per_seq > 0
     assert got[4096][0] - got[256][0] == (4096 - 256) * per_token
-    assert got[256][0] == 256 * per_token + per_seq
+    assert got[256][0] == 256 * per_token + 2 * per_seq       # its state and one snapshot (max_batch of them)
     big = full_size_config()
     H = 2 * 2 * 256 * 4                              # 2 KV heads x 256 dims, K and V, float32
     assert kv_full_bytes_per_token(big) == 10 * H
@@ -174,6 +175,8 @@ def test_memory_constant_state_and_kv_that_grows(model_cache):
     assert state_bytes_per_sequence(big) == 30 * 4 * ((la["conv_kernel"] - 1) * C + 32 * 128 * 128)
     m = engine_memory(big, 4096, 1, 256, 4096)["state_bytes"] - engine_memory(big, 256, 1, 256, 256)["state_bytes"]
     assert m == (4096 - 256) * 10 * H
+    # a prefix-cache snapshot of the recurrent state costs one sequence's state: 65.9 MB at this shape
+    assert snapshot_bytes(big) == state_bytes_per_sequence(big) == 65_863_680
 
 
 def test_partial_rotary_reorder():

@@ -41,11 +41,20 @@ def state_bytes_per_sequence(cfg: dict) -> int:
     return sum(p.bytes_per_seq() for p in states.fixed)
 
 
+def snapshot_bytes(cfg: dict) -> int:
+    """What one recurrent-state snapshot (prefix caching of recurrent layers) costs: a sequence's
+    fixed-size state (state_bytes_per_sequence); 0 without recurrent layers."""
+    return state_bytes_per_sequence(cfg)
+
+
 def engine_memory(cfg: dict, max_seq_len: int, max_batch: int, prefill_chunk: int, kv_tokens: int,
-                  block_size: int = 16) -> dict:
-    """Bytes the engine allocates at start for these limits: arena and state pools, exactly."""
+                  block_size: int = 16, snapshots: int | None = None) -> dict:
+    """Bytes the engine allocates at start for these limits: arena and state pools, exactly.
+    snapshots: recurrent-state snapshots (Engine.open's state_snapshots; default max_batch, as the
+    engine's with the prefix cache on)."""
     blocks = -(-kv_tokens // block_size)
-    lim, states = layout(cfg, max(prefill_chunk, max_batch), max_batch, max_seq_len, blocks, block_size)
+    lim, states = layout(cfg, max(prefill_chunk, max_batch), max_batch, max_seq_len, blocks, block_size,
+                         max_batch if snapshots is None else snapshots)
     return {"arena_bytes": arena.nbytes(arena.buffers(cfg, lim)),
             "state_bytes": sum(4 * math.prod(s) for s in states.storage().values()),
             "kv_tokens": blocks * block_size}
@@ -76,6 +85,7 @@ def summary(model: ModelDir, context: int, max_batch: int = 1, prefill_chunk: in
         "kv_bytes_per_token": kv_full_bytes_per_token(cfg),
         "kv_window_bytes_per_sequence": kv_window_bytes(cfg, block_size),
         "state_bytes_per_sequence": state_bytes_per_sequence(cfg),
+        "snapshot_bytes": snapshot_bytes(cfg), "snapshots": max_batch if snapshot_bytes(cfg) else 0,
         "scratch_bytes": mem["arena_bytes"], "context": context, "max_batch": max_batch,
         "prefill_chunk": prefill_chunk, "block_size": block_size,
         "total_bytes": non_expert + experts + mem["state_bytes"] + mem["arena_bytes"],

@@ -143,7 +143,7 @@ class Engine:
                  disable_fp16=None, num_threads=None, expert_slots=None, slot_policy=None, cuda_graphs=None,
                  int8_activations=None,
                  device=None, max_queue=1024, interleave=2.0, core_thread=None, memory_budget=None, top_k=None,
-                 chat_template=None, prefix_cache=True):
+                 chat_template=None, prefix_cache=True, state_snapshots=None, snapshot_every=1024):
         # chat_template: a Jinja file's path or the template text, over the model's own (textio.load_chat_template);
         # a model with neither renders chats as ChatML, with a warning (textio.FALLBACK_CHAT_TEMPLATE)
         from .textio import load_chat_template
@@ -188,14 +188,23 @@ class Engine:
         if slots != "auto" and slots > len(self.model.experts):
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"expert_slots={slots}: the model has only "
                                f"{len(self.model.experts)} experts; leave it unset to keep every expert resident")
+        # recurrent layers (Qwen3.5): prefix caching resumes from snapshots of their state, taken at
+        # prompts' last whole blocks and every snapshot_every prefilled tokens (state.SnapshotPool);
+        # state_snapshots of them (default max_batch: the recurrent state's memory doubles); snapshot_every
+        # is rounded up to a multiple of lcm(kv_block_size, 16)
+        use_prefix = sampling.flag("prefix_cache", prefix_cache)
+        snapshots = sampling.integer("state_snapshots", self.max_batch if state_snapshots is None else
+                                     state_snapshots, 0, 1 << 20) if use_prefix else 0
+        snapshot_every = sampling.integer("snapshot_every", snapshot_every, 0, 1 << 30)
         self.runner = Runner(self.model, self.backend, rows, self.max_batch, self.max_seq_len,
-                             -(-int(kv_cache_tokens) // block), block,
+                             -(-int(kv_cache_tokens) // block), block, snapshots=snapshots,
+                             snapshot_every=snapshot_every,
                              expert_slots=slots or None, slot_policy=policy,
                              memory_budget=None if memory_budget is None else
                              sampling.integer("memory_budget", memory_budget, 1, 1 << 60))
         # prefix caching (runtime/state.py States.adopt_prefix): a request starts from the longest
         # prefix of whole KV blocks an earlier one left in the pool, prefilling only the rest
-        if not sampling.flag("prefix_cache", prefix_cache):
+        if not use_prefix:
             self.runner.states.prefix_block = 0
         self.stats = Stats()
         # end-of-sequence ids (generation_config.json); the engine's own copy, so it may be changed

@@ -394,6 +394,7 @@ class Core:
                     self._finish(r, error=err)
                     continue
                 break                                   # waits (strictly in order) until blocks free
+            e.runner.restore(seq)                       # a recurrent state resumes from its snapshot
             if not r.produced and not r.score and p is None:
                 e.stats.prompt_tokens += len(r.ctx)
                 e.stats.cached_tokens += r.cached_tokens
@@ -473,6 +474,9 @@ class Core:
             if r.pending is not None or r.pos >= len(r.ctx) or budget <= 0 or len(entries) >= e.max_batch:
                 continue
             n = min(budget, len(r.ctx) - r.pos)
+            cut = runner.states.snapshot_point(r.pos, len(r.ctx))
+            if cut and cut < r.pos + n:
+                n = cut - r.pos                          # the chunk ends where a snapshot is taken
             entries.append((r.seq, r.ctx[r.pos:r.pos + n]))
             owners.append((r, False))
             r.pos += n
@@ -500,6 +504,8 @@ class Core:
         for (r, was_decode), (_, toks) in zip(owners, entries):
             if B and r.seq.cached // B > len(r.hashes):
                 self._publish(r, was_decode)
+                if not was_decode and runner.states.snapshots is not None:
+                    self._snapshot(r)
             if r.score:                                  # keep the chunk's rows; done once the prompt is in
                 r.chunks.append(np.array((hidden if r.score == "hidden" else logits)[row:row + len(toks)]))
                 row += len(toks)
@@ -528,6 +534,13 @@ class Core:
         old = len(r.hashes)
         r.hashes = block_hashes(fed, states.prefix_block, r.hashes, upto=r.seq.cached // states.prefix_block)
         states.publish(r.seq, r.hashes, old)
+
+    def _snapshot(self, r: Request):
+        """After a prefill chunk: r's recurrent state is kept when the chunk ended at a snapshot point
+        (States.snapshot_point cut it there)."""
+        states, n = self.e.runner.states, r.seq.cached
+        if n % states.prefix_block == 0 and states.snapshot_point(n - 1, len(r.ctx)) == n:
+            self.e.runner.snapshot(r.seq, r.hashes[n // states.prefix_block - 1])
 
     def _sample(self, r: Request, logits: np.ndarray):
         e = self.e

@@ -3,7 +3,9 @@ a restart, say), so the conversation's next turn starts from them instead of pre
 
 The file is a safetensors file (the `safetensors` package writes and reads it): the token ids of the
 saved prefix (`tokens`, int32 [n]) and, per paged pool, layer and tensor, the rows of those positions
-(`kv.{pool}.{layer}.{tensor}`, float32 [n, *per_token], block after block), with metadata:
+(`kv.{pool}.{layer}.{tensor}`, float32 [n, *per_token], block after block), and for a model with
+recurrent layers the state after position n (`state.{layer}.{tensor}`, conv and delta-rule state, from
+the snapshot that closes the prefix: a hybrid model's session ends at its last snapshot), with metadata:
 
     format        "colibri-session"
     version       "1" (SESSION_VERSION; another is refused)
@@ -63,8 +65,8 @@ def _cacheable(engine):
                            "still serves them within one engine")
     if not states.prefix_block:
         raise ColibriError(COLIBRI_ERR_UNAVAILABLE, "sessions need the prefix cache, which this engine does not "
-                           "keep (opened with prefix_cache=False, or a model with sliding-window layers or "
-                           "recurrent state, not cached yet)")
+                           "keep (opened with prefix_cache=False, or with state_snapshots=0 for a model with "
+                           "recurrent layers)")
     return states
 
 
@@ -73,6 +75,15 @@ def _paged_keys(engine):
     runner = engine.runner
     return [(key, runner.states.pools[key[0]]) for key in sorted(runner.state_storage, key=str)
             if runner.states.pools[key[0]].kind == "paged"]
+
+
+def _snapshot_keys(engine):
+    """The snapshot pool's storage keys (recurrent layers' conv and delta-rule state), in a stable order."""
+    states = engine.runner.states
+    if not states.fixed:
+        return []
+    j = states.pools.index(states.snapshots)
+    return [key for key in sorted(engine.runner.state_storage, key=str) if key[0] == j]
 
 
 def save(engine, ids, path: str) -> int:
@@ -84,14 +95,22 @@ def save(engine, ids, path: str) -> int:
 
     def job():
         n = min(p.cached_prefix(hashes) for p in states.paged)
+        if states.fixed:
+            n = states.snapshots.find(hashes, n)         # a recurrent state is saved at a snapshot only
         if n == 0:
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"none of this prompt's {len(ids)} tokens is in the KV "
-                               f"cache (blocks of {B}): run a request with it first, then save the session")
+                               f"cache (blocks of {B}{', at a recurrent-state snapshot' if states.fixed else ''}): "
+                               "run a request with it first, then save the session")
         tensors = {"tokens": np.ascontiguousarray(np.asarray(ids[:n * B], np.int32))}
         for key, pool in _paged_keys(engine):
             host = engine.backend.download(engine.runner.state_storage[key])
             rows = [host[b * B:(b + 1) * B] for b in pool.blocks_of(hashes[:n])]
             tensors["kv.%d.%d.%s" % key] = np.ascontiguousarray(np.concatenate(rows), np.float32)
+        if states.fixed:
+            slot = states.snapshots.slot_of(hashes[n - 1])
+            for key in _snapshot_keys(engine):
+                tensors["state.%d.%s" % key[1:]] = np.ascontiguousarray(
+                    engine.backend.download(engine.runner.state_storage[key][slot]), np.float32)
         return n, tensors
     n, tensors = engine._core.call(job)
     meta = {"format": SESSION_FORMAT, "version": SESSION_VERSION, "model": model_fingerprint(engine),
@@ -138,7 +157,8 @@ def load(engine, path: str) -> int:
                 raise _bad(path, f"blocks of {meta.get('block_size')} tokens; this engine's are {B} "
                                  "(open it with that kv_block_size)")
             keys = _paged_keys(engine)
-            want = {"tokens"} | {"kv.%d.%d.%s" % key for key, _ in keys}
+            skeys = _snapshot_keys(engine)
+            want = {"tokens"} | {"kv.%d.%d.%s" % key for key, _ in keys} | {"state.%d.%s" % k[1:] for k in skeys}
             if names != want:
                 raise _bad(path, f"holds {sorted(names - want) or 'no extra'} tensors and lacks "
                                  f"{sorted(want - names) or 'none'}: not a session of this model's cache layout")
@@ -158,6 +178,15 @@ def load(engine, path: str) -> int:
                 if not np.isfinite(a).all():
                     raise _bad(path, f"{name} holds non-finite values")
                 rows[key] = a
+            for key in skeys:
+                name = "state.%d.%s" % key[1:]
+                a = f.get_tensor(name)
+                if a.dtype != np.float32 or a.shape != shapes[key][1:]:
+                    raise _bad(path, f"{name} is {a.dtype} {a.shape}, this engine's layout needs float32 "
+                                     f"{shapes[key][1:]}")
+                if not np.isfinite(a).all():
+                    raise _bad(path, f"{name} holds non-finite values")
+                rows[key] = a
     except SafetensorError as e:
         raise _bad(path, f"unreadable ({e}): a truncated or damaged file? save it again") from None
     except OSError as e:
@@ -174,6 +203,9 @@ def load(engine, path: str) -> int:
                                    f"{p.free_blocks} are free; load it when fewer requests run, or open the engine "
                                    "with a larger kv_cache_tokens")
         fills = {id(p): p.install(hashes) for p in states.paged}
+        snap = states.snapshots.take(hashes[-1]) if skeys else -1
+        for key in skeys if snap >= 0 else ():
+            engine.backend.upload_into(engine.runner.state_storage[key][snap], rows[key])
         for key, pool in keys:
             todo = fills[id(pool)]
             if not todo:

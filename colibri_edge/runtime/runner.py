@@ -41,10 +41,11 @@ def linear_widths(cfg: dict) -> list:
             la["num_value_heads"] * la["value_head_dim"]] if la else []
 
 
-def layout(cfg: dict, max_rows: int, max_batch: int, max_seq_len: int, num_kv_blocks: int, block_size: int):
+def layout(cfg: dict, max_rows: int, max_batch: int, max_seq_len: int, num_kv_blocks: int, block_size: int,
+           snapshots: int = 0, snapshot_every: int = 0):
     """The engine's limits and per-sequence state pools: what the Runner allocates and what
     `colibri inspect` (planning.py) sizes, from the one place."""
-    states = States(state_pools(cfg, num_kv_blocks, block_size, max_batch), max_seq_len)
+    states = States(state_pools(cfg, num_kv_blocks, block_size, max_batch, snapshots, snapshot_every), max_seq_len)
     return arena.Limits(max_rows, max_batch, -(-max_seq_len // block_size), len(states.paged),
                         len(states.fixed)), states
 
@@ -134,12 +135,14 @@ class Runner:
 
     def __init__(self, model: ModelDir, backend, max_rows: int, max_batch: int,
                  max_seq_len: int, num_kv_blocks: int, block_size: int,
-                 expert_slots: int | None = None, slot_policy: str = "lru", memory_budget: int | None = None):
+                 expert_slots: int | None = None, slot_policy: str = "lru", memory_budget: int | None = None,
+                 snapshots: int = 0, snapshot_every: int = 0):
         self.model, self.be, self.cfg = model, backend, model.config
         cfg = self.cfg
         self.max_rows, self.max_batch, self.max_seq_len = max_rows, max_batch, max_seq_len
         self.block_size = block_size
-        self.limits, self.states = layout(cfg, max_rows, max_batch, max_seq_len, num_kv_blocks, block_size)
+        self.limits, self.states = layout(cfg, max_rows, max_batch, max_seq_len, num_kv_blocks, block_size,
+                                          snapshots, snapshot_every)
         self.top_k = arena.fan(cfg)
         self.spec = arena.buffers(cfg, self.limits)
         self.slot_choice = None
@@ -260,6 +263,28 @@ class Runner:
 
     def free(self, seq):
         self.states.release(seq)
+
+    def _fixed_keys(self):
+        """(fixed pool's storage key, snapshot pool's storage key) of every recurrent tensor."""
+        states = self.states
+        fi, si = states.pools.index(states.fixed[0]), states.pools.index(states.snapshots)
+        return [((fi, *k), (si, *k)) for k in states.fixed[0].storage()]
+
+    def restore(self, seq):
+        """seq (reserved) starts from the snapshot adopt_prefix chose: copied into its fixed slot."""
+        if seq.restore >= 0:
+            slot = seq.slots[0]
+            for fk, sk in self._fixed_keys():
+                self.be.copy_into(self.state_storage[fk][slot], self.state_storage[sk][seq.restore])
+            seq.restore = -1
+
+    def snapshot(self, seq, h):
+        """Copy seq's recurrent state (after its positions so far) into a snapshot named h."""
+        snap = self.states.snapshots.take(h)
+        if snap >= 0:
+            slot = seq.slots[0]
+            for fk, sk in self._fixed_keys():
+                self.be.copy_into(self.state_storage[sk][snap], self.state_storage[fk][slot])
 
     @property
     def pool(self):

@@ -10,6 +10,9 @@
                 a sequence holds at most ceil(W / B) + 1 blocks there, however long it grows.
     FixedPool   one fixed-size slot per sequence for a group of layers (recurrent state: conv and
                 SSM / delta-rule state), taken when the sequence starts, returned when it ends.
+    SnapshotPool  copies of a FixedPool's slot at whole-block prefix boundaries, named by the prefix
+                hash of the block they close (prefix caching for recurrent layers: a recurrent state
+                cannot be rewound, so a request resumes from the last snapshot at or before its match).
     States      an engine's pools: a sequence reserves in all of them at once (all or nothing), and
                 running out of any is COLIBRI_ERR_OUT_OF_MEMORY for that sequence alone.
     SeqState    one sequence's place: its cached positions, a block table per paged pool, a slot per
@@ -37,6 +40,7 @@ class SeqState:
     cached: int = 0                                  # positions written (in every pool)
     tables: list = field(default_factory=list)       # per paged pool: block ids, in position order
     slots: list = field(default_factory=list)        # per fixed pool: the slot, or -1
+    restore: int = -1                                # a snapshot to copy into its fixed slot once reserved
 
 
 class FreeList:
@@ -310,6 +314,71 @@ class FixedPool:
         return {"kind": self.kind, "slots": self.num_slots, "free": self.free_slots}
 
 
+# the chunked delta rule's chunk (every backend's prefill form: reference.DELTA_CHUNK, the cuda DEFINES):
+# a prefill that starts at a multiple of it cuts the same chunks as one from position 0, so snapshots
+# are taken at multiples of lcm(block, DELTA_CHUNK) and a resumed prefill equals a fresh one bit for bit
+DELTA_CHUNK = 16
+
+
+class SnapshotPool:
+    """`num_slots` snapshots of the recurrent state (the FixedPool `of`'s per-sequence tensors, for its
+    layers): [num_slots, *shape] float32 per layer and tensor, each snapshot named by the prefix hash of
+    the whole block its position closes (block_hashes), taken back least recently used first.
+
+    Where snapshots are taken (Core, requests/scheduler.py): during prefill, at every multiple of
+    `every` tokens and at the last multiple of `align` (lcm of the block size and DELTA_CHUNK) before
+    a prompt's last token (the prefill is cut there), so the next turn of a conversation, whose
+    prompt extends this one, resumes from it. Only
+    prefill writes them: a state computed token by token (decode) differs in rounding from the chunked
+    form a fresh prefill uses, and a resumed request must equal a fresh one bit for bit.
+    A snapshot costs bytes_per_snapshot() (the same as a sequence's slot): Qwen3.5-35B-A3B's shape,
+    30 gated delta-net layers x (conv 3 x 8192 + state 32 x 128 x 128) float32 = 65.9 MB."""
+    kind = "snapshot"
+
+    def __init__(self, name: str, of: FixedPool, num_slots: int, every: int, align: int):
+        self.name, self.layers, self.per_seq = name, of.layers, dict(of.per_seq)
+        self.num_slots, self.every, self.align = int(num_slots), int(every), int(align)
+        self._free = FreeList(self.num_slots)
+        self._slot_of = {}                               # prefix hash -> slot
+        self._lru = collections.OrderedDict()            # slot -> its hash, least recently used first
+        self.taken = self.restored = self.evictions = 0
+
+    def find(self, hashes, n: int) -> int:
+        """The largest m <= n whose prefix hashes[:m] closes at a snapshot (0: none)."""
+        while n and hashes[n - 1] not in self._slot_of:
+            n -= 1
+        return n
+
+    def slot_of(self, h) -> int:
+        slot = self._slot_of[h]
+        self._lru.move_to_end(slot)                      # used again: the most recently used
+        return slot
+
+    def take(self, h) -> int:
+        """A slot for the snapshot named h, to be written now; -1 when h is held already."""
+        if h in self._slot_of or not self.num_slots:
+            return -1
+        if self._free:
+            slot = self._free.pop()
+        else:
+            slot, old = self._lru.popitem(last=False)
+            del self._slot_of[old]
+            self.evictions += 1
+        self._slot_of[h], self._lru[slot] = slot, h
+        self.taken += 1
+        return slot
+
+    def storage(self) -> dict:
+        return {(l, t): (self.num_slots, *shape) for l in self.layers for t, shape in self.per_seq.items()}
+
+    def bytes_per_snapshot(self) -> int:
+        return 4 * len(self.layers) * sum(math.prod(s) for s in self.per_seq.values())
+
+    def usage(self) -> dict:
+        return {"kind": self.kind, "slots": self.num_slots, "held": len(self._slot_of), "every": self.every,
+                "taken": self.taken, "restored": self.restored, "evictions": self.evictions}
+
+
 class States:
     """The per-sequence state pools of one engine."""
 
@@ -317,12 +386,15 @@ class States:
         self.pools = list(pools)
         self.paged = [p for p in self.pools if p.kind == "paged"]
         self.fixed = [p for p in self.pools if p.kind == "fixed"]
+        snaps = [p for p in self.pools if p.kind == "snapshot" and p.num_slots]
+        self.snapshots = snaps[0] if snaps else None
         self.max_seq_len = max_seq_len
         # prefix caching: whole blocks of every paged pool named by their prefix hash (a sliding-window
-        # pool's only while they are in some sequence's window, or idle since). Not yet for fixed
-        # per-sequence state (a recurrent state cannot be rewound to a prefix without snapshots)
+        # pool's only while they are in some sequence's window, or idle since); fixed per-sequence
+        # state (recurrent layers) only through snapshots (SnapshotPool)
         sizes = {p.block_size for p in self.paged}
-        self.prefix_block = sizes.pop() if prefix_cache and len(sizes) == 1 and not self.fixed else 0
+        ok = len(sizes) == 1 and (not self.fixed or (len(self.fixed) == 1 and self.snapshots is not None))
+        self.prefix_block = sizes.pop() if prefix_cache and ok else 0
 
     def adopt_prefix(self, dst: SeqState, hashes) -> int:
         """dst (new, empty) starts with the longest prefix of `hashes` every paged pool holds: its
@@ -331,12 +403,34 @@ class States:
             return 0
         full = [p for p in self.paged if not p.window]
         n = min(p.cached_prefix(hashes) for p in full) if full else len(hashes)
-        while n and not all(p.holds(hashes, n) for p in self.paged if p.window):
+        snap = self.snapshots if self.fixed else None
+        while n:
+            if snap is not None:
+                n = snap.find(hashes, n)        # a recurrent state resumes from a snapshot only
+            if not n or all(p.holds(hashes, n) for p in self.paged if p.window):
+                break
             n -= 1                              # a window pool lacks what a continuation there reads
+        if not n:
+            return 0
         for i, p in enumerate(self.paged):
             p.adopt(dst, i, hashes[:n])
+        if snap is not None:
+            dst.restore = snap.slot_of(hashes[n - 1])
+            snap.restored += 1
         dst.cached = n * self.prefix_block
         return dst.cached
+
+    def snapshot_point(self, pos: int, end: int) -> int:
+        """The first position after pos where a prefill of positions up to `end` stops for a snapshot
+        (a multiple of the pool's `every`, or the last multiple of its `align` short of end, the
+        prompt's last token), or 0 when none comes before end."""
+        snap = self.snapshots
+        if snap is None or not self.fixed or not self.prefix_block:
+            return 0
+        cut = (end - 1) // snap.align * snap.align
+        nxt = (pos // snap.every + 1) * snap.every if snap.every else cut
+        p = min(nxt, cut) if cut > pos else nxt
+        return p if pos < p < end else 0
 
     def publish(self, seq: SeqState, hashes, start: int = 0):
         """seq's whole blocks start.. (written, final) named by `hashes` in every paged pool."""
@@ -382,7 +476,7 @@ class States:
             p.release(seq, i)
         for i, p in enumerate(self.fixed):
             p.release(seq, i)
-        seq.cached = 0
+        seq.cached, seq.restore = 0, -1
 
     def storage(self) -> dict:
         """(pool index, layer, tensor) -> shape, for every pool."""
@@ -435,10 +529,17 @@ def recurrent_pool(cfg: dict, num_slots: int) -> FixedPool | None:
                      {"conv": (la["conv_kernel"] - 1, 2 * Hk * dk + Hv * dv), "ssm": (Hv, dk, dv)})
 
 
-def state_pools(cfg: dict, num_blocks: int, block_size: int, num_slots: int) -> list:
+def state_pools(cfg: dict, num_blocks: int, block_size: int, num_slots: int, snapshots: int = 0,
+                snapshot_every: int = 0) -> list:
     """Every per-sequence state pool of a model: the paged KV pools (attention_pools), then the
     recurrent layers' fixed slots (num_slots of them: the engine gives max_batch, the sequences that
-    run at once)."""
+    run at once) and `snapshots` snapshots of them for prefix caching (SnapshotPool: at every
+    snapshot_every tokens of a prefill, rounded up to a multiple of lcm(block_size, DELTA_CHUNK);
+    0: only at prompts' last such boundaries)."""
     pools = attention_pools(cfg, num_blocks, block_size)
     fixed = recurrent_pool(cfg, num_slots)
-    return pools + ([fixed] if fixed is not None else [])
+    if fixed is None:
+        return pools
+    align = math.lcm(block_size, DELTA_CHUNK)
+    return pools + [fixed] + ([SnapshotPool("recurrent snapshots", fixed, snapshots,
+                                            -(-snapshot_every // align) * align, align)] if snapshots else [])

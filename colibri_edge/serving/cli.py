@@ -166,6 +166,11 @@ def _cmd_inspect(a):
              f"sliding-window layers (blocks of {block})" if s["kv_window_bytes_per_sequence"] else "")
           + (f"; recurrent state: {s['state_bytes_per_sequence']} bytes per sequence at any length (conv + delta "
              f"rule, {sum(t == 'linear_attention' for t in types)} layers)" if s["state_bytes_per_sequence"] else ""))
+    if s["snapshot_bytes"]:
+        print(f"  recurrent-state snapshots (prefix caching): {s['snapshots']} x {s['snapshot_bytes']} bytes "
+              f"({human(s['snapshots'] * s['snapshot_bytes'])}; Engine.open state_snapshots, default max_batch), "
+              "taken during prefill at each prompt's last multiple of lcm(block, 16) tokens and every "
+              "snapshot_every (1024) tokens")
     print(f"  memory at context {context} x batch {max_batch} (prefill chunk {chunk}, a KV pool of {kv_tokens} "
           f"tokens in blocks of {block}): weights {human(s['non_expert_bytes'])} + experts "
           f"{human(s['expert_bytes'])} + {'KV cache and recurrent state' if s['state_bytes_per_sequence'] else 'KV cache'} "
@@ -685,7 +690,8 @@ def _add_sampling_args(p, max_new=48):
 PER_MODEL = {"backend": "backend", "max_seq_len": "max_seq_len", "expert_slots": "expert_slots",
              "slot_policy": "slot_policy", "experts_per_token": "top_k", "threads": "num_threads",
              "chat_template": "chat_template", "max_batch": "max_batch", "kv_cache_tokens": "kv_cache_tokens",
-             "prefill_chunk": "prefill_chunk", "interleave": "interleave"}
+             "prefill_chunk": "prefill_chunk", "interleave": "interleave", "state_snapshots": "state_snapshots",
+             "snapshot_every": "snapshot_every"}
 
 
 class _PerModel(argparse.Action):
@@ -782,6 +788,11 @@ def build_parser():
     sv.add_argument("--max-batch", type=int, default=8, action=_PerModel)
     sv.add_argument("--kv-cache-tokens", type=int, default=None, action=_PerModel,
                     help="KV pool tokens (default: min(context x batch, max(4096, context)))")
+    sv.add_argument("--state-snapshots", type=int, default=None, action=_PerModel,
+                    help="recurrent-state snapshots kept for prefix caching (hybrid models; default: --max-batch)")
+    sv.add_argument("--snapshot-every", type=int, default=1024, action=_PerModel,
+                    help="also snapshot the recurrent state every N prefilled tokens (rounded up to a multiple of "
+                    "lcm(block size, 16); 0: at prompts' ends only)")
     sv.add_argument("--max-queue", type=int, default=1024, help="waiting requests before 429")
     sv.add_argument("--prefill-chunk", type=int, default=256, action=_PerModel,
                     help="prompt tokens prefilled per step at most")
