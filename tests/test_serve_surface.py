@@ -466,3 +466,58 @@ def test_a_restarted_server_answers_from_its_cache_dir(tmp_path):
     assert a3.usage.prompt_tokens_details.cached_tokens >= len(fed2) // 16 * 16 > 16
     with Engine.open(DEMO, prefix_cache=False, **opts) as fresh:
         assert a3.choices[0].message.content == fresh.chat(msgs, max_new_tokens=24)
+
+
+QUESTIONS = ["Tell me a fortune.", "What does json.dumps do?", "Another one, please.", "Explain the with statement.",
+             "What is a list in Python?", "Tell me something funny.", "How do I use os.path.join?",
+             "Say something wise.", "What does str.split do?", "Cheer me up.", "Quote of the day?"]
+
+
+@pytest.mark.parametrize("which", ["demo", "hybrid"])
+def test_a_ten_turn_conversation_through_the_openai_client(which, tmp_path):
+    """Ten chat turns, each sending the whole conversation, through the real OpenAI client to a server
+    with the prefix cache and --cache-dir and to one without (--no-prefix-cache): every reply equal;
+    from turn 2 on, cached_tokens covers the previous turn's context -- its prompt and reply (the
+    embedded model), its prompt up to the last snapshot (a Qwen3.5 hybrid: the recurrent state is kept
+    at each prompt's last multiple of 16 tokens). Then the server is restarted on the same folder:
+    turn 11 takes its cached tokens from disk and answers as the uncached server does."""
+    import openai
+    if which == "demo":
+        model = DEMO
+    else:
+        model = build_text_model(tmp_path / "m", "qwen3_5_moe_4k")[1]
+    opts = dict(backend="cpu", max_seq_len=2048, max_batch=2)
+    cache = str(tmp_path / "cache")
+
+    def ask(srv, msgs):
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        return client.chat.completions.create(model="m", messages=msgs, max_tokens=16, temperature=0)
+    on, off = Engine.open(model, **opts), Engine.open(model, prefix_cache=False, **opts)
+    msgs, rows = [], []
+    try:
+        with Server(create_app({"m": on}, cache_dir=cache)) as son, Server(create_app({"m": off})) as soff:
+            for q in QUESTIONS[:10]:
+                msgs.append({"role": "user", "content": q})
+                a, b = ask(son, msgs), ask(soff, msgs)
+                assert a.choices[0].message.content == b.choices[0].message.content
+                assert b.usage.prompt_tokens_details.cached_tokens == 0
+                rows.append((a.usage.prompt_tokens, a.usage.completion_tokens, a.usage.prompt_tokens_details.cached_tokens))
+                msgs.append({"role": "assistant", "content": a.choices[0].message.content})
+        for (p0, c0, _), (p1, _, cached) in zip(rows, rows[1:]):
+            # the previous turn's fed tokens (its prompt and reply but the last token), whole blocks of 16;
+            # the hybrid's recurrent state resumes at the previous prompt's last multiple of 16
+            covered = (p0 + c0 - 1) // 16 * 16 if which == "demo" else (p0 - 1) // 16 * 16
+            assert covered <= cached < p1, rows
+        assert rows[0][2] == 0 and rows[-1][0] > 100
+    finally:
+        on.close()
+    msgs.append({"role": "user", "content": QUESTIONS[10]})
+    restarted = Engine.open(model, **opts)
+    try:
+        with Server(create_app({"m": restarted}, cache_dir=cache)) as son, Server(create_app({"m": off})) as soff:
+            a, b = ask(son, msgs), ask(soff, msgs)
+        assert a.usage.prompt_tokens_details.cached_tokens >= (rows[-1][0] - 1) // 16 * 16 > 0
+        assert a.choices[0].message.content == b.choices[0].message.content
+    finally:
+        restarted.close()
+        off.close()
