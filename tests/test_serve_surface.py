@@ -186,6 +186,14 @@ def test_completions_logprobs_echo_and_usage(client, eng):
     ids = client.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2,
                                                "echo": True, "temperature": 0}).json()
     assert ids["choices"][0]["text"].startswith(eng.codec.decode([5, 6, 7]))
+    # llama-server's return_tokens: the ids behind the text, whole and streamed (a chunk per token)
+    want = eng.generate(eng.codec.encode(prompt), max_new_tokens=5, ignore_eos=True)
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "return_tokens": True}
+    assert client.post("/v1/completions", json=body).json()["choices"][0]["tokens"] == want
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+        chunks = [json.loads(d) for d in sse(s)[:-1]]
+    assert [t for c in chunks for t in c["choices"][0].get("tokens", [])] == want
 
 
 def test_n_streams_and_prompt_arrays(client):

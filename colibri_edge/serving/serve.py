@@ -295,6 +295,7 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
         ignore_eos: bool = False
         user: str | None = None
         priority: int = 0
+        return_tokens: bool = False      # llama-server's: each choice / chunk also carries its token ids
         # accepted so that their refusal can say why (400)
         tools: list | None = None
         tool_choice: str | dict | None = None
@@ -522,6 +523,8 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
                 else:
                     c = {"index": i, "text": echo[i] + text, "finish_reason": fr,
                          "logprobs": lp_legacy(lps[i]) if logprobs else None}
+                if b.return_tokens:
+                    c["tokens"] = toks[i]
                 choices.append(c)
             await keep(toks)
             metrics.requests.labels(h.name, endpoint, "200").inc()
@@ -531,7 +534,7 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
 
         include_usage = bool((b.stream_options or {}).get("include_usage"))
 
-        def chunk(i=0, text=None, fr=None, lp=None, usage=None, role=False):
+        def chunk(i=0, text=None, fr=None, lp=None, usage=None, role=False, tokens=None):
             if usage is not None:
                 ch = []
             elif chat:
@@ -539,6 +542,8 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
                 ch = [{"index": i, "delta": delta, "finish_reason": fr, "logprobs": lp}]
             else:
                 ch = [{"index": i, "text": text or "", "finish_reason": fr, "logprobs": lp}]
+            if tokens is not None:
+                ch[0]["tokens"] = tokens
             body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                     "created": created, "model": h.name, "choices": ch}
             if usage is not None:
@@ -577,8 +582,8 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
                             entry = lp_chat(ev)
                             lp = {"content": [entry]} if chat else lp_legacy([entry])
                         piece = cutters[i].push(new)
-                        if piece or lp:
-                            yield chunk(i, text=piece, lp=lp)
+                        if piece or lp or b.return_tokens:
+                            yield chunk(i, text=piece, lp=lp, tokens=[ev.token] if b.return_tokens else None)
                 except ColibriError as err:
                     status = str(STATUS.get(err.code, 400))
                     yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.name, 'code': err.name}})}\n\n"
