@@ -511,6 +511,9 @@ def test_a_ten_turn_conversation_through_the_openai_client(which, tmp_path):
                 assert b.usage.prompt_tokens_details.cached_tokens == 0
                 rows.append((a.usage.prompt_tokens, a.usage.completion_tokens, a.usage.prompt_tokens_details.cached_tokens))
                 msgs.append({"role": "assistant", "content": a.choices[0].message.content})
+            held = [l for l in httpx.get(son.url + "/metrics").text.splitlines()
+                    if l.startswith('colibri_state_snapshots_held{model="m"}')]
+            assert held and (float(held[0].split()[-1]) > 0) == (which == "hybrid")
         for (p0, c0, _), (p1, _, cached) in zip(rows, rows[1:]):
             # the previous turn's fed tokens (its prompt and reply but the last token), whole blocks of 16;
             # the hybrid's recurrent state resumes at the previous prompt's last multiple of 16

@@ -83,6 +83,7 @@ class _Metrics:
                     ("state_slots_total", "Recurrent-state slots of the pool (hybrid models; 0 without)"),
                     ("expert_slot_hit_rate", "Expert slot pool hit rate (1 when every expert is resident)"),
                     ("kv_blocks_cached", "KV blocks named in the prefix cache (held or idle)"),
+                    ("state_snapshots_held", "Recurrent-state snapshots kept for prefix caching (hybrid models)"),
                     ("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens admitted"))}
                 for name, h in hosts.items():
                     e = h.engine
@@ -99,6 +100,8 @@ class _Metrics:
                     st = e.slot_stats
                     g["expert_slot_hit_rate"].add_metric([name], 1.0 if st is None else float(st["hit_rate"]))
                     g["kv_blocks_cached"].add_metric([name], pool.cached_blocks)
+                    snaps = e.runner.states.snapshots
+                    g["state_snapshots_held"].add_metric([name], 0 if snaps is None else snaps.usage()["held"])
                     g["prefix_cache_hit_rate"].add_metric([name], e.stats.prefix_hit_rate)
                 return list(g.values())
         r.register(Pools())
