@@ -3,7 +3,8 @@ with prompt caching (part of `make bench`; results/chat_serve.md, .json).
 
 Each turn sends the whole conversation so far as token ids -- a system prompt, then per turn a user
 message and the previous reply (the server's own greedy reply, read back from `return_tokens`) -- as
-a chat client does. Servers, one at a time, each on 2 threads, bound to 127.0.0.1:
+a chat client does; Colibri through the `openai` client (streamed completions), llama-server through
+its own /completion. Servers, one at a time, each on 2 threads, bound to 127.0.0.1:
   * Colibri with its prefix cache (the default) and `--cache-dir`;
   * Colibri with `--no-prefix-cache`: the same prompts sent cold; its replies must equal the cached
     server's, turn by turn;
@@ -49,26 +50,21 @@ def isa() -> str:
 
 
 def colibri_turn(url, prompt, reply, cache=True):
-    """One streamed /v1/completions turn -> (ttft s, reply ids, cached tokens)."""
-    import httpx
-    body = {"model": "bench", "prompt": prompt, "max_tokens": reply, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}, "return_tokens": True}
+    """One streamed completion turn through the OpenAI client -> (ttft s, reply ids, cached tokens)."""
+    import openai
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=900)
     t0, first, toks, cached = time.perf_counter(), None, [], None
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=900) as r:
-        if r.status_code != 200:
-            raise SystemExit(f"{url}: HTTP {r.status_code}: {r.read()[:300]!r}")
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            d = json.loads(line[6:])
-            if "error" in d:
-                raise SystemExit(f"{url}: {d['error']}")
-            for c in d.get("choices", []):
-                if c.get("tokens"):
-                    first = first if first is not None else time.perf_counter() - t0
-                    toks += c["tokens"]
-            if d.get("usage"):
-                cached = d["usage"]["prompt_tokens_details"]["cached_tokens"]
+    stream = client.completions.create(model="bench", prompt=prompt, max_tokens=reply, temperature=0, stream=True,
+                                       stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True, "return_tokens": True})
+    for chunk in stream:
+        for c in chunk.choices:
+            ids = (c.model_extra or {}).get("tokens")
+            if ids:
+                first = first if first is not None else time.perf_counter() - t0
+                toks += ids
+        if chunk.usage is not None:
+            cached = chunk.usage.prompt_tokens_details.cached_tokens
     return first, toks, cached
 
 
