@@ -3,7 +3,8 @@ a restart, say), so the conversation's next turn starts from them instead of pre
 
 The file is a safetensors file (the `safetensors` package writes and reads it): the token ids of the
 saved prefix (`tokens`, int32 [n]) and, per paged pool, layer and tensor, the rows of those positions
-(`kv.{pool}.{layer}.{tensor}`, float32 [n, *per_token], block after block), and for a model with
+(`kv.{pool}.{layer}.{tensor}`, float32 [n, *per_token], block after block; a sliding-window pool's only
+from the first block of the window after the prefix, what a continuation reads), and for a model with
 recurrent layers the state after position n (`state.{layer}.{tensor}`, conv and delta-rule state, from
 the snapshot that closes the prefix: a hybrid model's session ends at its last snapshot), with metadata:
 
@@ -59,10 +60,6 @@ def model_fingerprint(engine) -> str:
 
 def _cacheable(engine):
     states = engine.runner.states
-    if any(p.window for p in states.paged):
-        raise ColibriError(COLIBRI_ERR_UNAVAILABLE, "sessions of models with sliding-window layers are not "
-                           "saved yet (their window blocks leave as the window moves); the prefix cache "
-                           "still serves them within one engine")
     if not states.prefix_block:
         raise ColibriError(COLIBRI_ERR_UNAVAILABLE, "sessions need the prefix cache, which this engine does not "
                            "keep (opened with prefix_cache=False, or with state_snapshots=0 for a model with "
@@ -94,9 +91,7 @@ def save(engine, ids, path: str) -> int:
     hashes = block_hashes(ids, B)
 
     def job():
-        n = min(p.cached_prefix(hashes) for p in states.paged)
-        if states.fixed:
-            n = states.snapshots.find(hashes, n)         # a recurrent state is saved at a snapshot only
+        n = states.longest_prefix(hashes)                # a recurrent state is saved at a snapshot only
         if n == 0:
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"none of this prompt's {len(ids)} tokens is in the KV "
                                f"cache (blocks of {B}{', at a recurrent-state snapshot' if states.fixed else ''}): "
@@ -104,7 +99,7 @@ def save(engine, ids, path: str) -> int:
         tensors = {"tokens": np.ascontiguousarray(np.asarray(ids[:n * B], np.int32))}
         for key, pool in _paged_keys(engine):
             host = engine.backend.download(engine.runner.state_storage[key])
-            rows = [host[b * B:(b + 1) * B] for b in pool.blocks_of(hashes[:n])]
+            rows = [host[b * B:(b + 1) * B] for b in pool.blocks_of(hashes[pool.needed_from(n):n])]
             tensors["kv.%d.%d.%s" % key] = np.ascontiguousarray(np.concatenate(rows), np.float32)
         if states.fixed:
             slot = states.snapshots.slot_of(hashes[n - 1])
@@ -172,7 +167,7 @@ def load(engine, path: str) -> int:
             for key, pool in keys:
                 name = "kv.%d.%d.%s" % key
                 a = f.get_tensor(name)
-                shape = (n, *shapes[key][1:])
+                shape = (n - pool.needed_from(n // B) * B, *shapes[key][1:])
                 if a.dtype != np.float32 or a.shape != shape:
                     raise _bad(path, f"{name} is {a.dtype} {a.shape}, this engine's layout needs float32 {shape}")
                 if not np.isfinite(a).all():
@@ -196,13 +191,15 @@ def load(engine, path: str) -> int:
     hashes = block_hashes(tokens, B)
 
     def job():
-        missing = [sum(h not in p._block_of for h in hashes) for p in states.paged]
+        # a window pool gets the blocks of the window after the prefix only (what a continuation reads)
+        held = {id(p): hashes[p.needed_from(len(hashes)):] for p in states.paged}
+        missing = [sum(h not in p._block_of for h in held[id(p)]) for p in states.paged]
         for p, need in zip(states.paged, missing):
             if need > p.free_blocks:
                 raise ColibriError(COLIBRI_ERR_OUT_OF_MEMORY, f"the session needs {need} blocks of the {p.name} pool, "
                                    f"{p.free_blocks} are free; load it when fewer requests run, or open the engine "
                                    "with a larger kv_cache_tokens")
-        fills = {id(p): p.install(hashes) for p in states.paged}
+        fills = {id(p): p.install(held[id(p)]) for p in states.paged}
         snap = states.snapshots.take(hashes[-1]) if skeys else -1
         for key in skeys if snap >= 0 else ():
             engine.backend.upload_into(engine.runner.state_storage[key][snap], rows[key])

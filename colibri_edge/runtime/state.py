@@ -396,11 +396,10 @@ class States:
         ok = len(sizes) == 1 and (not self.fixed or (len(self.fixed) == 1 and self.snapshots is not None))
         self.prefix_block = sizes.pop() if prefix_cache and ok else 0
 
-    def adopt_prefix(self, dst: SeqState, hashes) -> int:
-        """dst (new, empty) starts with the longest prefix of `hashes` every paged pool holds: its
-        blocks, shared, not recomputed. Returns the positions dst now holds."""
-        if not self.prefix_block or dst.cached or not hashes:
-            return 0
+    def longest_prefix(self, hashes) -> int:
+        """How many leading blocks of `hashes` a new sequence can start from: every full pool holds
+        them, every window pool what a continuation after them reads, and (recurrent layers) a
+        snapshot closes them."""
         full = [p for p in self.paged if not p.window]
         n = min(p.cached_prefix(hashes) for p in full) if full else len(hashes)
         snap = self.snapshots if self.fixed else None
@@ -410,10 +409,19 @@ class States:
             if not n or all(p.holds(hashes, n) for p in self.paged if p.window):
                 break
             n -= 1                              # a window pool lacks what a continuation there reads
+        return n
+
+    def adopt_prefix(self, dst: SeqState, hashes) -> int:
+        """dst (new, empty) starts with the longest prefix of `hashes` every paged pool holds: its
+        blocks, shared, not recomputed. Returns the positions dst now holds."""
+        if not self.prefix_block or dst.cached or not hashes:
+            return 0
+        n = self.longest_prefix(hashes)
         if not n:
             return 0
         for i, p in enumerate(self.paged):
             p.adopt(dst, i, hashes[:n])
+        snap = self.snapshots if self.fixed else None
         if snap is not None:
             dst.restore = snap.slot_of(hashes[n - 1])
             snap.restored += 1

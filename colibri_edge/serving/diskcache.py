@@ -38,10 +38,10 @@ class DiskCache:
         Runs in a worker thread (the load itself waits for the core, between steps)."""
         states = self.engine.runner.states
         B = states.prefix_block
-        if not B or len(ids) <= B or any(p.window for p in states.paged):     # no sessions for those yet
+        if not B or len(ids) <= B:
             return 0
         hashes = block_hashes(ids, B, upto=(len(ids) - 1) // B)
-        have = min(p.cached_prefix(hashes) for p in states.paged)
+        have = states.longest_prefix(hashes)
         for j in range(len(hashes) - 1, have - 1, -1):
             path = self._path(hashes[j])
             if not os.path.exists(path):
@@ -62,10 +62,10 @@ class DiskCache:
         """Save the cached whole blocks of `ids` (a finished request's prompt + reply); -> the file."""
         states = self.engine.runner.states
         B = states.prefix_block
-        if not B or len(ids) < B or any(p.window for p in states.paged):
+        if not B or len(ids) < B:
             return None
         hashes = block_hashes(ids, B)
-        n = min(p.cached_prefix(hashes) for p in states.paged)
+        n = states.longest_prefix(hashes)
         if n == 0:
             return None
         path = self._path(hashes[n - 1])
