@@ -70,11 +70,13 @@ def colibri_turn(url, prompt, reply, cache=True):
 
 def llama_turn(url, prompt, reply, cache=True):
     """One streamed /completion turn of llama-server -> (ttft s, reply ids, cached tokens: the prompt
-    tokens it did not evaluate)."""
+    tokens it did not evaluate). Its stream leaves out the ids of tokens that end inside a UTF-8
+    character (random weights make such bytes), so the reply's ids come from the same request sent
+    again unstreamed (greedy: the same reply; the slot then holds prompt + reply, as after the turn)."""
     import httpx
     body = {"prompt": prompt, "n_predict": reply, "temperature": 0, "ignore_eos": True, "stream": True,
             "return_tokens": True, "cache_prompt": cache}
-    t0, first, toks, evaluated = time.perf_counter(), None, [], None
+    t0, first, evaluated = time.perf_counter(), None, None
     with httpx.stream("POST", url + "/completion", json=body, timeout=900) as r:
         if r.status_code != 200:
             raise SystemExit(f"{url}: HTTP {r.status_code}: {r.read()[:300]!r}")
@@ -82,11 +84,14 @@ def llama_turn(url, prompt, reply, cache=True):
             if not line.startswith("data: "):
                 continue
             d = json.loads(line[6:])
-            if d.get("tokens"):
+            if d.get("content") or d.get("tokens"):
                 first = first if first is not None else time.perf_counter() - t0
-                toks += d["tokens"]
             if d.get("timings"):
                 evaluated = d["timings"]["prompt_n"]
+    whole = httpx.post(url + "/completion", json={**body, "stream": False}, timeout=900).json()
+    toks = whole["tokens"]
+    if len(toks) != reply:
+        raise SystemExit(f"{url}: asked for {reply} tokens, got {len(toks)}")
     return first, toks, None if evaluated is None else len(prompt) - evaluated
 
 

@@ -2,6 +2,8 @@
 whole KV blocks an earlier request left in the pool takes them and prefills only the rest, and
 answers as a fresh engine does; idle cached blocks count as free and are evicted least recently used;
 recurrent state (Qwen3.5) resumes from snapshots taken during prefill."""
+import time
+
 import numpy as np
 import pytest
 
@@ -111,7 +113,7 @@ def test_a_hybrid_model_resumes_from_a_state_snapshot(backend, model_cache):
         snaps = eng.runner.states.snapshots
         assert r1.cached_tokens == 0 and snaps.taken == 1
         r2, out2 = run(eng, p2)
-        assert r2.cached_tokens == 32 and snaps.restored == 1
+        assert r2.cached_tokens == 32 and snaps.restored == 1 and eng._core.settles == 0
     with Engine.open(col, prefix_cache=False, **opts) as fresh:
         want = run(fresh, p2)[1]
     if backend in ("reference", "cpu"):
@@ -143,6 +145,35 @@ def test_a_hybrid_session_is_saved_at_its_snapshot(backend, model_cache, tmp_pat
     with Engine.open(col, state_snapshots=0, **opts) as nosnap, pytest.raises(ColibriError) as e:
         nosnap.load_session(path)
     assert "state_snapshots=0" in e.value.message
+
+
+def idle(eng, timeout=60):
+    deadline = time.monotonic() + timeout
+    while eng._core.busy:
+        assert time.monotonic() < deadline, "the engine did not go idle"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_a_hybrid_reply_is_re_prefilled_for_the_next_turn(backend, model_cache):
+    """settle_replies=True: the reply's recurrent state was built token by token, which a prefill does
+    not reproduce bit for bit; when turn 1 ends, the core re-prefills prompt + reply (lowest priority) from the prompt's
+    snapshot and keeps one at the reply's last multiple of 16 (48 for 40 + 23 fed tokens), its blocks
+    replacing decode's: turn 2, which sends the reply back, resumes at 48 and answers as a fresh engine."""
+    _, col = convert_case(model_cache, "qwen3_5_moe")
+    opts = dict(backend=backend, **HYBRID)
+    with Engine.open(col, settle_replies=True, **opts) as eng:
+        head, (p1, p2) = prompts(eng, n_shared=37, tails=(3, 7))
+        _, out1 = run(eng, p1, n=24)
+        idle(eng)
+        assert eng._core.settles == 1 and eng.runner.states.snapshots.taken == 2
+        turn2 = p1 + [t for t, _, _ in out1] + p2[len(head):]
+        r2, got = run(eng, turn2)
+        assert r2.cached_tokens == 48
+        idle(eng)
+        assert eng.kv_free_blocks == eng.runner.pool.num_blocks
+    with Engine.open(col, prefix_cache=False, **opts) as fresh:
+        assert run(fresh, turn2)[1] == got
 
 
 def test_snapshots_align_with_every_backends_delta_rule_chunk():

@@ -486,8 +486,9 @@ def test_a_ten_turn_conversation_through_the_openai_client(which, tmp_path):
     """Ten chat turns, each sending the whole conversation, through the real OpenAI client to a server
     with the prefix cache and --cache-dir and to one without (--no-prefix-cache): every reply equal;
     from turn 2 on, cached_tokens covers the previous turn's context -- its prompt and reply (the
-    embedded model), its prompt up to the last snapshot (a Qwen3.5 hybrid: the recurrent state is kept
-    at each prompt's last multiple of 16 tokens). Then the server is restarted on the same folder:
+    embedded model), up to the last snapshot (a Qwen3.5 hybrid: the recurrent state is kept at each
+    prompt's and, re-prefilled after the turn, each reply's last multiple of 16 tokens). Then the
+    server is restarted on the same folder:
     turn 11 takes its cached tokens from disk and answers as the uncached server does."""
     import openai
     if which == "demo":
@@ -500,7 +501,7 @@ def test_a_ten_turn_conversation_through_the_openai_client(which, tmp_path):
     def ask(srv, msgs):
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         return client.chat.completions.create(model="m", messages=msgs, max_tokens=16, temperature=0)
-    on, off = Engine.open(model, **opts), Engine.open(model, prefix_cache=False, **opts)
+    on, off = Engine.open(model, settle_replies=True, **opts), Engine.open(model, prefix_cache=False, **opts)
     msgs, rows = [], []
     try:
         with Server(create_app({"m": on}, cache_dir=cache)) as son, Server(create_app({"m": off})) as soff:
@@ -511,12 +512,15 @@ def test_a_ten_turn_conversation_through_the_openai_client(which, tmp_path):
                 assert b.usage.prompt_tokens_details.cached_tokens == 0
                 rows.append((a.usage.prompt_tokens, a.usage.completion_tokens, a.usage.prompt_tokens_details.cached_tokens))
                 msgs.append({"role": "assistant", "content": a.choices[0].message.content})
+                assert settled(on)           # the user types: a hybrid's reply is re-prefilled meanwhile
             held = [l for l in httpx.get(son.url + "/metrics").text.splitlines()
                     if l.startswith('colibri_state_snapshots_held{model="m"}')]
             assert held and (float(held[0].split()[-1]) > 0) == (which == "hybrid")
         for (p0, c0, _), (p1, _, cached) in zip(rows, rows[1:]):
             # the previous turn's fed tokens (its prompt and reply but the last token), whole blocks of 16;
-            # the hybrid's recurrent state resumes at the previous prompt's last multiple of 16
+            # the hybrid resumes at a snapshot: the one its re-prefilled reply left at the reply's last
+            # multiple of 16 when the next prompt re-tokenises the reply as it was generated (the
+            # random model's replies are not: test_prefix_cache holds that case), else the prompt's
             covered = (p0 + c0 - 1) // 16 * 16 if which == "demo" else (p0 - 1) // 16 * 16
             assert covered <= cached < p1, rows
         assert rows[0][2] == 0 and rows[-1][0] > 100

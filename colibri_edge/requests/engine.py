@@ -106,6 +106,7 @@ class Generation(list):
 class Stats:
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
+    settle_tokens: int = 0          # replies re-prefilled for their recurrent-state snapshot (hybrid models)
     decode_tokens: int = 0
     decode_seconds: float = 0.0
     decode_steps: int = 0
@@ -143,7 +144,8 @@ class Engine:
                  disable_fp16=None, num_threads=None, expert_slots=None, slot_policy=None, cuda_graphs=None,
                  int8_activations=None,
                  device=None, max_queue=1024, interleave=2.0, core_thread=None, memory_budget=None, top_k=None,
-                 chat_template=None, prefix_cache=True, state_snapshots=None, snapshot_every=1024):
+                 chat_template=None, prefix_cache=True, state_snapshots=None, snapshot_every=1024,
+                 settle_replies=False):
         # chat_template: a Jinja file's path or the template text, over the model's own (textio.load_chat_template);
         # a model with neither renders chats as ChatML, with a warning (textio.FALLBACK_CHAT_TEMPLATE)
         from .textio import load_chat_template
@@ -206,6 +208,9 @@ class Engine:
         # prefix of whole KV blocks an earlier one left in the pool, prefilling only the rest
         if not use_prefix:
             self.runner.states.prefix_block = 0
+        # hybrid models: re-prefill each finished reply in the background for a snapshot after it
+        # (scheduler.Core._settle), so the next turn resumes after the reply; serve turns it on
+        self.settle_replies = sampling.flag("settle_replies", settle_replies)
         self.stats = Stats()
         # end-of-sequence ids (generation_config.json); the engine's own copy, so it may be changed
         self.eos_token_ids = list(cfg["eos_token_ids"])

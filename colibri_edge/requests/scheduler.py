@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import sampling
-from ..runtime.state import block_hashes
+from ..runtime.state import DELTA_CHUNK, block_hashes
 from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_OUT_OF_MEMORY, COLIBRI_ERR_UNAVAILABLE, nonfinite
 
 class StepCost:
@@ -89,6 +89,8 @@ DONE = "done"
 TOKEN = "token"
 ERROR = "error"
 RETRY = object()           # a job's answer: run me again after the next step
+SETTLE = "settle"          # Request.score of a finished reply's re-prefill (Core._settle)
+SETTLE_PRIORITY = -(1 << 62)
 CORE_STACK_BYTES = 64 << 20
 
 
@@ -194,6 +196,7 @@ class Core:
         self._closing = False
         self.thread = None
         self.preemptions = 0
+        self.settles = 0                   # replies re-prefilled for their snapshot (_settle)
         self.cost = StepCost(engine.runner.max_rows)     # seconds per step by its token count
 
     # -- callers' side ------------------------------------------------------------------------
@@ -340,7 +343,36 @@ class Core:
         r.finished = True
         r.finish_no = next(self._finished)
         r.chunks = []
+        if error is None and reason in ("stop", "length") and not r.score and len(r.produced) > 1 \
+                and self.e.settle_replies:
+            self._settle(r)                              # queued before the caller hears of the end
         r._emit(Event(ERROR, error=error) if error is not None else Event(DONE, reason=reason, logits=logits))
+
+    def _settle(self, r: Request):
+        """(Engine.open(settle_replies=True); serve's default) A finished request of a model with
+        recurrent layers: its reply's state was built token by token (decode), which a later prefill
+        would not reproduce bit for bit, so no snapshot covers it. Queue, at the lowest priority, a
+        prefill of the tokens the sequence held (prompt + reply but the last token, never fed) that
+        resumes from the prompt's snapshot and leaves one at the reply's last multiple of the snapshot
+        alignment, its KV blocks replacing decode's: the conversation's next turn then resumes after
+        the reply, and answers as a fresh engine does. It runs after the request's end (the engine is
+        busy meanwhile), when nothing of higher priority waits; a next turn that comes first resumes
+        from the prompt's snapshot."""
+        states = self.e.runner.states
+        snap = states.snapshots
+        if snap is None or not states.fixed or not states.prefix_block or self._closing or self.e.runner.hooks:
+            return
+        fed = np.concatenate([np.asarray(r.prompt, np.int32), np.asarray(r.produced[:-1], np.int32)])
+        A = snap.align
+        if (len(fed) - 1) // A <= (len(r.prompt) - 1) // A:
+            return                                       # no snapshot point inside the reply
+        w = Request(fed, r.params, priority=SETTLE_PRIORITY)
+        w.score = SETTLE
+        with self.cond:
+            w.order, w.core = next(self._order), self
+            self.waiting.append(w)
+            self.waiting.sort(key=lambda q: (-q.priority, q.order))
+        self.settles += 1
 
     def _fits_ever(self, r: Request, tokens: int) -> str | None:
         """Why `tokens` positions can never be held (the whole pool, or max_seq_len), or None."""
@@ -377,7 +409,7 @@ class Core:
                 # itself, for its own first logits): n samples of one prompt, one prefill
                 start = e.runner.states.share_prefix(p.seq, seq, len(r.ctx) - 1)
             shared, states = start, e.runner.states
-            if not start and states.prefix_block and not r.score and not e.runner.hooks:
+            if not start and states.prefix_block and r.score in (False, SETTLE) and not e.runner.hooks:
                 # the longest cached prefix of whole blocks, short of the last token (whose logits
                 # this request computes itself); not while hooks watch every token (traces, tests)
                 B = states.prefix_block
@@ -470,11 +502,18 @@ class Core:
             budget = max(1, int(np.argmin(fits)) if not fits.all() else budget)   # 0.9: a margin for noise
         entries = [(r.seq, [r.pending]) for r in decode]
         owners = [(r, True) for r in decode]
-        for r in self.running:
+        recurrent = bool(runner.states.fixed)
+        for r in sorted(self.running, key=lambda q: q.score == SETTLE):     # re-prefills of replies last
             if r.pending is not None or r.pos >= len(r.ctx) or budget <= 0 or len(entries) >= e.max_batch:
                 continue
             n = min(budget, len(r.ctx) - r.pos)
-            cut = runner.states.snapshot_point(r.pos, len(r.ctx))
+            if recurrent and DELTA_CHUNK <= n < len(r.ctx) - r.pos:
+                # a recurrent layer's prefill runs the delta rule in chunks of 16 from where the step
+                # starts: chunks that end on multiples of 16 keep a prompt's state independent of how
+                # steps are packed (bit for bit as a fresh engine's, and as its snapshots assume)
+                n -= (r.pos + n) % DELTA_CHUNK
+            # (a scoring request is not cut: its chunks are what the caller's hooks see)
+            cut = runner.states.snapshot_point(r.pos, len(r.ctx)) if r.score in (False, SETTLE) else 0
             if cut and cut < r.pos + n:
                 n = cut - r.pos                          # the chunk ends where a snapshot is taken
             entries.append((r.seq, r.ctx[r.pos:r.pos + n]))
@@ -484,7 +523,8 @@ class Core:
         if not entries:
             return
         # a scoring request's chunk wants the logits of every token it feeds; every other entry its last
-        scoring = [bool(r.score) for r, _ in owners] if any(r.score for r, _ in owners) else False
+        scoring = [r.score in (True, "hidden") for r, _ in owners]
+        scoring = scoring if any(scoring) else False
         t0 = time.perf_counter()
         logits = e.backend.host_view(runner.step(entries, all_logits=scoring))
         hidden = e.backend.host_view(runner.hidden) if scoring and any(r.score == "hidden" for r, _ in owners) \
@@ -495,6 +535,9 @@ class Core:
         self.cost.add(ndec + npre, dt)
         if ndec:
             e.stats.add_decode_step(dt, ndec)
+        settled = sum(len(t) for (r, _), (_, t) in zip(owners, entries) if r.score == SETTLE)
+        e.stats.settle_tokens += settled
+        npre -= settled
         if npre:
             e.stats.prefill_tokens += npre
             e.stats.prefill_seconds += dt if not ndec else dt * npre / (npre + ndec)
@@ -506,6 +549,11 @@ class Core:
                 self._publish(r, was_decode)
                 if not was_decode and runner.states.snapshots is not None:
                     self._snapshot(r)
+            if r.score == SETTLE:                        # only its state matters: done once it is in
+                row += 1
+                if r.pos >= len(r.ctx):
+                    self._finish(r, reason="stop")
+                continue
             if r.score:                                  # keep the chunk's rows; done once the prompt is in
                 r.chunks.append(np.array((hidden if r.score == "hidden" else logits)[row:row + len(toks)]))
                 row += len(toks)
@@ -533,7 +581,7 @@ class Core:
         states = self.e.runner.states
         old = len(r.hashes)
         r.hashes = block_hashes(fed, states.prefix_block, r.hashes, upto=r.seq.cached // states.prefix_block)
-        states.publish(r.seq, r.hashes, old)
+        states.publish(r.seq, r.hashes, old, replace=r.score == SETTLE)
 
     def _snapshot(self, r: Request):
         """After a prefill chunk: r's recurrent state is kept when the chunk ended at a snapshot point

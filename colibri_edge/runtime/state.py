@@ -178,13 +178,24 @@ class PagedPool:
             else:
                 self._free.append(b)
 
-    def publish(self, seq, index, hashes, start: int):
+    def publish(self, seq, index, hashes, start: int, replace: bool = False):
         """Name seq's whole blocks start..len(hashes)-1 by their prefix hashes (their positions are
-        written and never written again). A hash already naming another block keeps that one."""
+        written and never written again). A hash already naming another block keeps that one, unless
+        `replace`: then seq's block takes the name, and the other one, idle, goes back to the free list
+        (a reply re-prefilled: its blocks as a prefill computes them replace decode's)."""
         table = seq.tables[index]
         for j in range(start, len(hashes)):
             b, h = table[j], hashes[j]
-            if b != EVICTED and h not in self._block_of and b not in self._hash_of:
+            if b == EVICTED or b in self._hash_of:
+                continue
+            old = self._block_of.get(h)
+            if old is not None and replace:
+                del self._hash_of[old]
+                if old in self._idle:
+                    del self._idle[old]
+                    self._free.append(old)
+                old = None
+            if old is None:
                 self._block_of[h] = b
                 self._hash_of[b] = h
 
@@ -440,11 +451,11 @@ class States:
         p = min(nxt, cut) if cut > pos else nxt
         return p if pos < p < end else 0
 
-    def publish(self, seq: SeqState, hashes, start: int = 0):
+    def publish(self, seq: SeqState, hashes, start: int = 0, replace: bool = False):
         """seq's whole blocks start.. (written, final) named by `hashes` in every paged pool."""
         if self.prefix_block:
             for i, p in enumerate(self.paged):
-                p.publish(seq, i, hashes, start)
+                p.publish(seq, i, hashes, start, replace)
 
     def new(self, seq_id: int) -> SeqState:
         return SeqState(seq_id, tables=[[] for _ in self.paged], slots=[-1] * len(self.fixed))

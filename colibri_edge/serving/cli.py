@@ -626,6 +626,7 @@ def serve_plan(a) -> tuple:
     shared["max_queue"] = a.max_queue
     if a.no_prefix_cache:
         shared["prefix_cache"] = False
+    shared["settle_replies"] = not a.no_settle_replies
     return models, options, budgets, shared
 
 
@@ -788,6 +789,8 @@ def build_parser():
     sv.add_argument("--max-batch", type=int, default=8, action=_PerModel)
     sv.add_argument("--kv-cache-tokens", type=int, default=None, action=_PerModel,
                     help="KV pool tokens (default: min(context x batch, max(4096, context)))")
+    sv.add_argument("--no-settle-replies", action="store_true", help="hybrid models: do not re-prefill a "
+                    "finished reply for the next turn (that turn then recomputes the reply)")
     sv.add_argument("--state-snapshots", type=int, default=None, action=_PerModel,
                     help="recurrent-state snapshots kept for prefix caching (hybrid models; default: --max-batch)")
     sv.add_argument("--snapshot-every", type=int, default=1024, action=_PerModel,

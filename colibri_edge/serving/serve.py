@@ -863,9 +863,11 @@ def serve(models: dict, host="127.0.0.1", port=8000, api_key=None, cors=None, re
     budgets: {name: bytes} the engine of that model may allocate (arena, KV pool, expert slots,
     device copies of weights); checked together against the memory available, then each engine
     against its own at open: the server refuses to start, with the numbers, when they do not fit.
-    options: {name: {Engine.open keyword: value}} for one model, over engine_kw (every model's)."""
+    options: {name: {Engine.open keyword: value}} for one model, over engine_kw (every model's).
+    A server re-prefills hybrid models' replies for the next turn (settle_replies) unless told not to."""
     _deps()
     import uvicorn
+    engine_kw.setdefault("settle_replies", True)
     from ..requests.engine import Engine
     budgets = dict(budgets or {})
     options = dict(options or {})
