@@ -61,6 +61,19 @@ def backend_class(name: str):
     return _module(name).Backend
 
 
+def kv_dtype_backends(kv_dtype: str) -> list:
+    """The backends whose Backend class lists kv_dtype among its kv_dtypes (base.Backend), in NAMES'
+    order: what a refusal of that kv_dtype names. Reads the classes only, never probes a device."""
+    out = []
+    for name in NAMES:
+        try:
+            if kv_dtype in backend_class(name).kv_dtypes:
+                out.append(name)
+        except ColibriError:
+            continue
+    return out
+
+
 def create(name: str, **options):
     """Instantiate a backend by name ('auto' resolves through the probes)."""
     return backend_class(resolve(name))(**options)
