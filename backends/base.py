@@ -72,9 +72,10 @@ def kv_parts(shape, kv_dtype: str) -> dict:
         float32  data float32 [rows, heads, n]
         float16  data float16 [rows, heads, n]                      (IEEE half, round to nearest even)
         q8_0     data int8 [rows, heads, n], scales float16 [rows, heads, n / g], g = kv_group(n):
-                 each group of g consecutive values of a head row is g int8 q and one scale d
-                 (llama.cpp's q8_0: d = max|x| / 127, q = round(x / d) half away from zero, d stored as
-                 float16; x = q * d). A row of n values costs n + 2 n / g bytes."""
+                 each group of g consecutive values of a head row is g int8 q and one scale d, llama.cpp's
+                 block_q8_0: d = max|x| / 127 stored as float16, q = round(x / d) half away from zero (by
+                 the stored d, clamped to +-127: every value within d/2 of what reads back, x = q * d).
+                 A row of n values costs n + 2 n / g bytes."""
     shape = tuple(int(x) for x in shape)
     check_kv_dtype(kv_dtype)
     if kv_dtype == "float32":

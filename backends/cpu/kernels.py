@@ -12,6 +12,11 @@ The element type of the view picks the widening, so one source serves all four w
 each weight-reading kernel has one specialisation per weight type. Optional vectors (bias,
 scales) are passed as empty arrays when absent, so absence costs no extra specialisation.
 
+The KV cache (base.kv_parts) is read the same way: float32 rows as is, float16 rows as half bits
+(uint16), q8_0 rows as int8 values with a half-bit scale per group (row_dot, row_axpy, dot4_rows,
+axpy4_rows: overloaded on the scales, so float32 and float16 compile to the plain loops); kv_write_half
+and kv_write_q8 round in integer arithmetic (f32_to_half_bits), the reference's bits exactly.
+
 No kernel allocates: no array is created here, prange loops carry no cross-iteration reduction
 (Numba would allocate per-thread reduction arrays), all scratch comes from the caller.
 
@@ -533,12 +538,12 @@ F127 = np.float32(127.0)
 
 @njit(cache=True)
 def kv_write_q8(cache, scales, x, slots):
-    """q8_0 rows (llama.cpp's quantize_row_q8_0_ref; base.kv_parts): for each head row x[t,h] [D] and group
-    g of G = D / scales.shape[2] values,
-        d = max|x_g| / 127,  q = round(x_g * (1 / d)) half away from zero (0 where d is 0),
-        cache[slots[t], h, g*G:(g+1)*G] = q (int8),  scales[slots[t], h, g] = half(d)
-    a non-finite value makes its group's q 0 and d non-finite (it reads back non-finite). In float32,
-    no fastmath: the reference's values bit for bit (reference.quantize_q8_0)."""
+    """q8_0 rows (base.kv_parts; reference.quantize_q8_0): for each head row x[t,h] [D] and group g of
+    G = D / scales.shape[2] values,
+        d' = half(max|x_g| / 127),  q = round(x_g * (1 / d')) half away from zero, clamped to [-127, 127]
+        (0 where d' is 0);  cache[slots[t], h, g*G:(g+1)*G] = q (int8),  scales[slots[t], h, g] = d'
+    a non-finite value makes its group's q 0 and d' non-finite (it reads back non-finite). In float32,
+    no fastmath: the reference's values bit for bit."""
     D = x.shape[2]
     G = D // scales.shape[2]
     for t in range(slots.shape[0]):
@@ -555,15 +560,16 @@ def kv_write_q8(cache, scales, x, slots):
                         bad = True
                 if bad:
                     amax = np.float32(np.nan)
-                dv = amax / F127
+                bits = f32_to_half_bits(amax / F127)
+                dv = half_bits_to_f32(bits)
                 inv = F1 / dv if dv != F0 else F0
                 for d in range(g * G, (g + 1) * G):
                     v = x[t, h, d] * inv
                     if not abs(v) < np.float32(np.inf):
                         v = F0
-                    r = np.floor(abs(np.float64(v)) + 0.5)
+                    r = min(np.floor(abs(np.float64(v)) + 0.5), 127.0)
                     cache[s, h, d] = np.int8(r if v >= F0 else -r)
-                scales[s, h, g] = f32_to_half_bits(dv)
+                scales[s, h, g] = bits
 
 
 # -- reading quantised cache rows (inlined into the attention kernels) -----------------------------

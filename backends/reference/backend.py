@@ -67,20 +67,23 @@ def activation(g, u, act, e):
 
 
 def quantize_q8_0(x, group: int):
-    """llama.cpp's q8_0 (quantize_row_q8_0_ref) of rows x [..., n] in groups of `group` consecutive
-    values: d = max|x| / 127 (float32), q = round(x * (1 / d)) half away from zero (0 where d is 0);
-    -> (q int8 [..., n], d float16 [..., n / group]). A non-finite value makes its group's q 0 and its
-    d non-finite (inf or NaN), so it reads back non-finite, never as a number."""
+    """q8_0 (llama.cpp's block_q8_0 layout) of rows x [..., n] in groups of `group` consecutive values:
+    d = max|x| / 127 (float32) stored as float16 d', q = round(x / d') half away from zero, clamped to
+    [-127, 127] (0 where d' is 0); -> (q int8 [..., n], d' float16 [..., n / group]). Dividing by the stored
+    d' (llama.cpp's quantize_row_q8_0_ref divides by d before rounding it) keeps every value within half a
+    step of what reads back, also where d' is a float16 subnormal (max|x| below 127 * 2^-14). A non-finite
+    value makes its group's q 0 and its d' non-finite, so the group reads back non-finite, never as a
+    number."""
     x = np.asarray(x, np.float32)
     g = x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
-    amax = np.abs(g).max(axis=-1)
-    d = amax / np.float32(127)
+    d = (np.abs(g).max(axis=-1) / np.float32(127)).astype(np.float16)
+    dr = d.astype(np.float32)
     with np.errstate(divide="ignore", invalid="ignore"):
-        inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+        inv = np.where(dr != 0, np.float32(1) / dr, np.float32(0)).astype(np.float32)
         v = g * inv[..., None]
     v = np.where(np.isfinite(v), v, np.float32(0))
-    q = np.copysign(np.floor(np.abs(v).astype(np.float64) + 0.5), v).astype(np.int8)
-    return q.reshape(x.shape), d.astype(np.float16)
+    q = np.copysign(np.minimum(np.floor(np.abs(v).astype(np.float64) + 0.5), 127), v).astype(np.int8)
+    return q.reshape(x.shape), d
 
 
 def kv_store(cache, slots, x):
@@ -102,7 +105,8 @@ def kv_rows(cache, slots):
         return cache.data[slots].astype(np.float32)
     q, d = cache.data[slots], cache.scales[slots].astype(np.float32)
     g = cache.group
-    return (q.reshape(*q.shape[:-1], -1, g).astype(np.float32) * d[..., None]).reshape(q.shape)
+    with np.errstate(invalid="ignore"):             # a non-finite d: 0 * inf reads back NaN, as it should
+        return (q.reshape(*q.shape[:-1], -1, g).astype(np.float32) * d[..., None]).reshape(q.shape)
 
 
 DELTA_CHUNK = 16        # tokens per chunk of the chunked delta rule (the reference's prefill form)
