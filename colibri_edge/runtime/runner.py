@@ -20,7 +20,7 @@ import math
 import numpy as np
 
 from . import arena, program
-from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_OUT_OF_MEMORY, COLIBRI_ERR_UNAVAILABLE
+from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_OUT_OF_MEMORY
 from ..model.modeldir import ModelDir
 from .hooks import RoutingHook  # noqa: F401  (re-exported: the hook interface)
 from .slots import likely_experts
@@ -141,11 +141,8 @@ class Runner:
         cfg = self.cfg
         self.max_rows, self.max_batch, self.max_seq_len = max_rows, max_batch, max_seq_len
         self.block_size = block_size
-        if kv_dtype not in backend.kv_dtypes:
-            from ..backends import kv_dtype_backends
-            raise ColibriError(COLIBRI_ERR_UNAVAILABLE, f"kv_dtype={kv_dtype!r}: the {backend.name} backend keeps "
-                               f"{', '.join(backend.kv_dtypes)} KV caches; {kv_dtype} runs on the "
-                               f"{', '.join(kv_dtype_backends(kv_dtype))} backends")
+        from ..backends import check_kv_dtype
+        check_kv_dtype(backend, kv_dtype)
         self.limits, self.states = layout(cfg, max_rows, max_batch, max_seq_len, num_kv_blocks, block_size, kv_dtype)
         self.top_k = arena.fan(cfg)
         self.spec = arena.buffers(cfg, self.limits)
