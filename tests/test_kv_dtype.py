@@ -360,3 +360,17 @@ def test_kv_dtype_knob_and_unknown_values(model_cache, monkeypatch):
     with pytest.raises(ColibriError) as e:
         Engine.open(col, backend="reference", max_seq_len=32)
     assert e.value.code == COLIBRI_ERR_INVALID_ARGUMENT and "COLIBRI_KV_DTYPE" in e.value.message
+
+
+def test_cli_flags_reach_engine_open():
+    """run / chat take --kv-dtype as an Engine.open option; serve takes it for every model (before any
+    --model) or one model (after it), as its other engine options; argparse refuses another value."""
+    from colibri_edge.serving.cli import _open_kw, build_parser, serve_plan
+    parser = build_parser()
+    assert _open_kw(parser.parse_args(["run", "--kv-dtype", "q8_0"]))["kv_dtype"] == "q8_0"
+    assert _open_kw(parser.parse_args(["chat"]))["kv_dtype"] is None            # COLIBRI_KV_DTYPE, or float32
+    a = parser.parse_args(["serve", "--kv-dtype", "float16", "--model", "a=A", "--model", "b=B", "--kv-dtype", "q8_0"])
+    _, options, _, shared = serve_plan(a)
+    assert shared["kv_dtype"] == "float16" and options["b"] == {"kv_dtype": "q8_0"} and options["a"] == {}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["run", "--kv-dtype", "q4_0"])
