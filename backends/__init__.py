@@ -61,7 +61,7 @@ def backend_class(name: str):
     return _module(name).Backend
 
 
-def check_kv_dtype(backend, kv_dtype: str):
+def require_kv_dtype(backend, kv_dtype: str):
     """COLIBRI_ERR_UNAVAILABLE unless `backend` (a Backend class or instance) lists kv_dtype among its
     kv_dtypes (base.Backend), naming the backends that do: their classes are read, no device is probed."""
     if kv_dtype in backend.kv_dtypes:

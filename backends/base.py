@@ -46,7 +46,7 @@ import numpy as np
 
 from colibri_edge.model.dtypes import QUANTIZED, widen
 from colibri_edge.errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_UNAVAILABLE
-from colibri_edge.knobs import KV_DTYPES  # noqa: F401  (re-exported: the kv_dtypes kv_parts lays out)
+from colibri_edge.knobs import KV_DTYPES
 
 
 # -- the paged KV cache's storage types (Engine.open kv_dtype, COLIBRI_KV_DTYPE) ------------------------
@@ -60,6 +60,7 @@ def kv_group(n: int) -> int:
 
 
 def check_kv_dtype(kv_dtype) -> str:
+    """kv_dtype when it is one of KV_DTYPES, else COLIBRI_ERR_INVALID_ARGUMENT listing them."""
     if kv_dtype not in KV_DTYPES:
         raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"kv_dtype={kv_dtype!r:.40}: expected one of "
                            f"{', '.join(KV_DTYPES)}")

@@ -153,7 +153,7 @@ class Engine:
         self.model = with_top_k(open_model_dir(path), knobs.resolve("COLIBRI_TOP_K", top_k))
         cfg = self.config = self.model.config
         self.path = self.model.path
-        from ..backends import backend_class, check_kv_dtype, resolve
+        from ..backends import backend_class, require_kv_dtype, resolve
         backend_name = resolve(knobs.resolve("COLIBRI_BACKEND", backend))
         block = knobs.resolve("COLIBRI_KV_BLOCK_SIZE", kv_block_size)
         warmup = knobs.resolve("COLIBRI_ROUTER_WARMUP", router_warmup)
@@ -161,7 +161,7 @@ class Engine:
         # kv_dtype (COLIBRI_KV_DTYPE): the paged KV cache's storage type, float32, float16 or q8_0
         # (backends.base.kv_parts), on the backends whose kv_dtypes list it
         self.kv_dtype = knobs.resolve("COLIBRI_KV_DTYPE", kv_dtype)
-        check_kv_dtype(cls, self.kv_dtype)              # before the backend starts its device
+        require_kv_dtype(cls, self.kv_dtype)            # before the backend starts its device
         self.options, not_applicable = knobs.backend_options(cls, {
             "num_streams": num_streams, "disable_fp16": disable_fp16, "num_threads": num_threads,
             "cuda_graphs": cuda_graphs, "int8_activations": int8_activations, "device": device})

@@ -141,8 +141,8 @@ class Runner:
         cfg = self.cfg
         self.max_rows, self.max_batch, self.max_seq_len = max_rows, max_batch, max_seq_len
         self.block_size = block_size
-        from ..backends import check_kv_dtype
-        check_kv_dtype(backend, kv_dtype)
+        from ..backends import require_kv_dtype
+        require_kv_dtype(backend, kv_dtype)
         self.limits, self.states = layout(cfg, max_rows, max_batch, max_seq_len, num_kv_blocks, block_size, kv_dtype)
         self.top_k = arena.fan(cfg)
         self.spec = arena.buffers(cfg, self.limits)
