@@ -18,8 +18,9 @@
 A pool holds bookkeeping only; the storage is declared by the pool (`storage`: name -> shape per
 layer; `buffers`: the buffers and element types that shape takes in the pool's kv_dtype, float32,
 float16 or q8_0, backends.base.kv_parts) and allocated by the runner on the backend, so `colibri
-inspect` sizes it from the same declaration (`nbytes`, `bytes_per_token`). Adding a kind means a class with reserve / release / storage, and touches neither the
-other kinds nor the request layer.
+inspect` sizes it from the same declaration (`nbytes`, `bytes_per_token`). Adding a kind means a
+class with reserve / release / storage / buffers, and touches neither the other kinds nor the
+request layer.
 """
 from __future__ import annotations
 
