@@ -61,6 +61,23 @@ def backend_class(name: str):
     return _module(name).Backend
 
 
+def require_kv_dtype(backend, kv_dtype: str):
+    """COLIBRI_ERR_UNAVAILABLE unless `backend` (a Backend class or instance) lists kv_dtype among its
+    kv_dtypes (base.Backend), naming the backends that do: their classes are read, no device is probed."""
+    if kv_dtype in backend.kv_dtypes:
+        return
+    takes = []
+    for name in NAMES:
+        try:
+            if kv_dtype in backend_class(name).kv_dtypes:
+                takes.append(name)
+        except ColibriError:
+            continue
+    raise ColibriError(COLIBRI_ERR_UNAVAILABLE, f"kv_dtype={kv_dtype!r}: the {backend.name} backend keeps "
+                       f"{', '.join(backend.kv_dtypes)} KV caches; {kv_dtype} runs on the {', '.join(takes)} "
+                       "backends (backend=...), or leave kv_dtype unset")
+
+
 def create(name: str, **options):
     """Instantiate a backend by name ('auto' resolves through the probes)."""
     return backend_class(resolve(name))(**options)

@@ -15,6 +15,9 @@ Required -- abstract here; there is no per-op fallback, so the suite proves each
     MoE        route, align, grouped_ffn, combine
 Optional -- each has its default below, and the core never probes a backend with hasattr:
     OPTIONS                         the Engine.open options it takes                 ()
+    kv_dtypes                       the KV cache types (Engine.open kv_dtype) its     ("float32",)
+                                    kv_write and attention ops take
+    alloc_kv(parts, kv_dtype)       one layer's paged cache tensor (KVCache below)    alloc each part
     host_view(buf)                  host access to a small buffer (logits)          a download
     copy_into(dst, src)             buffer to buffer of one shape (state snapshots)  download + upload_into
     synchronize()                   wait for queued work                            nothing to wait for
@@ -44,6 +47,71 @@ import numpy as np
 
 from colibri_edge.model.dtypes import QUANTIZED, widen
 from colibri_edge.errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_UNAVAILABLE
+from colibri_edge.knobs import KV_DTYPES
+
+
+# -- the paged KV cache's storage types (Engine.open kv_dtype, COLIBRI_KV_DTYPE) ------------------------
+KV_GROUP = 32           # q8_0: values per scale, as ggml's block_q8_0
+
+
+def kv_group(n: int) -> int:
+    """q8_0's values per scale in a cache row of n values (one position's head row): 32 when n is a
+    multiple of 32 (ggml's blocks), else the whole row (one scale per head row)."""
+    return KV_GROUP if n % KV_GROUP == 0 else n
+
+
+def check_kv_dtype(kv_dtype) -> str:
+    """kv_dtype when it is one of KV_DTYPES, else COLIBRI_ERR_INVALID_ARGUMENT listing them."""
+    if kv_dtype not in KV_DTYPES:
+        raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"kv_dtype={kv_dtype!r:.40}: expected one of "
+                           f"{', '.join(KV_DTYPES)}")
+    return kv_dtype
+
+
+def kv_parts(shape, kv_dtype: str) -> dict:
+    """The buffers of one layer's paged cache tensor of logical shape [rows, heads, n] (rows: block
+    slots; a row of n values per head and position) in kv_dtype: name -> (shape, NumPy dtype).
+        float32  data float32 [rows, heads, n]
+        float16  data float16 [rows, heads, n]                      (IEEE half, round to nearest even)
+        q8_0     data int8 [rows, heads, n], scales float16 [rows, heads, n / g], g = kv_group(n):
+                 each group of g consecutive values of a head row is g int8 q and one scale d, llama.cpp's
+                 block_q8_0: d = max|x| / 127 stored as float16, q = round(x / d) half away from zero (by
+                 the stored d, clamped to +-127: every value within d/2 of what reads back, x = q * d).
+                 A row of n values costs n + 2 n / g bytes."""
+    shape = tuple(int(x) for x in shape)
+    check_kv_dtype(kv_dtype)
+    if kv_dtype == "float32":
+        return {"data": (shape, np.dtype(np.float32))}
+    if kv_dtype == "float16":
+        return {"data": (shape, np.dtype(np.float16))}
+    n = shape[-1]
+    return {"data": (shape, np.dtype(np.int8)), "scales": ((*shape[:-1], n // kv_group(n)), np.dtype(np.float16))}
+
+
+def kv_row_bytes(n: int, kv_dtype: str) -> int:
+    """Bytes a cache row of n values takes in kv_dtype (kv_parts): 4n, 2n, or n + 2 n / kv_group(n)."""
+    return sum(int(np.prod(s[1:])) * d.itemsize for s, d in kv_parts((1, n), kv_dtype).values())
+
+
+@dataclass
+class KVCache:
+    """One layer's paged cache tensor (K, V, latent attention's C or R) in a kv_dtype other than
+    float32 (a float32 cache is a plain float32 buffer [rows, heads, n], on every backend): its
+    buffers of kv_parts, as the backend's kernels read them (cpu: half bits as uint16). kv_write
+    quantises on write; paged_attention and latent_attention dequantise each row as they read it."""
+    dtype: str                  # "float16" | "q8_0"
+    data: object                # [rows, heads, n]: float16 (or its bits) | int8
+    scales: object = None       # q8_0: [rows, heads, n / g] float16 (or its bits); None for float16
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.data.shape)
+
+    @property
+    def group(self) -> int:
+        """Values per scale (q8_0), the row's n for float16."""
+        n = self.data.shape[-1]
+        return n if self.scales is None else n // self.scales.shape[-1]
 
 
 @dataclass
@@ -151,12 +219,20 @@ def guarded(fn):
 class Backend:
     name = "abstract"
     weight_dtypes: tuple = ()
+    kv_dtypes: tuple = ("float32",)   # KV cache types (kv_parts) kv_write and the attention ops take
     OPTIONS: tuple = ()           # Engine.open options this backend takes (num_threads, num_streams, ...)
 
     # -- memory (required) -------------------------------------------------------------------
     def alloc(self, shape, dtype=np.float32):
         """A zero-filled buffer, allocated once (arena, per-sequence state, slots)."""
         raise NotImplementedError
+
+    def alloc_kv(self, parts: dict, kv_dtype: str):
+        """Optional: one layer's paged cache tensor, its buffers as the pool declares them (kv_parts:
+        name -> (shape, dtype)), kv_dtype one of self.kv_dtypes: the float32 buffer for float32, else a
+        KVCache. Default: alloc each part; a backend may view them as its kernels read them."""
+        bufs = {name: self.alloc(shape, dtype) for name, (shape, dtype) in parts.items()}
+        return bufs["data"] if kv_dtype == "float32" else KVCache(kv_dtype, bufs["data"], bufs.get("scales"))
 
     def to_device(self, host: np.ndarray, dtype: str):
         """Weights resident on the backend, in their storage type: a copy on a device, the memmap's
@@ -309,7 +385,9 @@ class Backend:
         """K[slots[t]] = k[t]; V[slots[t]] = v[t].  K, V: one layer's cache [num_slots, Hkv, D];
         k, v: [T,Hkv,D]; slot = block * B + offset in the block (colibri_edge.runtime.state). K and V may
         differ in their last dimension (latent attention: the latent [.., 1, Dc] and the rope key
-        [.., 1, Dr] of every position)."""
+        [.., 1, Dr] of every position). A cache in another kv_dtype (a KVCache, on backends whose
+        kv_dtypes list it) stores each row quantised as kv_parts says; every attention op below reads
+        its rows dequantised (x = q * d), one row at a time, never a dequantised copy of the cache."""
         raise NotImplementedError
 
     def head_matmul(self, out, x, w: Weight):

@@ -8,6 +8,9 @@ import numpy as np
 
 from .errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
 
+KV_DTYPES = ("float32", "float16", "q8_0")    # Engine.open kv_dtype: the paged KV cache's storage types
+                                                # (laid out by backends.base.kv_parts)
+
 KNOBS = {
     # name: (default, parser description)
     "COLIBRI_BACKEND": ("auto", "one of auto, cpu, opencl, cuda, reference"),
@@ -23,6 +26,7 @@ KNOBS = {
     "COLIBRI_INT8_ACTIVATIONS": (1, "0 or 1 (0: block formats decode with float32 activations on the cpu and opencl backends)"),
     "COLIBRI_CORE_THREAD": (1, "0 or 1 (0: the threads waiting for results run the steps, no core thread)"),
     "COLIBRI_TOP_K": (0, "an integer from 0 to the model's experts per layer (0: the model's experts per token)"),
+    "COLIBRI_KV_DTYPE": ("float32", "one of float32, float16, q8_0 (the paged KV cache's storage type)"),
 }
 FLAGS = ("COLIBRI_DISABLE_FP16", "COLIBRI_CUDA_GRAPHS", "COLIBRI_INT8_ACTIVATIONS", "COLIBRI_CORE_THREAD")      # 0 or 1 (or a bool)
 # upper bounds (far past any real use; a larger value is a mistake, refused before anything is sized by it)
@@ -40,6 +44,10 @@ def _parse(name, raw):
         raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{name}={raw!r:.60}: expected {what}")
     if name == "COLIBRI_BACKEND":
         if raw not in ("auto", "cpu", "opencl", "cuda", "reference"):
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{name}={raw!r}: expected {what}")
+        return raw
+    if name == "COLIBRI_KV_DTYPE":
+        if raw not in KV_DTYPES:
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{name}={raw!r}: expected {what}")
         return raw
     if name == "COLIBRI_SLOT_POLICY":

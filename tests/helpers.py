@@ -89,6 +89,23 @@ def rel_err(got, want):
     return float(np.abs(got - want).max() / np.abs(want).max())
 
 
+def chat_turns(eng, n_shared=29, tails=(5, 9)):
+    """Prompts of a conversation (prefix caching): a shared opening of n_shared token ids and turns that
+    continue it, one per tail length. -> (opening, [turns])."""
+    V = eng.config["vocab_size"]
+    head = [(5 * j + 2) % V for j in range(n_shared)]
+    return head, [head + [(11 * j + 7 * t) % V for j in range(t)] for t in tails]
+
+
+def run_logprobs(eng, prompt, n=8):
+    """n greedy tokens and each one's logprob and top-5 (floats, compared exactly) -> (request, [(token,
+    logprob, top-5)])."""
+    from colibri_edge.requests.scheduler import TOKEN
+    req = eng.submit(prompt, max_new_tokens=n, ignore_eos=True, logprobs=True, top_logprobs=5)
+    evs = [ev for ev in req.iter_events(timeout=120) if ev.kind == TOKEN]
+    return req, [(ev.token, ev.logprob, tuple(ev.top_logprobs)) for ev in evs]
+
+
 class ExpertIds(RoutingHook):
     """Records the expert ids every MoE layer chose, token by token."""
 

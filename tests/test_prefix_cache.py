@@ -9,7 +9,7 @@ import pytest
 
 from colibri_edge import COLIBRI_ERR_INVALID_ARGUMENT, ColibriError, Engine
 from colibri_edge.requests.scheduler import TOKEN
-from helpers import fp32, need
+from helpers import chat_turns as prompts, fp32, need, run_logprobs as run
 from hf_models import convert_case
 
 # full attention (GQA, qk-norm), latent KV, sliding-window layers beside full ones (gpt-oss; Gemma 4,
@@ -19,20 +19,6 @@ FAMILIES = ["mixtral", "qwen3_moe", "deepseek_v2", "gpt_oss", "gemma4"]
 
 def vocab(eng):
     return eng.config["vocab_size"]
-
-
-def prompts(eng, n_shared=29, tails=(5, 9)):
-    """A shared opening of n_shared tokens and turns that continue it."""
-    V = vocab(eng)
-    head = [(5 * j + 2) % V for j in range(n_shared)]
-    return head, [head + [(11 * j + 7 * t) % V for j in range(t)] for t in tails]
-
-
-def run(eng, prompt, n=8):
-    """Greedy tokens and every token's logprob and top-5 (floats, compared exactly)."""
-    req = eng.submit(prompt, max_new_tokens=n, ignore_eos=True, logprobs=True, top_logprobs=5)
-    evs = [ev for ev in req.iter_events(timeout=120) if ev.kind == TOKEN]
-    return req, [(ev.token, ev.logprob, tuple(ev.top_logprobs)) for ev in evs]
 
 
 @pytest.mark.parametrize("case", FAMILIES)

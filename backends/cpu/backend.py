@@ -38,7 +38,7 @@ from colibri_edge.model.dtypes import STORAGE, is_block, narrow
 from colibri_edge.errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
 from colibri_edge.model.modeldir import expert_sections
 from colibri_edge.model.quant import BLOCK
-from ..base import Backend as BackendBase, Plan, Weight, plan_buffers
+from ..base import KV_DTYPES, Backend as BackendBase, KVCache, Plan, Weight, plan_buffers
 from .cores import Governor, available_cores
 
 # stored type -> element type of the view the kernels read (the type picks the widening, or for a block
@@ -94,6 +94,7 @@ class Backend(BackendBase):
     name = "cpu"
     weight_dtypes = ("float32", "float16", "bfloat16", "int8") + tuple(BLOCK)
     OPTIONS = ("num_threads", "int8_activations")
+    kv_dtypes = KV_DTYPES
 
     def __init__(self, num_threads=0, int8_activations=True):
         import numba
@@ -113,6 +114,7 @@ class Backend(BackendBase):
         self.thread_steps = np.zeros(self.num_threads + 1, np.int64)    # steps run at each count
         self.work = np.zeros((self.num_threads, 8), np.int64)   # the kernels' claim counters (kernels.claim)
         self.none = _readonly(np.zeros(0, np.float32))      # an absent bias or scales vector
+        self._kv_warm = {"float32"}                  # the kv_dtypes the attention kernels were warmed in
         self._freqs = {}                                      # (theta, D) -> the rope table
         self._silu = (self.none, self.none, np.float32(0), np.float32(0))   # kernels.expert_act's SwiGLU
         self.no_tally = np.zeros(0, np.int32)
@@ -160,7 +162,7 @@ class Backend(BackendBase):
         formats: Numba compiles lazily (or loads its disk cache lazily), and this puts that time and
         memory at backend creation (the common ops) and model open (the model's formats), never
         inside a request."""
-        T, E, k, D, B = 2, 3, 2, 4, 2
+        T, E, k, D = 2, 3, 2, 4
         H = I = 256                       # a K-quant block wide
         f32, i32 = np.float32, np.int32
         x, o, y, h = self.alloc((T, H)), self.alloc((T, H)), self.alloc((T * k, H)), self.alloc((T * k, I))
@@ -191,22 +193,37 @@ class Backend(BackendBase):
         self.add(x, x, x)
         self.add(x, x, x, gate=self.alloc((T, 1)))
         self.combine(x, y, self.alloc((T, k)), plan)
-        q, kv = self.alloc((T, 2, D)), self.alloc((T, 1, D))
+        q = self.alloc((T, 2, D))
         self.rope(q, q, pos, 10000.0)
-        K, V = self.alloc((2 * B, 1, D)), self.alloc((2 * B, 1, D))
-        self.kv_write(K, V, kv, kv, pos)
-        self.paged_attention(q.copy(), q, K, V, self.alloc((1, 2), i32), pos, pos, B, 0.5)
+        self._warm_kv("float32")
 
-    def _warm_latent(self, dtype):
-        """head_matmul in weight type dtype and latent_attention, once on tiny buffers (as _warm_up)."""
-        T, G, N, K, B = 2, 2, 4, 4, 2
+    def _warm_kv(self, kv_dtype, latent=False):
+        """kv_write and paged_attention (latent: latent_attention) over caches in kv_dtype, once on tiny
+        buffers (as _warm_up)."""
+        from ..base import kv_parts
+        T, D, B = 2, 4, 2
         i32 = np.int32
         pos = self.alloc((T,), i32)
+        q, kv = self.alloc((T, 2, D)), self.alloc((T, 1, D))
+
+        def cache(n):
+            return self.alloc_kv(kv_parts((2 * B, 1, n), kv_dtype), kv_dtype, warm=False)
+        K, V = cache(D), cache(2 if latent else D)
+        self.kv_write(K, V, kv, self.alloc((T, 1, 2)) if latent else kv, pos)
+        if latent:
+            self.latent_attention(q.copy(), q, self.alloc((T, 2, 2)), K, V, self.alloc((1, 2), i32), pos, pos, B, 0.5)
+        else:
+            self.paged_attention(q.copy(), q, K, V, self.alloc((1, 2), i32), pos, pos, B, 0.5)
+
+    def _warm_latent(self, dtype):
+        """head_matmul in weight type dtype and latent_attention (over the kv_dtypes warmed so far), once
+        on tiny buffers (as _warm_up)."""
+        T, G, N, K = 2, 2, 4, 4
         w = self.upload(np.zeros((G, N, K), STORAGE[dtype]), dtype)
         x = self.alloc((T, G, K))
         self.head_matmul(self.alloc((T, G, N)), x, w)
-        self.latent_attention(x.copy(), x, self.alloc((T, G, 2)), self.alloc((2 * B, 1, K)), self.alloc((2 * B, 1, 2)),
-                              self.alloc((1, 2), i32), pos, pos, B, 0.5)
+        for kv_dtype in sorted(self._kv_warm):
+            self._warm_kv(kv_dtype, latent=True)
 
     def _use_threads(self):
         if getattr(_thread_state, "n", None) != self.threads:
@@ -286,6 +303,28 @@ class Backend(BackendBase):
             self._warm_latent(dtype)
         return w
 
+    def alloc_kv(self, parts, kv_dtype, warm=True):
+        """A paged cache tensor (base.alloc_kv), its float16 buffers (float16 values, q8_0's scales) seen
+        as their bits (uint16: Numba has no float16 arrays; the kernels widen them as they read). The
+        first cache of a kv_dtype warms the attention kernels in it (and latent_attention when a latent
+        model's weights were uploaded), at engine open, never inside a request."""
+        c = super().alloc_kv(parts, kv_dtype)
+        if isinstance(c, KVCache):
+            bits = lambda a: None if a is None else a.view(np.uint16) if a.dtype == np.float16 else a  # noqa: E731
+            c = KVCache(c.dtype, bits(c.data), bits(c.scales))
+        if warm and kv_dtype not in self._kv_warm:
+            self._kv_warm.add(kv_dtype)
+            self._warm_kv(kv_dtype)
+            if self._heads_warm:
+                self._warm_kv(kv_dtype, latent=True)
+        return c
+
+    def _kv(self, cache):
+        """A cache tensor -> (values, q8_0 scales or None) as the attention kernels take them."""
+        if isinstance(cache, KVCache):
+            return cache.data, cache.scales
+        return cache, None
+
     def upload_into(self, dst, host):
         dst[...] = host
 
@@ -349,7 +388,16 @@ class Backend(BackendBase):
 
     # -- attention ---------------------------------------------------------------------------
     def kv_write(self, K, V, k, v, slots):
-        self.k.kv_write(K, V, k, v, slots)
+        """A float32 cache as is; float16 as half bits rounded to nearest even; q8_0 as int8 values and
+        a half-bit scale per group (kernels.kv_write_q8): each row quantised as it is written."""
+        if not isinstance(K, KVCache):
+            self.k.kv_write(K, V, k, v, slots)
+            return
+        for cache, x in ((K, k), (V, v)):
+            if cache.scales is None:
+                self.k.kv_write_half(cache.data, x, slots)
+            else:
+                self.k.kv_write_q8(cache.data, cache.scales, x, slots)
 
     def head_matmul(self, out, x, w):
         self._use_threads()
@@ -362,14 +410,14 @@ class Backend(BackendBase):
         T, Hq = q.shape[0], q.shape[1]
         if self._ml.shape[0] < T * Hq:
             self._ml = np.zeros((T * Hq, 2), np.float32)
-        self.k.latent_attention(out, q, q_rope, C, R, block_tables, seq_index, positions, int(block_size),
-                                float(scale), min(Hq, -(-self.threads // T)), self._ml)
+        self.k.latent_attention(out, q, q_rope, *self._kv(C), *self._kv(R), block_tables, seq_index, positions,
+                                int(block_size), float(scale), min(Hq, -(-self.threads // T)), self._ml)
 
     def paged_attention(self, out, q, K, V, block_tables, seq_index, positions, block_size, scale, window=0,
                         sinks=None):
         self._use_threads()
-        self.k.paged_attention(out, q, K, V, block_tables, seq_index, positions, int(block_size), float(scale),
-                               int(window), self.none if sinks is None else sinks.data)
+        self.k.paged_attention(out, q, *self._kv(K), *self._kv(V), block_tables, seq_index, positions,
+                               int(block_size), float(scale), int(window), self.none if sinks is None else sinks.data)
 
     # -- recurrent mixers --------------------------------------------------------------------
     def causal_conv(self, out, x, weight, state, starts, slots, positions):

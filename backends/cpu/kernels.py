@@ -12,6 +12,11 @@ The element type of the view picks the widening, so one source serves all four w
 each weight-reading kernel has one specialisation per weight type. Optional vectors (bias,
 scales) are passed as empty arrays when absent, so absence costs no extra specialisation.
 
+The KV cache (base.kv_parts) is read the same way: float32 rows as is, float16 rows as half bits
+(uint16), q8_0 rows as int8 values with a half-bit scale per group (row_dot, row_axpy, dot4_rows,
+axpy4_rows: overloaded on the scales, so float32 and float16 compile to the plain loops); kv_write_half
+and kv_write_q8 round in integer arithmetic (f32_to_half_bits), the reference's bits exactly.
+
 No kernel allocates: no array is created here, prange loops carry no cross-iteration reduction
 (Numba would allocate per-thread reduction arrays), all scratch comes from the caller.
 
@@ -55,6 +60,44 @@ def bf16_bits_to_f32(typingctx, bits):
         wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
         return builder.bitcast(wide, ir.FloatType())
     return types.float32(types.int16), codegen
+
+
+@intrinsic
+def f32_bits(typingctx, x):
+    """float32 -> its IEEE bits as uint32 (a bitcast)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.uint32(types.float32), codegen
+
+
+@njit(inline="always")
+def f32_to_half_bits(x):
+    """float32 -> IEEE half bits (uint16), rounded to nearest even, overflow to inf, subnormals kept:
+    NumPy's conversion (npy_floatbits_to_halfbits), in integer arithmetic so that it needs no F16C
+    instruction or runtime library call on any target (the KV cache's float16 and q8_0 scales)."""
+    f = np.int64(f32_bits(x))
+    sgn = (f & 0x80000000) >> 16
+    fexp = f & 0x7F800000
+    if fexp >= 0x47800000:                          # overflow, inf, NaN
+        if fexp == 0x7F800000 and (f & 0x007FFFFF) != 0:
+            h = 0x7C00 + ((f & 0x007FFFFF) >> 13)
+            return np.uint16(sgn + (h if h != 0x7C00 else 0x7C01))
+        return np.uint16(sgn + 0x7C00)
+    if fexp <= 0x38000000:                          # a subnormal half or zero
+        if fexp < 0x33000000:
+            return np.uint16(sgn)
+        e = fexp >> 23
+        sig = (0x00800000 + (f & 0x007FFFFF)) >> (113 - e)
+        if (sig & 0x3FFF) != 0x1000 or (f & 0x7FF) != 0:
+            sig += 0x1000
+        return np.uint16(sgn + (sig >> 13))
+    sig = f & 0x007FFFFF
+    if (sig & 0x3FFF) != 0x1000:
+        sig += 0x1000
+    return np.uint16(sgn + (sig >> 13) + ((fexp - 0x38000000) >> 13))
 
 
 def widen(v):
@@ -479,13 +522,203 @@ def kv_write(k_cache, v_cache, k, v, slots):
                 v_cache[s, h, d] = v[t, h, d]
 
 
+@njit(cache=True)
+def kv_write_half(cache, x, slots):
+    """cache[slots[t]] = half(x[t]): cache [slots,H,D] uint16 (half bits), x [T,H,D] float32; rounded to
+    nearest even (f32_to_half_bits)."""
+    for t in range(slots.shape[0]):
+        s = slots[t]
+        for h in range(x.shape[1]):
+            for d in range(x.shape[2]):
+                cache[s, h, d] = f32_to_half_bits(x[t, h, d])
+
+
+F127 = np.float32(127.0)
+
+
+@njit(cache=True)
+def kv_write_q8(cache, scales, x, slots):
+    """q8_0 rows (base.kv_parts; reference.quantize_q8_0): for each head row x[t,h] [D] and group g of
+    G = D / scales.shape[2] values,
+        d' = half(max|x_g| / 127),  q = round(x_g * (1 / d')) half away from zero, clamped to [-127, 127]
+        (0 where d' is 0);  cache[slots[t], h, g*G:(g+1)*G] = q (int8),  scales[slots[t], h, g] = d'
+    a non-finite value makes its group's q 0 and d' non-finite (it reads back non-finite). In float32,
+    no fastmath: the reference's values bit for bit."""
+    D = x.shape[2]
+    G = D // scales.shape[2]
+    for t in range(slots.shape[0]):
+        s = slots[t]
+        for h in range(x.shape[1]):
+            for g in range(scales.shape[2]):
+                amax = F0
+                bad = False
+                for d in range(g * G, (g + 1) * G):
+                    a = abs(x[t, h, d])
+                    if a > amax:
+                        amax = a
+                    elif not a <= amax:             # NaN
+                        bad = True
+                if bad:
+                    amax = np.float32(np.nan)
+                bits = f32_to_half_bits(amax / F127)
+                dv = half_bits_to_f32(bits)
+                inv = F1 / dv if dv != F0 else F0
+                for d in range(g * G, (g + 1) * G):
+                    v = x[t, h, d] * inv
+                    if not abs(v) < np.float32(np.inf):
+                        v = F0
+                    r = min(np.floor(abs(np.float64(v)) + 0.5), 127.0)
+                    cache[s, h, d] = np.int8(r if v >= F0 else -r)
+                scales[s, h, g] = bits
+
+
+# -- reading quantised cache rows (inlined into the attention kernels) -----------------------------
+# A cache tensor reaches the kernels as its values (float32, float16 bits as uint16, or q8_0's int8)
+# and q8_0's scales [rows, heads, groups] (half bits), or None for float32 and float16 (one group of
+# scale 1). Each helper is overloaded on the scales' type, so without scales it compiles to the plain
+# loop over the row (float32's arithmetic exactly as before kv_dtype) and with them to a loop per group.
+def row_dot(qv, kr, scales, row, h):
+    """qv . kr, the cache row kr (row `row`, head h) dequantised: with q8_0's scales each group's dot
+    product in its int8 values, times the group's scale (compiled only)."""
+    raise NotImplementedError("row_dot runs inside Numba kernels only")
+
+
+def row_axpy(acc, p, vr, scales, row, h):
+    """acc += p * vr, the cache row vr dequantised: with q8_0's scales p times each group's scale, times
+    its int8 values (compiled only)."""
+    raise NotImplementedError("row_axpy runs inside Numba kernels only")
+
+
+def dot4_rows(qv, r0, r1, r2, r3, scales, s0, s1, s2, s3):
+    """(qv . r_i for i < 4): four cache rows (at cache rows s_i, head 0) dequantised as row_dot does
+    (compiled only)."""
+    raise NotImplementedError("dot4_rows runs inside Numba kernels only")
+
+
+def axpy4_rows(acc, p0, p1, p2, p3, r0, r1, r2, r3, scales, s0, s1, s2, s3):
+    """acc += (p0 r0 + p1 r1) + (p2 r2 + p3 r3), four cache rows dequantised (compiled only)."""
+    raise NotImplementedError("axpy4_rows runs inside Numba kernels only")
+
+
+def _plain(scales):
+    return isinstance(scales, (types.NoneType, types.Omitted))
+
+
+@overload(row_dot, inline="always")
+def _row_dot(qv, kr, scales, row, h):
+    if _plain(scales):
+        def plain(qv, kr, scales, row, h):
+            s = F0
+            for d in range(qv.shape[0]):
+                s += qv[d] * widen(kr[d])
+            return s
+        return plain
+
+    def grouped(qv, kr, scales, row, h):
+        G = qv.shape[0] // scales.shape[2]
+        s = F0
+        for g in range(scales.shape[2]):
+            qg, kg = qv[g * G:(g + 1) * G], kr[g * G:(g + 1) * G]
+            a = F0
+            for d in range(G):
+                a += qg[d] * widen(kg[d])
+            s += a * half_bits_to_f32(scales[row, h, g])
+        return s
+    return grouped
+
+
+@overload(row_axpy, inline="always")
+def _row_axpy(acc, p, vr, scales, row, h):
+    if _plain(scales):
+        def plain(acc, p, vr, scales, row, h):
+            for d in range(acc.shape[0]):
+                acc[d] += p * widen(vr[d])
+        return plain
+
+    def grouped(acc, p, vr, scales, row, h):
+        G = acc.shape[0] // scales.shape[2]
+        for g in range(scales.shape[2]):
+            pg = p * half_bits_to_f32(scales[row, h, g])
+            ag, vg = acc[g * G:(g + 1) * G], vr[g * G:(g + 1) * G]
+            for d in range(G):
+                ag[d] += pg * widen(vg[d])
+    return grouped
+
+
+@overload(dot4_rows)
+def _dot4_rows(qv, r0, r1, r2, r3, scales, s0, s1, s2, s3):
+    if _plain(scales):
+        def plain(qv, r0, r1, r2, r3, scales, s0, s1, s2, s3):
+            a0 = F0
+            a1 = F0
+            a2 = F0
+            a3 = F0
+            for d in range(qv.shape[0]):
+                a0 += qv[d] * widen(r0[d])
+                a1 += qv[d] * widen(r1[d])
+                a2 += qv[d] * widen(r2[d])
+                a3 += qv[d] * widen(r3[d])
+            return a0, a1, a2, a3
+        return plain
+
+    def grouped(qv, r0, r1, r2, r3, scales, s0, s1, s2, s3):
+        G = qv.shape[0] // scales.shape[2]
+        a0 = F0
+        a1 = F0
+        a2 = F0
+        a3 = F0
+        for g in range(scales.shape[2]):
+            lo, hi = g * G, (g + 1) * G
+            qg, g0, g1, g2, g3 = qv[lo:hi], r0[lo:hi], r1[lo:hi], r2[lo:hi], r3[lo:hi]
+            x0 = F0
+            x1 = F0
+            x2 = F0
+            x3 = F0
+            for d in range(G):
+                x0 += qg[d] * widen(g0[d])
+                x1 += qg[d] * widen(g1[d])
+                x2 += qg[d] * widen(g2[d])
+                x3 += qg[d] * widen(g3[d])
+            a0 += x0 * half_bits_to_f32(scales[s0, 0, g])
+            a1 += x1 * half_bits_to_f32(scales[s1, 0, g])
+            a2 += x2 * half_bits_to_f32(scales[s2, 0, g])
+            a3 += x3 * half_bits_to_f32(scales[s3, 0, g])
+        return a0, a1, a2, a3
+    return grouped
+
+
+@overload(axpy4_rows, inline="always")
+def _axpy4_rows(acc, p0, p1, p2, p3, r0, r1, r2, r3, scales, s0, s1, s2, s3):
+    if _plain(scales):
+        def plain(acc, p0, p1, p2, p3, r0, r1, r2, r3, scales, s0, s1, s2, s3):
+            for d in range(acc.shape[0]):
+                acc[d] += (p0 * widen(r0[d]) + p1 * widen(r1[d])) + (p2 * widen(r2[d]) + p3 * widen(r3[d]))
+        return plain
+
+    def grouped(acc, p0, p1, p2, p3, r0, r1, r2, r3, scales, s0, s1, s2, s3):
+        G = acc.shape[0] // scales.shape[2]
+        for g in range(scales.shape[2]):
+            w0, w1 = p0 * half_bits_to_f32(scales[s0, 0, g]), p1 * half_bits_to_f32(scales[s1, 0, g])
+            w2, w3 = p2 * half_bits_to_f32(scales[s2, 0, g]), p3 * half_bits_to_f32(scales[s3, 0, g])
+            lo, hi = g * G, (g + 1) * G
+            ag, g0, g1, g2, g3 = acc[lo:hi], r0[lo:hi], r1[lo:hi], r2[lo:hi], r3[lo:hi]
+            for d in range(G):
+                ag[d] += (w0 * widen(g0[d]) + w1 * widen(g1[d])) + (w2 * widen(g2[d]) + w3 * widen(g3[d]))
+    return grouped
+
+
 @njit(parallel=True, nogil=True, cache=True, fastmath=REDUCE, error_model="numpy")
-def paged_attention(out, q, k_cache, v_cache, block_tables, seq_index, positions, block_size, scale, window,
-                    sinks):
+def paged_attention(out, q, k_cache, k_scales, v_cache, v_scales, block_tables, seq_index, positions, block_size,
+                    scale, window, sinks):
     """out[t,h] = sum_j softmax_j(q[t,h] . K[slot(j), h//G] * scale) V[slot(j), h//G],  j = lo_t..p_t
         p_t = positions[t], lo_t = max(0, p_t - window + 1) (window 0: 0),
         slot(j) = block_tables[seq_index[t], j // B] * B + j % B, G = Hq / Hkv
         sinks [Hq] (or empty): a logit per head in the softmax's denominator only
+    The caches in their kv_dtype (base.kv_parts), each row dequantised as it is read: float32 [slots,Hkv,D]
+    as is, float16 as half bits (uint16, widened), q8_0 int8 values with half-bit scales [slots,Hkv,D/g]
+    (k_scales / v_scales; None otherwise): a group's dot product in its int8 values, times its scale
+    (K); each group's p times its scale, times its values (V) (row_dot, row_axpy). Without scales the
+    plain loops: float32's arithmetic unchanged.
     Parallel over (token, head). One pass with an online softmax in float32 (running max m, sum l,
     the output row as the accumulator, rescaled when m grows), so no score scratch is needed; a
     sink starts it at m = sink, l = 1 (its own term). out must not alias q."""
@@ -507,11 +740,9 @@ def paged_attention(out, q, k_cache, v_cache, block_tables, seq_index, positions
         for blk in range(lo // block_size, (n + block_size - 1) // block_size):
             base = table[blk] * block_size
             for j in range(max(0, lo - blk * block_size), min(block_size, n - blk * block_size)):
-                kr, vr = k_cache[base + j, kvh], v_cache[base + j, kvh]
-                s = F0
-                for d in range(D):
-                    s += qv[d] * kr[d]
-                s *= scalef
+                row = base + j
+                kr, vr = k_cache[row, kvh], v_cache[row, kvh]
+                s = row_dot(qv, kr, k_scales, row, kvh) * scalef
                 if s > m:                       # new maximum: rescale what was summed so far
                     c = np.exp(m - s)
                     l *= c
@@ -520,8 +751,7 @@ def paged_attention(out, q, k_cache, v_cache, block_tables, seq_index, positions
                     m = s
                 p = np.exp(s - m)
                 l += p
-                for d in range(D):
-                    acc[d] += p * vr[d]
+                row_axpy(acc, p, vr, v_scales, row, kvh)
         inv = F1 / l
         for d in range(D):
             acc[d] *= inv
@@ -537,13 +767,15 @@ NEG_INF = np.float32(-np.inf)
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=REDUCE, error_model="numpy")
-def latent_attention(out, q, q_rope, c_cache, r_cache, block_tables, seq_index, positions, block_size, scale,
-                     parts, ml):
+def latent_attention(out, q, q_rope, c_cache, c_scales, r_cache, r_scales, block_tables, seq_index, positions,
+                     block_size, scale, parts, ml):
     """out[t,h] = sum_j softmax_j(s_j) C[slot(j), 0],  j = 0..p_t
         s_j = scale * (q[t,h] . C[slot(j), 0] + q_rope[t,h] . R[slot(j), 0])
         p_t = positions[t], slot(j) = block_tables[seq_index[t], j // B] * B + j % B
         q, out [T,Hq,Dc], q_rope [T,Hq,Dr];  C [slots,1,Dc], R [slots,1,Dr]: one row per position,
-        shared by every head;  ml float32 [>= T*Hq, 2]: scratch, each head's running (m, l)
+        shared by every head, in their kv_dtype as paged_attention reads them (c_scales / r_scales: q8_0's
+        half-bit scales, else None; dot4_rows, axpy4_rows);  ml float32 [>= T*Hq, 2]: scratch, each
+        head's running (m, l)
     Parallel over (token, part): a token's heads cut into `parts` contiguous ranges (more than one
     when the tokens are fewer than the threads: decode). Positions outermost, four at a time, the
     part's heads inside: each cache row is read once per token and part, and each head's query row
@@ -555,7 +787,6 @@ def latent_attention(out, q, q_rope, c_cache, r_cache, block_tables, seq_index, 
     ms; one position at a time 7-8 ms; one (token, head) per iteration as paged_attention, each row
     read per head, 3.4 ms). out must not alias q."""
     T, Hq, Dc = q.shape
-    Dr = q_rope.shape[2]
     scalef = np.float32(scale)
     for tp in prange(T * parts):
         t = tp // parts
@@ -575,18 +806,8 @@ def latent_attention(out, q, q_rope, c_cache, r_cache, block_tables, seq_index, 
             r0, r1, r2, r3 = r_cache[s0, 0], r_cache[s1, 0], r_cache[s2, 0], r_cache[s3, 0]
             for h in range(h0, h1):
                 qv, qr, acc = q[t, h], q_rope[t, h], out[t, h]
-                a0 = a1 = a2 = a3 = F0
-                for d in range(Dc):
-                    a0 += qv[d] * c0[d]
-                    a1 += qv[d] * c1[d]
-                    a2 += qv[d] * c2[d]
-                    a3 += qv[d] * c3[d]
-                b0 = b1 = b2 = b3 = F0
-                for d in range(Dr):
-                    b0 += qr[d] * r0[d]
-                    b1 += qr[d] * r1[d]
-                    b2 += qr[d] * r2[d]
-                    b3 += qr[d] * r3[d]
+                a0, a1, a2, a3 = dot4_rows(qv, c0, c1, c2, c3, c_scales, s0, s1, s2, s3)
+                b0, b1, b2, b3 = dot4_rows(qr, r0, r1, r2, r3, r_scales, s0, s1, s2, s3)
                 a0 = (a0 + b0) * scalef
                 a1 = (a1 + b1) * scalef if j + 1 < n else NEG_INF
                 a2 = (a2 + b2) * scalef if j + 2 < n else NEG_INF
@@ -601,8 +822,7 @@ def latent_attention(out, q, q_rope, c_cache, r_cache, block_tables, seq_index, 
                     m = top
                 p0, p1, p2, p3 = np.exp(a0 - m), np.exp(a1 - m), np.exp(a2 - m), np.exp(a3 - m)
                 ml[t * Hq + h, 0], ml[t * Hq + h, 1] = m, l + ((p0 + p1) + (p2 + p3))
-                for d in range(Dc):
-                    acc[d] += (p0 * c0[d] + p1 * c1[d]) + (p2 * c2[d] + p3 * c3[d])
+                axpy4_rows(acc, p0, p1, p2, p3, c0, c1, c2, c3, c_scales, s0, s1, s2, s3)
         for h in range(h0, h1):
             acc = out[t, h]
             inv = F1 / ml[t * Hq + h, 1]

@@ -11,7 +11,7 @@ import numpy as np
 
 from colibri_edge.model.dtypes import WEIGHT_DTYPES, storage_dtype, widen
 from colibri_edge.backends import routing
-from ..base import Backend as BackendBase, Plan, Weight
+from ..base import KV_DTYPES, Backend as BackendBase, KVCache, Plan, Weight
 
 
 def probe(for_auto=False):
@@ -64,6 +64,49 @@ def activation(g, u, act, e):
             u = u + _f32(act.up_bias)[e]
         return gelu_tanh(g) * u
     return swiglu_oai(g, u, act, e)
+
+
+def quantize_q8_0(x, group: int):
+    """q8_0 (llama.cpp's block_q8_0 layout) of rows x [..., n] in groups of `group` consecutive values:
+    d = max|x| / 127 (float32) stored as float16 d', q = round(x / d') half away from zero, clamped to
+    [-127, 127] (0 where d' is 0); -> (q int8 [..., n], d' float16 [..., n / group]). Dividing by the stored
+    d' (llama.cpp's quantize_row_q8_0_ref divides by d before rounding it) keeps every value within half a
+    step of what reads back, also where d' is a float16 subnormal (max|x| below 127 * 2^-14). A non-finite
+    value makes its group's q 0 and its d' non-finite, so the group reads back non-finite, never as a
+    number."""
+    x = np.asarray(x, np.float32)
+    g = x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
+    d = (np.abs(g).max(axis=-1) / np.float32(127)).astype(np.float16)
+    dr = d.astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inv = np.where(dr != 0, np.float32(1) / dr, np.float32(0)).astype(np.float32)
+        v = g * inv[..., None]
+    v = np.where(np.isfinite(v), v, np.float32(0))
+    q = np.copysign(np.minimum(np.floor(np.abs(v).astype(np.float64) + 0.5), 127), v).astype(np.int8)
+    return q.reshape(x.shape), d
+
+
+def kv_store(cache, slots, x):
+    """cache[slots] = x [T, heads, n]: a float32 buffer as is, a KVCache in its kv_dtype (base.kv_parts)."""
+    if not isinstance(cache, KVCache):
+        cache[slots] = x
+    elif cache.dtype == "float16":
+        with np.errstate(over="ignore"):            # past float16's range: inf, as the cast rounds it
+            cache.data[slots] = x.astype(np.float16)
+    else:
+        cache.data[slots], cache.scales[slots] = quantize_q8_0(x, cache.group)
+
+
+def kv_rows(cache, slots):
+    """The rows cache[slots] [n, heads, D] in float32: only those rows, dequantised (x = q * d)."""
+    if not isinstance(cache, KVCache):
+        return cache[slots]
+    if cache.dtype == "float16":
+        return cache.data[slots].astype(np.float32)
+    q, d = cache.data[slots], cache.scales[slots].astype(np.float32)
+    g = cache.group
+    with np.errstate(invalid="ignore"):             # a non-finite d: 0 * inf reads back NaN, as it should
+        return (q.reshape(*q.shape[:-1], -1, g).astype(np.float32) * d[..., None]).reshape(q.shape)
 
 
 DELTA_CHUNK = 16        # tokens per chunk of the chunked delta rule (the reference's prefill form)
@@ -144,6 +187,7 @@ def delta_rule_chunked(q, k, v, g, beta, S, chunk=DELTA_CHUNK):
 class Backend(BackendBase):
     name = "reference"
     weight_dtypes = WEIGHT_DTYPES
+    kv_dtypes = KV_DTYPES
 
     # memory
     def alloc(self, shape, dtype=np.float32):
@@ -211,8 +255,8 @@ class Backend(BackendBase):
 
     # attention
     def kv_write(self, K, V, k, v, slots):
-        K[slots] = k
-        V[slots] = v
+        kv_store(K, slots, k)
+        kv_store(V, slots, v)
 
     def paged_attention(self, out, q, K, V, block_tables, seq_index, positions, block_size, scale, window=0,
                         sinks=None):
@@ -222,8 +266,8 @@ class Backend(BackendBase):
             n = int(positions[t]) + 1
             j = np.arange(max(0, n - window) if window else 0, n)
             slots = block_tables[seq_index[t], j // block_size] * block_size + j % block_size
-            k = np.repeat(K[slots], group, axis=1)       # [n, Hq, D]
-            v = np.repeat(V[slots], group, axis=1)
+            k = np.repeat(kv_rows(K, slots), group, axis=1)       # [n, Hq, D]
+            v = np.repeat(kv_rows(V, slots), group, axis=1)
             s = np.einsum("hd,nhd->hn", q[t], k) * np.float32(scale)
             if sinks is not None:                        # the sink joins the softmax, then is dropped
                 s = np.concatenate([s, _f32(sinks)[:, None]], axis=1)
@@ -239,7 +283,7 @@ class Backend(BackendBase):
         for t in range(q.shape[0]):
             j = np.arange(int(positions[t]) + 1)
             slots = block_tables[seq_index[t], j // block_size] * block_size + j % block_size
-            c, r = C[slots, 0], R[slots, 0]              # [n, Dc], [n, Dr]
+            c, r = kv_rows(C, slots)[:, 0], kv_rows(R, slots)[:, 0]      # [n, Dc], [n, Dr]
             s = (np.einsum("hd,nd->hn", q[t], c) + np.einsum("hd,nd->hn", q_rope[t], r)) * np.float32(scale)
             out[t] = routing.softmax(s) @ c
 

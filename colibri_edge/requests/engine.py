@@ -144,7 +144,7 @@ class Engine:
                  disable_fp16=None, num_threads=None, expert_slots=None, slot_policy=None, cuda_graphs=None,
                  int8_activations=None,
                  device=None, max_queue=1024, interleave=2.0, core_thread=None, memory_budget=None, top_k=None,
-                 chat_template=None, prefix_cache=True, state_snapshots=None, snapshot_every=1024,
+                 chat_template=None, prefix_cache=True, kv_dtype=None, state_snapshots=None, snapshot_every=1024,
                  settle_replies=False):
         # chat_template: a Jinja file's path or the template text, over the model's own (textio.load_chat_template);
         # a model with neither renders chats as ChatML, with a warning (textio.FALLBACK_CHAT_TEMPLATE)
@@ -155,11 +155,15 @@ class Engine:
         self.model = with_top_k(open_model_dir(path), knobs.resolve("COLIBRI_TOP_K", top_k))
         cfg = self.config = self.model.config
         self.path = self.model.path
-        from ..backends import backend_class, resolve
+        from ..backends import backend_class, require_kv_dtype, resolve
         backend_name = resolve(knobs.resolve("COLIBRI_BACKEND", backend))
         block = knobs.resolve("COLIBRI_KV_BLOCK_SIZE", kv_block_size)
         warmup = knobs.resolve("COLIBRI_ROUTER_WARMUP", router_warmup)
         cls = backend_class(backend_name)
+        # kv_dtype (COLIBRI_KV_DTYPE): the paged KV cache's storage type, float32, float16 or q8_0
+        # (backends.base.kv_parts), on the backends whose kv_dtypes list it
+        self.kv_dtype = knobs.resolve("COLIBRI_KV_DTYPE", kv_dtype)
+        require_kv_dtype(cls, self.kv_dtype)            # before the backend starts its device
         self.options, not_applicable = knobs.backend_options(cls, {
             "num_streams": num_streams, "disable_fp16": disable_fp16, "num_threads": num_threads,
             "cuda_graphs": cuda_graphs, "int8_activations": int8_activations, "device": device})
@@ -203,7 +207,7 @@ class Engine:
                              snapshot_every=snapshot_every,
                              expert_slots=slots or None, slot_policy=policy,
                              memory_budget=None if memory_budget is None else
-                             sampling.integer("memory_budget", memory_budget, 1, 1 << 60))
+                             sampling.integer("memory_budget", memory_budget, 1, 1 << 60), kv_dtype=self.kv_dtype)
         # prefix caching (runtime/state.py States.adopt_prefix): a request starts from the longest
         # prefix of whole KV blocks an earlier one left in the pool, prefilling only the rest
         if not use_prefix:
@@ -535,13 +539,14 @@ class Engine:
 
     def trace_meta(self) -> dict:
         from ..analysis.sizing import kv_window_bytes, state_bytes_per_sequence, summary
-        c, s = self.config, summary(self.model, 1)
+        c, s = self.config, summary(self.model, 1, kv_dtype=self.kv_dtype)
         return {"model": self.path, "model_type": c["model_type"], "backend": self.backend.name,
                 "top_k": self.runner.top_k, "experts_per_layer": c["experts_per_layer"],
                 "bytes_per_expert": s["bytes_per_expert"], "num_hidden_layers": c["num_hidden_layers"],
                 "non_expert_bytes": s["non_expert_bytes"], "expert_bytes": s["expert_bytes"],
                 "bytes_per_decoded_token": s["bytes_per_decoded_token"], "kv_bytes_per_token": s["kv_bytes_per_token"],
-                "kv_window_bytes_per_sequence": kv_window_bytes(c, self.runner.states.paged[0].block_size),
+                "kv_window_bytes_per_sequence": kv_window_bytes(c, self.runner.states.paged[0].block_size,
+                                                                self.kv_dtype),
                 "state_bytes_per_sequence": state_bytes_per_sequence(c),
                 "scratch_bytes": self.runner.arena_bytes}
 

@@ -3,17 +3,20 @@ a restart, say), so the conversation's next turn starts from them instead of pre
 
 The file is a safetensors file (the `safetensors` package writes and reads it): the token ids of the
 saved prefix (`tokens`, int32 [n]) and, per paged pool, layer and tensor, the rows of those positions
-(`kv.{pool}.{layer}.{tensor}`, float32 [n, *per_token], block after block; a sliding-window pool's only
-from the first block of the window after the prefix, what a continuation reads), and for a model with
-recurrent layers the state after position n (`state.{layer}.{tensor}`, conv and delta-rule state, from
-the snapshot that closes the prefix: a hybrid model's session ends at its last snapshot), with metadata:
+in the cache's storage type (block after block, as kv_parts lays them out): `kv.{pool}.{layer}.{tensor}`
+[n, *per_token] float32, float16 or int8 (q8_0's values), and for q8_0 its scales
+`kv.{pool}.{layer}.{tensor}.scales` float16 [n, heads, groups] (a sliding-window pool's rows only from
+the first block of the window after the prefix, what a continuation reads); for a model with recurrent
+layers the state after position n (`state.{layer}.{tensor}`, float32 conv and delta-rule state, from
+the snapshot that closes the prefix: a hybrid model's session ends at its last snapshot); with metadata:
 
     format        "colibri-session"
     version       "1" (SESSION_VERSION; another is refused)
     model         the model's fingerprint (model_fingerprint: its config as the engine runs it, its
                   tensors.json and the size and first and last MiB of its weights file)
     block_size    the KV block size the prefix was cut at
-    kv_dtype      "float32" (the cache's element type)
+    kv_dtype      the cache's storage type: "float32", "float16" or "q8_0" (Engine.open kv_dtype); a file
+                  of another kv_dtype than the engine's is refused (its rows are not this cache's bits)
     backend       the backend that computed it (information: another backend may load it)
     tokens        n, a multiple of block_size
 
@@ -83,6 +86,20 @@ def _snapshot_keys(engine):
     return [key for key in sorted(engine.runner.state_storage, key=str) if key[0] == j]
 
 
+def _parts(engine, key) -> list:
+    """[(file tensor name, the backend buffer, declared (shape, NumPy dtype))] of one cache tensor: its
+    values, and q8_0's scales (backends.base.kv_parts; a KVCache's buffers may be seen as other bits of the
+    same size: the cpu backend's half bits as uint16)."""
+    from ..backends.base import KVCache
+    buf = engine.runner.state_storage[key]
+    decl = engine.runner.states.pools[key[0]].buffers()[key[1:]]
+    name = "kv.%d.%d.%s" % key
+    if not isinstance(buf, KVCache):
+        return [(name, buf, decl["data"])]
+    return [(name, buf.data, decl["data"])] + ([(name + ".scales", buf.scales, decl["scales"])] if "scales" in decl
+                                               else [])
+
+
 def save(engine, ids, path: str) -> int:
     """Write the cached whole blocks of `ids`' prefix to `path`; -> the positions saved."""
     from safetensors.numpy import save_file
@@ -98,9 +115,11 @@ def save(engine, ids, path: str) -> int:
                                "run a request with it first, then save the session")
         tensors = {"tokens": np.ascontiguousarray(np.asarray(ids[:n * B], np.int32))}
         for key, pool in _paged_keys(engine):
-            host = engine.backend.download(engine.runner.state_storage[key])
-            rows = [host[b * B:(b + 1) * B] for b in pool.blocks_of(hashes[pool.needed_from(n):n])]
-            tensors["kv.%d.%d.%s" % key] = np.ascontiguousarray(np.concatenate(rows), np.float32)
+            lo = pool.needed_from(n)                     # a window pool: the last window's blocks only
+            for name, buf, (_, dtype) in _parts(engine, key):
+                host = np.asarray(engine.backend.download(buf)).view(dtype)     # the stored bits, as declared
+                rows = [host[b * B:(b + 1) * B] for b in pool.blocks_of(hashes[lo:n])]
+                tensors[name] = np.ascontiguousarray(np.concatenate(rows))
         if states.fixed:
             slot = states.snapshots.slot_of(hashes[n - 1])
             for key in _snapshot_keys(engine):
@@ -109,7 +128,8 @@ def save(engine, ids, path: str) -> int:
         return n, tensors
     n, tensors = engine._core.call(job)
     meta = {"format": SESSION_FORMAT, "version": SESSION_VERSION, "model": model_fingerprint(engine),
-            "block_size": str(B), "kv_dtype": "float32", "backend": engine.backend.name, "tokens": str(n * B)}
+            "block_size": str(B), "kv_dtype": engine.runner.states.kv_dtype, "backend": engine.backend.name,
+            "tokens": str(n * B)}
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         save_file(tensors, tmp, metadata=meta)
@@ -146,14 +166,18 @@ def load(engine, path: str) -> int:
             if meta.get("model") != model_fingerprint(engine):
                 raise _bad(path, "saved from another model (or the same model with other weights or top_k): "
                                  "its KV values do not belong to this one; prefill the conversation instead")
-            if meta.get("kv_dtype") != "float32":
-                raise _bad(path, f"a {meta.get('kv_dtype')!r} KV cache; this engine keeps float32")
+            kv_dtype = engine.runner.states.kv_dtype
+            if meta.get("kv_dtype") != kv_dtype:
+                raise _bad(path, f"a {meta.get('kv_dtype')!r} KV cache; this engine keeps {kv_dtype} (open it with "
+                                 f"kv_dtype={meta.get('kv_dtype')!r} to load this file, or prefill the conversation)")
             if meta.get("block_size") != str(B):
                 raise _bad(path, f"blocks of {meta.get('block_size')} tokens; this engine's are {B} "
                                  "(open it with that kv_block_size)")
             keys = _paged_keys(engine)
+            parts = {key: _parts(engine, key) for key, _ in keys}
             skeys = _snapshot_keys(engine)
-            want = {"tokens"} | {"kv.%d.%d.%s" % key for key, _ in keys} | {"state.%d.%s" % k[1:] for k in skeys}
+            want = {"tokens"} | {name for key, _ in keys for name, _, _ in parts[key]} | \
+                {"state.%d.%s" % k[1:] for k in skeys}
             if names != want:
                 raise _bad(path, f"holds {sorted(names - want) or 'no extra'} tensors and lacks "
                                  f"{sorted(want - names) or 'none'}: not a session of this model's cache layout")
@@ -163,16 +187,17 @@ def load(engine, path: str) -> int:
                 raise _bad(path, "its token ids are not a whole number of blocks as its metadata says")
             if tokens.min() < 0 or tokens.max() >= engine.config["vocab_size"]:
                 raise _bad(path, "holds token ids outside this model's vocabulary")
-            rows, shapes = {}, engine.runner.states.storage()
+            rows = {}
             for key, pool in keys:
-                name = "kv.%d.%d.%s" % key
-                a = f.get_tensor(name)
-                shape = (n - pool.needed_from(n // B) * B, *shapes[key][1:])
-                if a.dtype != np.float32 or a.shape != shape:
-                    raise _bad(path, f"{name} is {a.dtype} {a.shape}, this engine's layout needs float32 {shape}")
-                if not np.isfinite(a).all():
-                    raise _bad(path, f"{name} holds non-finite values")
-                rows[key] = a
+                for name, _, (decl, dtype) in parts[key]:
+                    a = f.get_tensor(name)
+                    shape = (n - pool.needed_from(n // B) * B, *decl[1:])
+                    if a.dtype != dtype or a.shape != shape:
+                        raise _bad(path, f"{name} is {a.dtype} {a.shape}, this engine's layout needs {dtype} {shape}")
+                    if a.dtype.kind == "f" and not np.isfinite(a).all():
+                        raise _bad(path, f"{name} holds non-finite values")
+                    rows[name] = a
+            shapes = engine.runner.states.storage()
             for key in skeys:
                 name = "state.%d.%s" % key[1:]
                 a = f.get_tensor(name)
@@ -207,10 +232,11 @@ def load(engine, path: str) -> int:
             todo = fills[id(pool)]
             if not todo:
                 continue
-            buf = engine.runner.state_storage[key]
-            host = np.array(engine.backend.download(buf))
-            for j, b in todo:
-                host[b * B:(b + 1) * B] = rows[key][j * B:(j + 1) * B]
-            engine.backend.upload_into(buf, host)
+            for name, buf, (_, dtype) in parts[key]:
+                host = np.array(engine.backend.download(buf))
+                view = host.view(dtype)                 # the stored bits as declared (host keeps the buffer's type)
+                for j, b in todo:
+                    view[b * B:(b + 1) * B] = rows[name][j * B:(j + 1) * B]
+                engine.backend.upload_into(buf, host)
         return n
     return engine._core.call(job)

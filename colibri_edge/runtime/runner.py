@@ -42,10 +42,11 @@ def linear_widths(cfg: dict) -> list:
 
 
 def layout(cfg: dict, max_rows: int, max_batch: int, max_seq_len: int, num_kv_blocks: int, block_size: int,
-           snapshots: int = 0, snapshot_every: int = 0):
-    """The engine's limits and per-sequence state pools: what the Runner allocates and what
-    `colibri inspect` (planning.py) sizes, from the one place."""
-    states = States(state_pools(cfg, num_kv_blocks, block_size, max_batch, snapshots, snapshot_every), max_seq_len)
+           kv_dtype: str = "float32", snapshots: int = 0, snapshot_every: int = 0):
+    """The engine's limits and per-sequence state pools (the paged ones in kv_dtype): what the Runner
+    allocates and what `colibri inspect` (analysis/sizing.py) sizes, from the one place."""
+    states = States(state_pools(cfg, num_kv_blocks, block_size, max_batch, kv_dtype, snapshots, snapshot_every),
+                    max_seq_len)
     return arena.Limits(max_rows, max_batch, -(-max_seq_len // block_size), len(states.paged),
                         len(states.fixed)), states
 
@@ -136,12 +137,14 @@ class Runner:
     def __init__(self, model: ModelDir, backend, max_rows: int, max_batch: int,
                  max_seq_len: int, num_kv_blocks: int, block_size: int,
                  expert_slots: int | None = None, slot_policy: str = "lru", memory_budget: int | None = None,
-                 snapshots: int = 0, snapshot_every: int = 0):
+                 kv_dtype: str = "float32", snapshots: int = 0, snapshot_every: int = 0):
         self.model, self.be, self.cfg = model, backend, model.config
         cfg = self.cfg
         self.max_rows, self.max_batch, self.max_seq_len = max_rows, max_batch, max_seq_len
         self.block_size = block_size
-        self.limits, self.states = layout(cfg, max_rows, max_batch, max_seq_len, num_kv_blocks, block_size,
+        from ..backends import require_kv_dtype
+        require_kv_dtype(backend, kv_dtype)
+        self.limits, self.states = layout(cfg, max_rows, max_batch, max_seq_len, num_kv_blocks, block_size, kv_dtype,
                                           snapshots, snapshot_every)
         self.top_k = arena.fan(cfg)
         self.spec = arena.buffers(cfg, self.limits)
@@ -187,7 +190,7 @@ class Runner:
             avail, what = budget, "the engine's memory budget"
         fixed = {"non-expert weights": sum(r["nbytes"] for r in self.model.tensors.values()),
                  "arena": arena.nbytes(self.spec),
-                 "KV cache": sum(4 * math.prod(s) for s in self.states.storage().values())}
+                 "KV cache": self.states.nbytes()}
         headroom = max(int(AUTO_HEADROOM * avail), AUTO_HEADROOM_MIN)
         blob = max(e.weight_size for e in self.model.experts)
         n_all = len(self.model.experts)
@@ -211,7 +214,7 @@ class Runner:
         from ..units import human
         be = self.be
         need = {"arena (max_batch, prefill_chunk)": arena.nbytes(self.spec),
-                "KV cache (kv_cache_tokens)": sum(4 * math.prod(s) for s in self.states.storage().values())}
+                "KV cache (kv_cache_tokens)": self.states.nbytes()}
         if expert_slots is not None:
             need["expert slots (expert_slots)"] = int(expert_slots) * max(e.weight_size for e in self.model.experts)
         if be.copies_weights:
@@ -246,8 +249,12 @@ class Runner:
         self.h_fslots = [self.h[f"fslots{p}"] for p in range(len(self.states.fixed))]
         self.plan_bufs = {n[5:]: buf for n, buf in a.items() if n.startswith("plan.")}
         self.dense_plan_bufs = {n[11:]: buf for n, buf in a.items() if n.startswith("dense_plan.")}
-        self.state_storage = {key: be.alloc(shape, np.float32) for key, shape in self.states.storage().items()}
-        self.state_bytes = sum(4 * math.prod(s) for s in self.states.storage().values())
+        # the state pools' storage, as each declares it (state.py buffers): a paged pool's tensors in its
+        # kv_dtype (a float32 buffer, or a backends.base.KVCache), a fixed pool's float32
+        pools = self.states.pools
+        self.state_storage = {key: be.alloc_kv(parts, pools[key[0]].kv_dtype) if pools[key[0]].kind == "paged"
+                              else be.alloc(*parts["data"]) for key, parts in self.states.buffers().items()}
+        self.state_bytes = self.states.nbytes()
         for layer in self.program.layers:
             layer.mixer.bind(self.state_storage, layer.index)
         self.state_bytes_per_seq = sum(p.bytes_per_seq() for p in self.states.fixed)

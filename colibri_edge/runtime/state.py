@@ -19,9 +19,11 @@
                 fixed pool.
 
 A pool holds bookkeeping only; the storage is declared by the pool (`storage`: name -> shape per
-layer) and allocated by the scheduler on the backend, so `colibri inspect` sizes it from the same
-declaration. Adding a kind means a class with reserve / release / storage, and touches neither the
-other kinds nor the request layer.
+layer; `buffers`: the buffers and element types that shape takes in the pool's kv_dtype, float32,
+float16 or q8_0, backends.base.kv_parts) and allocated by the runner on the backend, so `colibri
+inspect` sizes it from the same declaration (`nbytes`, `bytes_per_token`). Adding a kind means a
+class with reserve / release / storage / buffers, and touches neither the other kinds nor the
+request layer.
 """
 from __future__ import annotations
 
@@ -30,6 +32,9 @@ import hashlib
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from ..backends.base import check_kv_dtype, kv_parts, kv_row_bytes
 from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_OUT_OF_MEMORY
 from ..model.layerplan import geometry, is_linear
 
@@ -75,7 +80,6 @@ def block_hashes(tokens, block_size: int, prev: list | None = None, upto: int | 
     block_size token ids and, through the previous block's hash, every token before it, so equal
     hashes mean equal prefixes (BLAKE2b, 128 bits). prev: hashes already known for the first blocks
     (extended, not recomputed); upto: at most this many blocks."""
-    import numpy as np
     out = list(prev or [])
     n = len(tokens) // block_size if upto is None else min(upto, len(tokens) // block_size)
     for j in range(len(out), n):
@@ -86,14 +90,18 @@ def block_hashes(tokens, block_size: int, prev: list | None = None, upto: int | 
 
 
 class PagedPool:
-    """Blocks of `block_size` positions for `layers`, each layer storing `per_token` float32 values
-    per position and per tensor (`tensors`, e.g. ("k", "v"), each [num_blocks * B, *per_token]), or
-    tensors of their own shapes (`shapes`: name -> per-token shape; latent attention's c and r).
+    """Blocks of `block_size` positions for `layers`, each layer storing `per_token` values per
+    position and per tensor (`tensors`, e.g. ("k", "v"), each [num_blocks * B, *per_token]), or
+    tensors of their own shapes (`shapes`: name -> per-token shape; latent attention's c and r), in
+    `kv_dtype` (float32, float16 or q8_0: backends.base.kv_parts; each row of the last dimension, one
+    position's head row, quantised on its own).
     window > 0: the layers attend to their last `window` positions only (blocks below are returned)."""
     kind = "paged"
 
     def __init__(self, name: str, layers, num_blocks: int, block_size: int, per_token: tuple = (),
-                 tensors=("k", "v"), hint: str = "kv_cache_tokens", window: int = 0, shapes: dict | None = None):
+                 tensors=("k", "v"), hint: str = "kv_cache_tokens", window: int = 0, shapes: dict | None = None,
+                 kv_dtype: str = "float32"):
+        self.kv_dtype = check_kv_dtype(kv_dtype)
         self.name, self.layers = name, tuple(layers)
         self.num_blocks, self.block_size, self.window = int(num_blocks), int(block_size), int(window)
         self.per_token, self.hint = tuple(per_token), hint
@@ -271,12 +279,23 @@ class PagedPool:
         dst.tables[index][:] = list(shared)
 
     def storage(self) -> dict:
-        """(layer, tensor) -> shape of the float32 storage this pool needs."""
+        """(layer, tensor) -> the logical shape [rows, *per_token] of the storage this pool needs."""
         rows = self.num_blocks * self.block_size
         return {(l, t): (rows, *shape) for l in self.layers for t, shape in self.shapes.items()}
 
+    def buffers(self) -> dict:
+        """(layer, tensor) -> its buffers in the pool's kv_dtype, name -> (shape, NumPy dtype)
+        (backends.base.kv_parts): what the runner allocates."""
+        return {key: kv_parts(shape, self.kv_dtype) for key, shape in self.storage().items()}
+
+    def nbytes(self) -> int:
+        return sum(math.prod(s) * d.itemsize for parts in self.buffers().values() for s, d in parts.values())
+
     def bytes_per_token(self) -> int:
-        return 4 * len(self.layers) * sum(math.prod(s) for s in self.shapes.values())
+        """What one position costs in every layer of the pool: per tensor its rows (the per-token shape's
+        leading dims) times kv_row_bytes of a row: 4 n (float32), 2 n (float16), n + 2 n / g (q8_0)."""
+        return len(self.layers) * sum(math.prod(s[:-1]) * kv_row_bytes(s[-1], self.kv_dtype)
+                                      for s in self.shapes.values())
 
     def usage(self) -> dict:
         u = {"kind": self.kind, "blocks": self.num_blocks, "free": self.free_blocks, "block_size": self.block_size,
@@ -317,6 +336,13 @@ class FixedPool:
 
     def storage(self) -> dict:
         return {(l, t): (self.num_slots, *shape) for l in self.layers for t, shape in self.per_seq.items()}
+
+    def buffers(self) -> dict:
+        """(layer, tensor) -> {"data": (shape, float32)}: recurrent state stays float32."""
+        return {key: {"data": (shape, np.dtype(np.float32))} for key, shape in self.storage().items()}
+
+    def nbytes(self) -> int:
+        return 4 * sum(math.prod(s) for s in self.storage().values())
 
     def bytes_per_seq(self) -> int:
         return 4 * len(self.layers) * sum(math.prod(s) for s in self.per_seq.values())
@@ -382,6 +408,13 @@ class SnapshotPool:
     def storage(self) -> dict:
         return {(l, t): (self.num_slots, *shape) for l in self.layers for t, shape in self.per_seq.items()}
 
+    def buffers(self) -> dict:
+        """(layer, tensor) -> {"data": (shape, float32)}, as the FixedPool it copies."""
+        return {key: {"data": (shape, np.dtype(np.float32))} for key, shape in self.storage().items()}
+
+    def nbytes(self) -> int:
+        return 4 * sum(math.prod(s) for s in self.storage().values())
+
     def bytes_per_snapshot(self) -> int:
         return 4 * len(self.layers) * sum(math.prod(s) for s in self.per_seq.values())
 
@@ -400,6 +433,10 @@ class States:
         snaps = [p for p in self.pools if p.kind == "snapshot" and p.num_slots]
         self.snapshots = snaps[0] if snaps else None
         self.max_seq_len = max_seq_len
+        kinds = {p.kv_dtype for p in self.paged}
+        if len(kinds) > 1:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"paged pools of several kv_dtypes {sorted(kinds)}")
+        self.kv_dtype = kinds.pop() if kinds else "float32"      # the paged pools' storage type
         # prefix caching: whole blocks of every paged pool named by their prefix hash (a sliding-window
         # pool's only while they are in some sequence's window, or idle since); fixed per-sequence
         # state (recurrent layers) only through snapshots (SnapshotPool)
@@ -501,11 +538,19 @@ class States:
         """(pool index, layer, tensor) -> shape, for every pool."""
         return {(j, *key): shape for j, p in enumerate(self.pools) for key, shape in p.storage().items()}
 
+    def buffers(self) -> dict:
+        """(pool index, layer, tensor) -> its buffers, name -> (shape, dtype), for every pool."""
+        return {(j, *key): parts for j, p in enumerate(self.pools) for key, parts in p.buffers().items()}
+
+    def nbytes(self) -> int:
+        """Bytes of every pool's storage: what the runner allocates for them."""
+        return sum(p.nbytes() for p in self.pools)
+
     def usage(self) -> dict:
         return {p.name: p.usage() for p in self.pools}
 
 
-def attention_pools(cfg: dict, num_blocks: int, block_size: int) -> list:
+def attention_pools(cfg: dict, num_blocks: int, block_size: int, kv_dtype: str = "float32") -> list:
     """The pools a model's layer plan needs: a paged KV cache of K and V [Hkv, D] per position for
     the full-attention layers (first: the engine's `pool`), and one for the sliding-window layers
     (config layer_types, sliding_window) when there are any; layers of another attention geometry
@@ -513,11 +558,11 @@ def attention_pools(cfg: dict, num_blocks: int, block_size: int) -> list:
     num_blocks blocks: a window pool's sequences hold at most ceil(W / B) + 1 of them between steps.
     Latent attention (every layer): one pool of the latent c [1, kv_lora_rank] and the rope key r
     [1, qk_rope_head_dim] per position: (kv_lora_rank + qk_rope_head_dim) values per token and layer,
-    not heads x (k + v) dims."""
+    not heads x (k + v) dims. Every pool stores kv_dtype (PagedPool)."""
     la = cfg.get("latent_attention")
     if la:
         return [PagedPool("latent KV cache", [l["layer_id"] for l in cfg["layers"]], num_blocks, block_size,
-                          shapes={"c": (1, la["kv_lora_rank"]), "r": (1, la["qk_rope_head_dim"])})]
+                          shapes={"c": (1, la["kv_lora_rank"]), "r": (1, la["qk_rope_head_dim"])}, kv_dtype=kv_dtype)]
     types = cfg.get("layer_types") or ["full_attention"] * len(cfg["layers"])
     groups = {}                                     # (window, per-token shape) -> layers, full layers first
     for full in (True, False):
@@ -531,7 +576,7 @@ def attention_pools(cfg: dict, num_blocks: int, block_size: int) -> list:
     for (W, per), layers in groups.items():
         name = "KV cache" + (f" (window {W})" if W else "") + (f" [{per[0]}x{per[1]}]" if pools and
                                                             any(p.window == W for p in pools) else "")
-        pools.append(PagedPool(name, layers, num_blocks, block_size, per, window=W))
+        pools.append(PagedPool(name, layers, num_blocks, block_size, per, window=W, kv_dtype=kv_dtype))
     return pools
 
 
@@ -548,14 +593,14 @@ def recurrent_pool(cfg: dict, num_slots: int) -> FixedPool | None:
                      {"conv": (la["conv_kernel"] - 1, 2 * Hk * dk + Hv * dv), "ssm": (Hv, dk, dv)})
 
 
-def state_pools(cfg: dict, num_blocks: int, block_size: int, num_slots: int, snapshots: int = 0,
-                snapshot_every: int = 0) -> list:
-    """Every per-sequence state pool of a model: the paged KV pools (attention_pools), then the
-    recurrent layers' fixed slots (num_slots of them: the engine gives max_batch, the sequences that
-    run at once) and `snapshots` snapshots of them for prefix caching (SnapshotPool: at every
+def state_pools(cfg: dict, num_blocks: int, block_size: int, num_slots: int, kv_dtype: str = "float32",
+                snapshots: int = 0, snapshot_every: int = 0) -> list:
+    """Every per-sequence state pool of a model: the paged KV pools (attention_pools, in kv_dtype), then
+    the recurrent layers' fixed slots (num_slots of them: the engine gives max_batch, the sequences that
+    run at once; float32) and `snapshots` snapshots of them for prefix caching (SnapshotPool: at every
     snapshot_every tokens of a prefill, rounded up to a multiple of lcm(block_size, DELTA_CHUNK);
     0: only at prompts' last such boundaries)."""
-    pools = attention_pools(cfg, num_blocks, block_size)
+    pools = attention_pools(cfg, num_blocks, block_size, kv_dtype)
     fixed = recurrent_pool(cfg, num_slots)
     if fixed is None:
         return pools

@@ -9,6 +9,7 @@ import time
 import numpy as np
 
 from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
+from ..knobs import KV_DTYPES
 
 
 def _cmd_convert(a):
@@ -78,8 +79,10 @@ def _cmd_inspect(a):
     m = ModelDir(_model_or_default(a.model or a.model_flag))
     cfg = m.config
     context, max_batch, chunk, block, kv_tokens, assumed = _inspect_settings(a, cfg)
-    s = summary(m, context, max_batch, chunk, block)
-    mem = engine_memory(cfg, context, max_batch, chunk, kv_tokens, block)     # what Engine.open allocates
+    from .. import knobs
+    kv_dtype = knobs.resolve("COLIBRI_KV_DTYPE", a.kv_dtype)
+    s = summary(m, context, max_batch, chunk, block, kv_dtype)
+    mem = engine_memory(cfg, context, max_batch, chunk, kv_tokens, block, kv_dtype)     # what Engine.open allocates
     s["kv_cache_bytes"], s["scratch_bytes"] = mem["state_bytes"], mem["arena_bytes"]
     s["total_bytes"] = s["non_expert_bytes"] + s["expert_bytes"] + s["kv_cache_bytes"] + s["scratch_bytes"]
     print(f"{m.path}: valid (format {cfg['format_version']})")
@@ -102,8 +105,10 @@ def _cmd_inspect(a):
     la = cfg.get("latent_attention")
     if la:
         nh, L = cfg["num_attention_heads"], cfg["num_hidden_layers"]
-        full = 4 * L * nh * (la["qk_nope_head_dim"] + la["qk_rope_head_dim"] + la["v_head_dim"])
-        lat = 4 * L * (la["kv_lora_rank"] + la["qk_rope_head_dim"])
+        from ..backends.base import kv_row_bytes
+        full = L * nh * (kv_row_bytes(la["qk_nope_head_dim"] + la["qk_rope_head_dim"], kv_dtype) +
+                         kv_row_bytes(la["v_head_dim"], kv_dtype))
+        lat = L * (kv_row_bytes(la["kv_lora_rank"], kv_dtype) + kv_row_bytes(la["qk_rope_head_dim"], kv_dtype))
         print(f"  latent attention: q {'through rank ' + str(la['q_lora_rank']) if la['q_lora_rank'] else 'projected'}"
               f", {nh} heads of {la['qk_nope_head_dim']} + {la['qk_rope_head_dim']} rope dims, values of "
               f"{la['v_head_dim']}; the cache holds the latent ({la['kv_lora_rank']}) and the rope key "
@@ -161,7 +166,7 @@ def _cmd_inspect(a):
           f" = {human(s['expert_bytes'])}")
     print(f"  non-expert weights: {human(s['non_expert_bytes'])}")
     print(f"  weight bytes read per decoded token: {human(s['bytes_per_decoded_token'])}")
-    print(f"  KV cache: {s['kv_bytes_per_token']} bytes per token"
+    print(f"  KV cache: {s['kv_bytes_per_token']} bytes per token ({kv_dtype})"
           + (f" (full-attention layers) + at most {s['kv_window_bytes_per_sequence']} bytes per sequence in the "
              f"sliding-window layers (blocks of {block})" if s["kv_window_bytes_per_sequence"] else "")
           + (f"; recurrent state: {s['state_bytes_per_sequence']} bytes per sequence at any length (conv + delta "
@@ -177,7 +182,7 @@ def _cmd_inspect(a):
           f"{human(s['kv_cache_bytes'])} + scratch {human(s['scratch_bytes'])} = {human(s['total_bytes'])}")
     print(f"  allocated at open: arena {s['scratch_bytes']} bytes, KV cache {s['kv_cache_bytes']} bytes "
           f"(Engine.open(max_seq_len={context}, max_batch={max_batch}, prefill_chunk={chunk}, "
-          f"kv_cache_tokens={kv_tokens}, kv_block_size={block}))")
+          f"kv_cache_tokens={kv_tokens}, kv_block_size={block}, kv_dtype={kv_dtype!r}))")
     print("  settings: " + ("what `colibri serve` allocates with its defaults: " + ", ".join(assumed) if assumed
                             else "all given") + ("" if len(assumed) in (0, 5) else " (the rest as given)")
           + "; --context, --max-batch, --prefill-chunk, --kv-cache-tokens, --block-size change them")
@@ -265,7 +270,7 @@ def _open_kw(a) -> dict:
     """Engine.open arguments of the engine flags (_add_engine_args)."""
     return dict(backend=a.backend, max_seq_len=a.max_seq_len, expert_slots=a.expert_slots,
                 slot_policy=a.slot_policy, top_k=a.experts_per_token, num_threads=a.threads,
-                chat_template=a.chat_template)
+                chat_template=a.chat_template, kv_dtype=a.kv_dtype)
 
 
 def _cmd_run(a):
@@ -672,6 +677,9 @@ def _add_engine_args(p, per_model=False):
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template over the model's own (a model without one chats in ChatML, "
                         "with a warning)", **act)
+    p.add_argument("--kv-dtype", default=None, choices=list(KV_DTYPES),
+                   help="the KV cache's storage type: float32, float16 (half the bytes) or q8_0 (about a quarter; "
+                        "reference and cpu backends) (default: COLIBRI_KV_DTYPE or float32)", **act)
 
 
 def _add_sampling_args(p, max_new=48):
@@ -691,8 +699,8 @@ def _add_sampling_args(p, max_new=48):
 PER_MODEL = {"backend": "backend", "max_seq_len": "max_seq_len", "expert_slots": "expert_slots",
              "slot_policy": "slot_policy", "experts_per_token": "top_k", "threads": "num_threads",
              "chat_template": "chat_template", "max_batch": "max_batch", "kv_cache_tokens": "kv_cache_tokens",
-             "prefill_chunk": "prefill_chunk", "interleave": "interleave", "state_snapshots": "state_snapshots",
-             "snapshot_every": "snapshot_every"}
+             "prefill_chunk": "prefill_chunk", "interleave": "interleave", "kv_dtype": "kv_dtype",
+             "state_snapshots": "state_snapshots", "snapshot_every": "snapshot_every"}
 
 
 class _PerModel(argparse.Action):
@@ -742,6 +750,8 @@ def build_parser():
                    "(default: serve's, 256)")
     i.add_argument("--kv-cache-tokens", type=int, default=None, help="the KV pool (default: the engine's)")
     i.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: COLIBRI_KV_BLOCK_SIZE)")
+    i.add_argument("--kv-dtype", default=None, choices=list(KV_DTYPES),
+                   help="the KV cache's storage type (default: COLIBRI_KV_DTYPE or float32)")
     i.add_argument("--device", default=None, help="a device profile (rk3588, ..., this): how many experts fit")
     i.set_defaults(fn=_cmd_inspect, serve_defaults={"max_batch": 8, "prefill_chunk": 256})
     b = sub.add_parser("backends", help="which backends are present, with devices, and why others are missing")

@@ -848,9 +848,10 @@ def describe(name, e) -> str:
     """The startup line of one model: its engine, context, KV pool and memory."""
     from ..units import human
     pool = e.runner.pool
-    kv = sum(4 * __import__("math").prod(s) for s in e.runner.states.storage().values())
+    kv = e.runner.state_bytes
     return (f"model {name!r} ({e.path}): {e.config['model_type']} on {e.backend.name}, context {e.max_seq_len}, "
-            f"max batch {e.max_batch}, KV cache {pool.num_blocks * pool.block_size} tokens ({human(kv)}), "
+            f"max batch {e.max_batch}, KV cache {pool.num_blocks * pool.block_size} tokens ({human(kv)}, "
+            f"{e.kv_dtype}), "
             f"memory {e.runner.need_text}")
 
 
