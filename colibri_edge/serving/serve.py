@@ -752,6 +752,8 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
             reqs = []
             for s, r in rows:
                 seq = r.seq
+                if r.score == "settle":
+                    s = "settling"          # a finished reply re-prefilled for its snapshot (hybrid models)
                 reqs.append({"id": r.id, "state": s, "priority": r.priority, "prompt_tokens": int(len(r.prompt)),
                              "prefilled": int(r.pos), "generated": len(r.produced),
                              "kv_blocks": 0 if seq is None else sum(len(t) for t in seq.tables),
