@@ -85,6 +85,7 @@ def open_model_dir(path: str) -> ModelDir:
 GEN_ARGS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
 SAMPLING_EXTRAS = {"min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
                    "top_logprobs"}
+GRAMMAR_ARGS = ("response_format", "grammar", "regex", "json_schema", "lark")     # constrain.grammar_spec
 STEP_WINDOW = 4096     # decode steps whose times the step percentiles cover (the latest ones)
 
 
@@ -227,6 +228,7 @@ class Engine:
                                "number above 1 (a step with prefill may take that many decode steps' time)")
         self._next_seq = 0
         self._codec = None
+        self._grammar_engine = None
         self.closed = False
         for _ in range(warmup):
             self.infer(np.zeros(min(8, self.max_seq_len), dtype=np.int32))
@@ -386,7 +388,7 @@ class Engine:
         unknown = sorted(set(extra) - SAMPLING_EXTRAS)
         if unknown:
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"unknown generation argument {unknown[0]!r}; "
-                               f"known: {', '.join(sorted(SAMPLING_EXTRAS | set(GEN_ARGS)))}")
+                               f"known: {', '.join(sorted(SAMPLING_EXTRAS | set(GEN_ARGS) | set(GRAMMAR_ARGS)))}")
         p = sampling.SamplingParams.make(self.config["vocab_size"], self.eos_token_ids, max_new_tokens, temperature,
                                          top_p, top_k, seed, stop, ignore_eos, **extra)
         if p.stops:
@@ -418,12 +420,27 @@ class Engine:
         reqs = self._submit([prompt] * n, priority, notify, _share=True, **gen)
         return reqs
 
+    def _grammars(self):
+        """The engine's grammar engine (constrain.Grammars), built on first use from tokenizer.json."""
+        if self._grammar_engine is None:
+            from .constrain import Grammars
+            self.codec                                   # a model without a tokenizer: the coded error
+            with open(os.path.join(self.path, "tokenizer.json"), encoding="utf-8") as f:
+                self._grammar_engine = Grammars(f.read(), self.config["vocab_size"], self.eos_token_ids)
+        return self._grammar_engine
+
     def _submit(self, prompts, priority=0, notify=None, _share=False, **gen) -> list:
         self._check_open()
+        from .constrain import grammar_spec
+        spec = grammar_spec(**{k: gen.pop(k) for k in GRAMMAR_ARGS if k in gen})
         params = self._params(**gen)
         pri = priority if isinstance(priority, (list, tuple)) else [priority] * len(prompts)
         pri = [sampling.integer("priority", x, -(1 << 20), 1 << 20) for x in pri]
         reqs = [Request(self._prompt_ids(p), params, pri[i], i, notify) for i, p in enumerate(prompts)]
+        if spec is not None:
+            first = self._grammars().matcher(spec)        # a grammar that does not compile: raised here
+            for i, r in enumerate(reqs):
+                r.constraint = first if i == 0 else first.copy()
         if _share:
             for r in reqs[1:]:
                 r.prompt = r.ctx = reqs[0].prompt
@@ -445,7 +462,10 @@ class Engine:
         (prompt + ids) reaches max_seq_len first: then it ends there with finish_reason "length" and
         fewer ids, as colibri serve does (open the engine with a larger max_seq_len, up to the model's
         max_position_embeddings, or ask for fewer tokens). extra: min_p, repetition_penalty,
-        presence_penalty, frequency_penalty, logit_bias, priority (sampling.SamplingParams)."""
+        presence_penalty, frequency_penalty, logit_bias, priority (sampling.SamplingParams); a grammar
+        the output must follow (constrain.py; the `grammar` extra): response_format (the OpenAI field:
+        {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": {...}}}),
+        json_schema, regex, lark or grammar (GBNF), one of them."""
         return self.generate_batch([prompt], max_new_tokens, temperature, top_p, top_k, seed, stop,
                                    ignore_eos=ignore_eos, **extra)[0]
 

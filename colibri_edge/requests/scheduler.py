@@ -146,6 +146,7 @@ class Request:
         self.parent = None              # n > 1: the request whose prefilled prompt this one shares
         self.shared = 0                 # positions it took from the parent (not prefilled itself)
         self.cached_tokens = 0          # prompt positions found in the prefix cache (not prefilled)
+        self.constraint = None          # constrain.Constraint: the grammar its output follows
         self.hashes: list = []          # prefix hashes of its sequence's whole blocks (published)
         self.order = 0                  # submission order (the core's)
         self.admitted = 0.0
@@ -596,6 +597,8 @@ class Core:
         if not np.isfinite(logits.max()):
             self._finish(r, error=nonfinite(f"request {r.id} at position {r.seq.cached}"))
             return
+        if r.constraint is not None:
+            logits = r.constraint.masked(logits)         # what the grammar forbids at -inf
         tok, lp, top = sampling.sample_request(logits, p, r.prompt, r.produced, r.counts, r.rng)
         if r.first_token_at is None:
             r.first_token_at = time.perf_counter()
@@ -604,7 +607,14 @@ class Core:
         n = len(r.produced) + 1
         # a stop string completed by the last token allowed is a "stop", as the OpenAI API reports it;
         # "length": max_new_tokens, or the context reached max_seq_len first (then fewer tokens)
-        if tok in p.eos:
+        done = False
+        if r.constraint is not None:
+            try:
+                done = r.constraint.consume(tok)         # the grammar complete: nothing more may follow
+            except ColibriError as err:
+                self._finish(r, error=err)
+                return
+        if tok in p.eos or done:
             r.produced.append(tok)
             self._finish(r, reason="stop")
         elif p.stops and any(s in e.codec.decode(r.produced[-63:] + [tok]) for s in p.stops):

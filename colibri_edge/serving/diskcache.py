@@ -10,7 +10,9 @@ loaded into the cache first (its blocks past the match too: they stay idle). So 
 with the same DIR answers a conversation's next turn from the saved prefix. The folder is bounded
 (`max_bytes`, each file counted once whatever its links): past it the least recently used files go,
 with all their names. A file that cannot be loaded (another model, damaged) is removed and the
-request prefills as usual.
+request prefills as usual. A model with recurrent layers (Qwen3.5) resumes only at a snapshot: its
+files, one at the prompt's snapshot and one at the reply's when that differs, are named by the hash
+of the block their snapshot closes, without links.
 """
 from __future__ import annotations
 
@@ -58,8 +60,11 @@ class DiskCache:
                     pass
         return 0
 
-    def store(self, ids) -> str | None:
-        """Save the cached whole blocks of `ids` (a finished request's prompt + reply); -> the file."""
+    def store(self, ids, prompt_len: int | None = None) -> str | None:
+        """Save the cached whole blocks of `ids` (a finished request's prompt + reply); -> the file.
+        A model with recurrent layers resumes only at a snapshot, the one a session file carries, so
+        its files get no links; when the prompt's own snapshot (prompt_len) is not the file's, a
+        second file ends there: the next turn, whose prompt may re-tokenise the reply, finds that one."""
         states = self.engine.runner.states
         B = states.prefix_block
         if not B or len(ids) < B:
@@ -68,6 +73,16 @@ class DiskCache:
         n = states.longest_prefix(hashes)
         if n == 0:
             return None
+        path = self._save(ids, hashes, n, links=not states.fixed)
+        if states.fixed and prompt_len is not None:
+            m = states.longest_prefix(hashes[:max(0, prompt_len - 1) // B])
+            if 0 < m < n:
+                self._save(ids, hashes, m, links=False)
+        self.trim()
+        return path
+
+    def _save(self, ids, hashes, n, links: bool) -> str | None:
+        B = self.engine.runner.states.prefix_block
         path = self._path(hashes[n - 1])
         if os.path.exists(path):
             os.utime(path)
@@ -77,7 +92,7 @@ class DiskCache:
         except ColibriError as e:                               # evicted meanwhile: nothing to keep
             log.warning("cache-dir: not saved (%s)", e.message)
             return None
-        for h in hashes[:n - 1]:                                # every shorter prefix finds it too
+        for h in hashes[:n - 1] if links else ():               # every shorter prefix finds it too
             link = self._path(h)
             try:
                 if os.path.exists(link):
@@ -85,7 +100,6 @@ class DiskCache:
                 os.link(path, link)
             except OSError:
                 pass
-        self.trim()
         return path
 
     def trim(self):

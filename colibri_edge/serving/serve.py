@@ -299,6 +299,8 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
         user: str | None = None
         priority: int = 0
         return_tokens: bool = False      # llama-server's: each choice / chunk also carries its token ids
+        grammar: str | None = None       # llama-server's: a GBNF grammar the output follows
+        json_schema: dict | None = None  # llama-server's: a JSON schema the output follows
         # accepted so that their refusal can say why (400)
         tools: list | None = None
         tool_choice: str | dict | None = None
@@ -371,7 +373,8 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
                     top_k=b.top_k, min_p=b.min_p, presence_penalty=b.presence_penalty,
                     frequency_penalty=b.frequency_penalty, repetition_penalty=b.repetition_penalty,
                     logit_bias=b.logit_bias, seed=b.seed, ignore_eos=b.ignore_eos, logprobs=logprobs,
-                    top_logprobs=top, stop=b.stop)
+                    top_logprobs=top, stop=b.stop, response_format=b.response_format, grammar=b.grammar,
+                    json_schema=b.json_schema)
 
     async def merged(h: _Host, subs, deadline):
         """(choice, Event) from every choice's event stream as they come, until each is DONE or
@@ -435,7 +438,7 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
             """--cache-dir: each prompt's first reply's whole blocks saved (before the answer ends)."""
             if h.disk is not None:
                 for k, ids in enumerate(ids_list):
-                    await asyncio.to_thread(h.disk.store, [int(t) for t in ids] + list(replies[k * b.n]))
+                    await asyncio.to_thread(h.disk.store, [int(t) for t in ids] + list(replies[k * b.n]), len(ids))
         subs = []
         try:
             for ids in ids_list:              # all or nothing; n > 1 shares each prompt's prefill
@@ -607,13 +610,10 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     def unsupported(b: Common):
-        """The message refusing what the server does not do yet (tool calls, structured output), or None."""
+        """The message refusing what the server does not do yet (tool calls), or None."""
         if b.tools or b.functions or b.tool_choice not in (None, "none") or b.function_call not in (None, "none"):
             return ("tool calls are not supported by colibri serve yet: send the request without 'tools' / "
                     "'tool_choice' (or 'functions' / 'function_call') and describe the tools in the prompt")
-        if b.response_format is not None and b.response_format.get("type", "text") != "text":
-            return (f"response_format {b.response_format.get('type')!r} is not supported by colibri serve yet; "
-                    "only {'type': 'text'}: ask for the format in the prompt")
         return None
 
     def chat_messages(body: Chat) -> list:

@@ -1,0 +1,181 @@
+"""Constrained decoding: a request's output held to a grammar -- a JSON schema, any JSON object, a
+regular expression, a Lark or a GBNF grammar -- by a token mask at the sampler.
+
+The grammar engine is llguidance (the `grammar` extra: `pip install colibri-edge[grammar]`), chosen
+over xgrammar because it builds its tokenizer view from the model's own tokenizer.json (no
+transformers, no torch: what an edge install has), reads every grammar form the OpenAI API and
+llama-server take (JSON schema, regex, Lark, GBNF), and computes a mask in about a millisecond
+(benchmarks/grammar_bench.py measures it per token, at the demo's vocabulary and a Qwen-sized one).
+
+Per request (Core._sample), before each token is chosen:
+
+    mask   = the tokens the grammar allows after the output so far     [ceil(V / 32)] int32 bits
+    z[t]   = -inf where bit t of mask is 0                             (the logits, in place)
+    token  = the sampler's choice over z (greedy, temperature, top-k/p, min-p as asked)
+    matcher.consume_token(token); done when the grammar is complete and allows nothing more
+
+The end-of-sequence token is allowed exactly when the grammar accepts the output so far. Both
+buffers are allocated when the request is submitted: a constrained decode step allocates nothing.
+A grammar that does not compile is COLIBRI_ERR_INVALID_ARGUMENT naming the problem, at submission.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_UNAVAILABLE
+
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark", "gbnf")
+
+
+def _llguidance():
+    try:
+        import llguidance
+        import llguidance.numpy  # noqa: F401
+    except ImportError:
+        raise ColibriError(COLIBRI_ERR_UNAVAILABLE, "constrained output (response_format, grammar, regex) needs "
+                           "the grammar engine: pip install 'colibri-edge[grammar]' (llguidance)") from None
+    return llguidance
+
+
+def _bad(what):
+    return ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, what)
+
+
+def grammar_spec(response_format=None, grammar=None, regex=None, json_schema=None, lark=None):
+    """The one grammar a request asked for, as (kind, source) -- kind one of GRAMMAR_KINDS -- or None.
+    response_format: the OpenAI field ({"type": "text" | "json_object" | "json_schema", "json_schema":
+    {"name", "schema", "strict"}}); grammar: GBNF (llama-server's field); regex; json_schema: a schema
+    (llama-server's field); lark: a Lark grammar. Asking for two is an error."""
+    asked = []
+    if response_format is not None:
+        if not isinstance(response_format, dict):
+            raise _bad(f"response_format={response_format!r:.80}: give a dict such as {{'type': 'json_object'}}")
+        kind = response_format.get("type", "text")
+        if kind == "json_object":
+            asked.append(("json_object", {"type": "object"}))
+        elif kind == "json_schema":
+            js = response_format.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("schema", {}), (dict, bool)):
+                raise _bad("response_format json_schema: give {'type': 'json_schema', 'json_schema': {'name': ..., "
+                           "'schema': {...}}}")
+            asked.append(("json_schema", js.get("schema", {})))
+        elif kind != "text":
+            raise _bad(f"response_format type {kind!r}: use 'text', 'json_object' or 'json_schema'")
+    for kind, value in (("gbnf", grammar), ("regex", regex), ("json_schema", json_schema), ("lark", lark)):
+        if value is not None:
+            if kind == "json_schema" and isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as e:
+                    raise _bad(f"json_schema is not JSON ({e})") from None
+            if kind != "json_schema" and not isinstance(value, str):
+                raise _bad(f"{'grammar' if kind == 'gbnf' else kind}: give the grammar as a string")
+            asked.append((kind, value))
+    if len(asked) > 1:
+        raise _bad("give one of response_format, grammar, regex, json_schema and lark, not several")
+    return asked[0] if asked else None
+
+
+class Grammars:
+    """An engine's grammar engine: its tokenizer view (built once, from tokenizer.json) and compiled
+    grammars by source (a request's matcher starts from a copy)."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids):
+        ll = _llguidance()
+        self.ll = ll
+        self.vocab = int(vocab_size)
+        try:
+            self.tok = ll.LLTokenizer(tokenizer_json, n_vocab=self.vocab, eos_token=list(eos_ids))
+        except Exception as e:                   # noqa: BLE001  the Rust side raises plain errors
+            raise ColibriError(COLIBRI_ERR_UNAVAILABLE, f"the grammar engine cannot read this model's "
+                               f"tokenizer.json ({e}); constrained output is not available for it") from None
+        self._compiled = {}
+
+    def _source(self, kind, value) -> str:
+        M = self.ll.LLMatcher
+        try:
+            if kind in ("json_schema", "json_object"):
+                schema = value if isinstance(value, (dict, bool)) else json.loads(value)
+                if isinstance(schema, dict) and "x-guidance" not in schema:
+                    # JSON without free whitespace between tokens (as json.dumps writes it): a grammar that
+                    # lets a small model emit whitespace forever is the common way such output never ends
+                    schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
+                return M.grammar_from_json_schema(schema)
+            if kind == "regex":
+                return M.grammar_from_regex(value)
+            if kind == "gbnf":
+                from llguidance.gbnf_to_lark import gbnf_to_lark
+                try:
+                    lark = gbnf_to_lark(value)
+                except Exception as e:           # noqa: BLE001  the converter raises plain Exception too
+                    raise ValueError(e) from None
+                return M.grammar_from_lark(lark)
+            return M.grammar_from_lark(value)
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise _bad(f"the {kind} grammar does not compile: {e}") from None
+
+    def matcher(self, spec):
+        """A fresh matcher of spec ((kind, source) from grammar_spec)."""
+        kind, value = spec
+        key = (kind, json.dumps(value, sort_keys=True) if not isinstance(value, str) else value)
+        src = self._compiled.get(key)
+        if src is None:
+            src = self._source(kind, value)
+            msg = self.ll.LLMatcher.validate_grammar(src, self.tok)         # "" when it compiles
+            if msg:
+                raise _bad(f"the {kind} grammar does not compile: {msg.strip()}")
+            if len(self._compiled) > 256:
+                self._compiled.clear()
+            self._compiled[key] = src
+        m = self.ll.LLMatcher(self.tok, src)
+        if m.is_error():
+            raise _bad(f"the {kind} grammar does not compile: {m.get_error()}")
+        return Constraint(m, self.vocab)
+
+
+def _mask_kernel():
+    import numba
+
+    @numba.njit(cache=True, nogil=True)
+    def apply(z, bits):
+        """z[t] = -inf where bit t of bits is 0 (bit t: word t >> 5, bit t & 31)."""
+        for t in range(z.shape[0]):
+            if not (bits[t >> 5] >> (t & 31)) & 1:
+                z[t] = -np.inf
+    return apply
+
+
+_APPLY = None
+
+
+class Constraint:
+    """One request's matcher, its mask buffer and a copy of the logits it masks."""
+
+    def __init__(self, matcher, vocab: int):
+        global _APPLY
+        if _APPLY is None:
+            _APPLY = _mask_kernel()
+        self.m = matcher
+        self.bits = np.zeros((1, -(-vocab // 32)), np.int32)
+        self.z = np.empty(vocab, np.float32)
+
+    def copy(self) -> "Constraint":
+        c = Constraint.__new__(Constraint)
+        c.m, c.bits, c.z = self.m.deep_copy(), np.zeros_like(self.bits), np.empty_like(self.z)
+        return c
+
+    def masked(self, logits: np.ndarray) -> np.ndarray:
+        """The logits with every token the grammar forbids at -inf (a copy: the arena's row stays)."""
+        self.m.unsafe_compute_mask_ptr(self.bits.ctypes.data, self.bits.nbytes)
+        np.copyto(self.z, logits)
+        _APPLY(self.z, self.bits[0])
+        return self.z
+
+    def consume(self, token: int) -> bool:
+        """Advance past the chosen token; True when the grammar is complete (nothing more may follow)."""
+        if not self.m.consume_token(int(token)):
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"the grammar refused token {token}: "
+                               f"{self.m.get_error() or 'not allowed here'}")
+        return self.m.is_stopped()
