@@ -216,7 +216,7 @@ def test_concurrent_requests_share_a_system_prompt(model_cache):
     assert np.unique([len(p) for p in ps]).size == len(ps)
 
 
-@pytest.mark.parametrize("case", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("case", FAMILIES)
 @pytest.mark.parametrize("backend", ["opencl", "cuda"])
 def test_greedy_with_a_cached_prefix_on_gpu_backends(backend, case, model_cache):
     """The device backends read adopted blocks through the same block tables (a window pool's below
