@@ -346,9 +346,9 @@ def dequantised_checkpoint(hf_dir: str, model_dir: str, out_dir: str) -> str:
     return out_dir
 
 
-def build_text_model(tmp, case="mixtral") -> tuple:
+def build_text_model(tmp, case="mixtral", **overrides) -> tuple:
     """A model of CASES[case]'s shape with the demo's byte-level tokenizer (multi-byte characters
-    span several tokens) and a chat template: (hf_dir, model_dir, eos id)."""
+    span several tokens) and a chat template: (hf_dir, model_dir, eos id); overrides: config fields."""
     import json
     from colibri_edge.model.demo import byte_level_tokenizer
     from colibri_edge.model.convert import convert
@@ -356,7 +356,7 @@ def build_text_model(tmp, case="mixtral") -> tuple:
     tok = byte_level_tokenizer()
     V = tok.get_vocab_size()
     eos = tok.token_to_id("<|endoftext|>")
-    hf = build_hf(os.path.join(tmp, "hf"), case, vocab_size=V, eos_token_id=eos)
+    hf = build_hf(os.path.join(tmp, "hf"), case, vocab_size=V, eos_token_id=eos, **overrides)
     tok.save(os.path.join(hf, "tokenizer.json"))
     template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")

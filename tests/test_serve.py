@@ -217,13 +217,19 @@ def test_api_key_and_full_queue(served):
 def _mutate(rng, base):
     """A random request body: fields dropped, retyped, set to extreme or nonsense values, or added."""
     values = [None, True, -1, 0, 1, 2 ** 31, 2 ** 70, -1e308, 1e308, float("nan"), "x", "", "0", [], [1, -2],
-              ["a", 3], {}, {"5": "a"}, {"-1": 1.0}, [[1]], "\ud800", 3.5, -0.0]
+              ["a", 3], {}, {"5": "a"}, {"-1": 1.0}, [[1]], "\ud800", 3.5, -0.0, "required", "auto",
+              {"type": "function", "function": {"name": "f"}}, {"messages": 1, "tools": "x"},
+              [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+              [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+              {"type": "json_schema", "json_schema": {"schema": {"type": "integer"}}}]
     body = dict(base)
     for _ in range(int(rng.integers(1, 4))):
         op = rng.integers(0, 3)
         keys = list(body) + ["max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed", "n",
                              "logit_bias", "logprobs", "top_logprobs", "stream", "messages", "prompt",
-                             "presence_penalty", "repetition_penalty", "priority", "stream_options", "junk"]
+                             "presence_penalty", "repetition_penalty", "priority", "stream_options", "junk",
+                             "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
+                             "chat_template_kwargs", "response_format", "reasoning_effort"]
         k = keys[int(rng.integers(0, len(keys)))]
         if op == 0:
             body.pop(k, None)

@@ -103,8 +103,9 @@ def test_the_openai_client(models):
             assert len(results) == 15 and among == alone
             with pytest.raises(openai.BadRequestError) as e:
                 client.chat.completions.create(model="chat", messages=msgs, tools=[{"type": "function", "function": {
-                    "name": "f", "parameters": {"type": "object", "properties": {}}}}])
-            assert "tool calls are not supported" in str(e.value)
+                    "name": "f", "parameters": {"type": "object", "properties": {}}}}],
+                    tool_choice={"type": "function", "function": {"name": "g"}})
+            assert "name one of the tools (f)" in str(e.value)
             with pytest.raises(openai.BadRequestError) as e:
                 client.chat.completions.create(model="chat", messages=msgs, response_format={"type": "xml"})
             assert "response_format type 'xml'" in str(e.value)

@@ -14,9 +14,15 @@ benchmarks/grammar_bench.py measures the mask and the decode rate with it.
 Per request (Core._sample), before each token is chosen:
 
     mask   = the tokens the grammar allows after the output so far     [ceil(V / 32)] int32 bits
-    z[t]   = -inf where bit t of mask is 0                             (the logits, in place)
+    z[t]   = -inf where bit t of mask is 0                             (a copy of the logits row)
     token  = the sampler's choice over z (greedy, temperature, top-k/p, min-p as asked)
     matcher.consume_token(token); done when the grammar is complete and allows nothing more
+
+Overlapped: the mask for the next token depends only on the tokens so far, so it is computed on a
+worker thread (llguidance drops the GIL while it computes) from the moment the previous token is
+consumed -- or the request is submitted -- while the step that makes the logits runs; _sample waits
+for it only if it is not done yet. Applying it reads the logits the step already brought to the host
+(every backend's sampling reads them there): no host sync is added.
 
 The end-of-sequence token is allowed exactly when the grammar accepts the output so far. Both
 buffers are allocated when the request is submitted: a constrained decode step allocates nothing.
@@ -25,6 +31,7 @@ A grammar that does not compile is COLIBRI_ERR_INVALID_ARGUMENT naming the probl
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 
@@ -152,6 +159,15 @@ def _mask_kernel():
 
 
 _APPLY = None
+_WORKERS = None         # the mask threads (one pool per process, made on first use)
+
+
+def _workers():
+    global _WORKERS
+    if _WORKERS is None:
+        from concurrent.futures import ThreadPoolExecutor
+        _WORKERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="colibri-mask")
+    return _WORKERS
 
 
 class Constraint:
@@ -164,17 +180,39 @@ class Constraint:
         self.m = matcher
         self.bits = np.zeros((1, -(-vocab // 32)), np.int32)
         self.z = np.empty(vocab, np.float32)
+        self.pending = None             # the next token's mask, being computed (a Future)
+        self.mask_seconds = 0.0         # time _sample waited for masks (not hidden behind a step)
 
     def copy(self) -> "Constraint":
+        self.wait()
         c = Constraint.__new__(Constraint)
         c.m, c.bits, c.z = self.m.deep_copy(), np.zeros_like(self.bits), np.empty_like(self.z)
+        c.pending, c.mask_seconds = None, 0.0
         return c
+
+    def _compute(self):
+        self.m.unsafe_compute_mask_ptr(self.bits.ctypes.data, self.bits.nbytes)
+
+    def prefetch(self):
+        """Start computing the next token's mask on a mask thread."""
+        self.wait()
+        self.pending = _workers().submit(self._compute)
+
+    def wait(self):
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()
 
     def masked(self, logits: np.ndarray) -> np.ndarray:
         """The logits with every token the grammar forbids at -inf (a copy: the arena's row stays)."""
-        self.m.unsafe_compute_mask_ptr(self.bits.ctypes.data, self.bits.nbytes)
+        t0 = time.perf_counter()
+        if self.pending is None:
+            self._compute()
+        else:
+            self.wait()
         np.copyto(self.z, logits)
         _APPLY(self.z, self.bits[0])
+        self.mask_seconds += time.perf_counter() - t0
         return self.z
 
     def consume(self, token: int) -> bool:
@@ -182,4 +220,7 @@ class Constraint:
         if not self.m.consume_token(int(token)):
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"the grammar refused token {token}: "
                                f"{self.m.get_error() or 'not allowed here'}")
-        return self.m.is_stopped()
+        if self.m.is_stopped():
+            return True
+        self.prefetch()
+        return False

@@ -441,6 +441,8 @@ class Engine:
             first = self._grammars().matcher(spec)        # a grammar that does not compile: raised here
             for i, r in enumerate(reqs):
                 r.constraint = first if i == 0 else first.copy()
+            for r in reqs:
+                r.constraint.prefetch()                   # the first mask, while the prompt prefills
         if _share:
             for r in reqs[1:]:
                 r.prompt = r.ctx = reqs[0].prompt
@@ -479,6 +481,47 @@ class Engine:
         ids = self.generate(messages, **kw)
         from .textio import cut_at_stop
         return cut_at_stop(self.codec.reply(ids)[0], kw.get("stop"))
+
+    def chat_message(self, messages, tools=None, tool_choice=None, parallel_tool_calls=None,
+                     chat_template_kwargs=None, **kw) -> dict:
+        """One chat turn as the OpenAI API answers it: {"role": "assistant", "content": str | None,
+        "reasoning_content": str (a reasoning model's thinking, when it wrote any), "tool_calls":
+        [{"id", "type": "function", "function": {"name", "arguments": JSON text}}] (when it called
+        any)}, and "finish_reason" ("tool_calls", "stop" or "length"). tools / tool_choice ("auto",
+        "none", "required", {"type": "function", "function": {"name": ...}}) / parallel_tool_calls as
+        the OpenAI API takes them: the tools go into the model's chat template, a forced choice is held
+        to the functions' parameter schemas by the grammar engine, the reply's calls are read in the
+        template's own format (chat.py, toolcalls.py). messages may hold assistant tool_calls and
+        {"role": "tool", "tool_call_id", "content"} results. chat_template_kwargs: extra template
+        variables ({"enable_thinking": False}, {"reasoning_effort": "low"}); kw: generate()'s, with a
+        response_format that constrains the content (never the reasoning)."""
+        plan = self._chat_plan(messages, tools, tool_choice, parallel_tool_calls, chat_template_kwargs, kw)
+        gen = self.generate(plan.ids, **kw)
+        msg = plan.reader().message(self._reply_text(gen))
+        from .textio import cut_at_stop
+        if msg.get("content"):
+            msg["content"] = cut_at_stop(msg["content"], kw.get("stop"))
+        msg["finish_reason"] = "tool_calls" if msg.get("tool_calls") else gen.finish_reason
+        return msg
+
+    def _chat_plan(self, messages, tools, tool_choice, parallel_tool_calls, template_kwargs, kw):
+        """chat.ChatPlan of a chat request; kw loses the grammar arguments the plan took over."""
+        from .chat import ChatPlan
+        if not isinstance(messages, (list, tuple)) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"messages={messages!r:.80}: expected a list of "
+                               "{'role': str, 'content': str} dicts")
+        grammar = {k: kw.pop(k) for k in GRAMMAR_ARGS if k in kw}
+        plan = ChatPlan(self.codec, list(messages), tools, tool_choice, parallel_tool_calls, grammar, template_kwargs)
+        kw.update(plan.grammar)
+        return plan
+
+    def _reply_text(self, ids) -> str:
+        """A reply's text with its special tokens (the markers of tool calls and channels), without the
+        end-of-sequence token that closed it."""
+        ids = list(ids)
+        while ids and ids[-1] in self.eos_token_ids:
+            ids.pop()
+        return self.codec.decode(ids, skip_special_tokens=False)
 
     def stream(self, prompt, max_new_tokens=32, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=None,
                ignore_eos=False, **extra):

@@ -99,12 +99,15 @@ class TextCodec:
                 reasoning.append(body)
         return content, "".join(reasoning) or None
 
-    def render_chat(self, messages, add_generation_prompt=True) -> str:
+    def render_chat(self, messages, add_generation_prompt=True, tools=None, **extra) -> str:
         """Render with the chat template of tokenizer_config.json, as transformers'
-        apply_chat_template does (sandboxed Jinja2, trim_blocks, lstrip_blocks)."""
-        template = self.config.get("chat_template")
-        if isinstance(template, list):       # named templates: take "default"
-            template = {t["name"]: t["template"] for t in template}.get("default")
+        apply_chat_template does (sandboxed Jinja2, trim_blocks, lstrip_blocks, its `tojson` filter
+        and `strftime_now` / `raise_exception` globals): tools (OpenAI's list of {"type": "function",
+        "function": {...}}) and extra (enable_thinking, reasoning_effort, ...) go into the context as
+        transformers passes them. An assistant message's tool_calls arguments given as a JSON string
+        (as the OpenAI API sends them) are given to the template parsed, as vLLM does: templates
+        write them with `| tojson`."""
+        template = self.template()
         if not template:
             template = FALLBACK_CHAT_TEMPLATE
             if not self._warned:
@@ -113,23 +116,80 @@ class TextCodec:
                 print("[colibri] this model has no chat template (tokenizer_config.json / chat_template.jinja): "
                       "chats are rendered as ChatML; give the model's own with --chat-template FILE "
                       "(Engine.open(chat_template=...))", file=sys.stderr)
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from jinja2 import TemplateError
+        special = {k: (v if isinstance(v, str) else (v or {}).get("content"))
+                   for k, v in self.config.items() if k.endswith("_token")}
+        context = {**special, **extra, "messages": _parsed_arguments(messages),
+                   "add_generation_prompt": add_generation_prompt}
+        if tools is not None:
+            context["tools"] = tools
+        try:
+            return _jinja().from_string(template).render(context)
+        except TemplateError as e:
+            raise invalid_model("tokenizer_config.json", "chat_template", f"the template fails on these messages "
+                                f"({type(e).__name__}: {e})") from None
+
+    def template(self) -> str | None:
+        """The chat template's text (the "default" of named templates), or None."""
+        template = self.config.get("chat_template")
+        if isinstance(template, list):       # named templates: take "default"
+            template = {t["name"]: t["template"] for t in template}.get("default")
+        return template or None
+
+
+def _parsed_arguments(messages):
+    """messages with each tool call's arguments a dict where they came as a JSON object's text, and an
+    assistant's content None (beside its tool_calls) as "" (templates test `'<x>' in content`)."""
+    import json
+    out = []
+    for m in messages:
+        if isinstance(m, dict) and "content" in m and m["content"] is None:
+            m = {**m, "content": ""}
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if calls:
+            m = dict(m)
+            fixed = []
+            for c in calls:
+                fn = c.get("function") if isinstance(c, dict) else None
+                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                    try:
+                        args = json.loads(fn["arguments"])
+                    except ValueError:
+                        raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"tool call {fn.get('name')!r}: its "
+                                           "arguments are not JSON; give them as a JSON object's text") from None
+                    c = {**c, "function": {**fn, "arguments": args}}
+                fixed.append(c)
+            m["tool_calls"] = fixed
+        out.append(m)
+    return out
+
+
+_ENV = None
+
+
+def _jinja():
+    """The sandboxed Jinja environment chat templates render in (transformers' own settings)."""
+    global _ENV
+    if _ENV is None:
+        import json
+        from datetime import datetime
         from jinja2 import ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(msg):
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"chat template: {msg}")
 
-        from jinja2 import TemplateError
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[ext.loopcontrols])
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                              sort_keys=sort_keys)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[ext.loopcontrols])
+        env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
-        special = {k: (v if isinstance(v, str) else (v or {}).get("content"))
-                   for k, v in self.config.items() if k.endswith("_token")}
-        try:
-            return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                    **special)
-        except TemplateError as e:
-            raise invalid_model("tokenizer_config.json", "chat_template", f"the template fails on these messages "
-                                f"({type(e).__name__}: {e})") from None
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        _ENV = env
+    return _ENV
 
 
 class StreamDecoder:
@@ -139,10 +199,11 @@ class StreamDecoder:
     unfinished character (byte-level symbols or <0xNN> fallback tokens), and flush() gives them as
     decode() renders them alone (U+FFFD), so a tail cut off by max_new_tokens still comes out."""
 
-    def __init__(self, codec: TextCodec):
+    def __init__(self, codec: TextCodec, skip_special_tokens: bool = True):
         from tokenizers.decoders import DecodeStream
         self.codec, self.ids, self.read = codec, [], 0
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self.skip = skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def push(self, token_id: int) -> str:
         self.ids.append(int(token_id))
@@ -153,7 +214,7 @@ class StreamDecoder:
         return piece
 
     def flush(self) -> str:
-        tail = self.codec.decode(self.ids[self.read:]) if self.read < len(self.ids) else ""
+        tail = self.codec.decode(self.ids[self.read:], self.skip) if self.read < len(self.ids) else ""
         self.read = len(self.ids)
         return tail
 

@@ -26,6 +26,7 @@ import time
 import uuid
 
 from ..requests.aio import AsyncEngine
+from ..requests.engine import GRAMMAR_ARGS
 from ..requests.scheduler import DONE, ERROR, TOKEN
 from ..errors import (ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_OUT_OF_MEMORY,
                      COLIBRI_ERR_TIMEOUT, COLIBRI_ERR_UNAVAILABLE)
@@ -301,13 +302,15 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
         return_tokens: bool = False      # llama-server's: each choice / chunk also carries its token ids
         grammar: str | None = None       # llama-server's: a GBNF grammar the output follows
         json_schema: dict | None = None  # llama-server's: a JSON schema the output follows
-        # accepted so that their refusal can say why (400)
+        response_format: dict | None = None
+        # chat only (a completion that names them is a 400)
         tools: list | None = None
         tool_choice: str | dict | None = None
-        functions: list | None = None
+        functions: list | None = None    # the OpenAI API's older names of tools / tool_choice
         function_call: str | dict | None = None
         parallel_tool_calls: bool | None = None
-        response_format: dict | None = None
+        chat_template_kwargs: dict | None = None     # vLLM's: extra chat template variables
+        reasoning_effort: str | None = None          # gpt-oss's template variable
 
     class Completion(Common):
         prompt: str | list[str] | list[int] | list[list[int]]
@@ -321,6 +324,10 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
     class Message(Body):
         role: str
         content: str | list[Part] | None = None
+        tool_calls: list[dict] | None = None
+        tool_call_id: str | None = None
+        name: str | None = None
+        reasoning_content: str | None = None
 
     class Chat(Common):
         messages: list[Message]
@@ -347,7 +354,7 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
     def warn_unknown(b: BaseModel, path: str):
         extra = sorted(b.model_extra or {})
         for m in b.messages if isinstance(b, Chat) else []:
-            extra += [f"messages[].{k}" for k in sorted(m.model_extra or {}) if k not in ("name", "tool_calls")]
+            extra += [f"messages[].{k}" for k in sorted(m.model_extra or {})]
         if extra:
             log.warning("%s: ignoring unknown request fields %s", path, ", ".join(extra))
 
@@ -421,13 +428,20 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
             if msg["type"] == "http.disconnect":
                 return
 
-    async def run(h: _Host, http: HTTPRequest, prompts: list, b: Common, chat: bool, logprobs: bool, top: int):
-        """One generation over one or more prompts (n choices each): a JSON body or an SSE stream."""
+    async def run(h: _Host, http: HTTPRequest, prompts: list, b: Common, chat: bool, logprobs: bool, top: int,
+                  plan=None):
+        """One generation over one or more prompts (n choices each): a JSON body or an SSE stream. plan:
+        a chat request's chat.ChatPlan (its prompt ids are prompts[0]) when its reply is read for tool
+        calls or reasoning."""
         import json
         from ..requests.textio import StopCutter, StreamDecoder, cut_at_stop
         e = h.engine
         endpoint = "chat" if chat else "completions"
         gen = gen_args(b, e, logprobs, top)
+        if plan is not None:
+            for k in GRAMMAR_ARGS:
+                gen.pop(k, None)
+            gen.update(plan.grammar)
         # tokenising (and rendering the template) in a worker thread: a long prompt never holds the loop
         ids_list = await asyncio.to_thread(lambda: [e._prompt_ids(p) for p in prompts])
         if h.disk is not None:                # --cache-dir: a saved prefix the cache lacks, loaded first
@@ -474,6 +488,8 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
         def finish(reason, text):
             return "stop" if reason == "stop" or any(s in text for s in stops) else "length"
 
+        eos = set(e.eos_token_ids)
+
         def cut(text):
             return cut_at_stop(text, stops)
 
@@ -519,11 +535,15 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
                 full = codec.decode(toks[i])
                 text = cut(full)
                 fr = finish(reasons[i], full)
-                if chat:
-                    content, reasoning = codec.reply(toks[i])
+                if chat and plan is not None:
+                    msg = plan.reader().message(e._reply_text(toks[i]))
+                    if msg["content"]:
+                        msg["content"] = cut(msg["content"])
+                    if msg.get("tool_calls"):
+                        fr = "tool_calls"
+                elif chat:
                     msg = {"role": "assistant", "content": text}
-                    if reasoning is not None or content != full:       # a harmony reply (gpt-oss), as vLLM
-                        msg = {"role": "assistant", "content": cut(content), "reasoning_content": reasoning}
+                if chat:
                     c = {"index": i, "message": msg, "finish_reason": fr,
                          "logprobs": {"content": lps[i]} if logprobs else None}
                 else:
@@ -540,11 +560,12 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
 
         include_usage = bool((b.stream_options or {}).get("include_usage"))
 
-        def chunk(i=0, text=None, fr=None, lp=None, usage=None, role=False, tokens=None):
+        def chunk(i=0, text=None, fr=None, lp=None, usage=None, role=False, tokens=None, delta=None):
             if usage is not None:
                 ch = []
             elif chat:
-                delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+                if delta is None:
+                    delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
                 ch = [{"index": i, "delta": delta, "finish_reason": fr, "logprobs": lp}]
             else:
                 ch = [{"index": i, "text": text or "", "finish_reason": fr, "logprobs": lp}]
@@ -557,9 +578,22 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
             return f"data: {json.dumps(body)}\n\n"
 
         async def sse():
-            decs = [StreamDecoder(codec) for _ in subs]
+            decs = [StreamDecoder(codec, skip_special_tokens=plan is None) for _ in subs]
             full, reasons = [""] * len(subs), ["length"] * len(subs)
             cutters = [StopCutter(stops) for _ in subs]      # the shown text: up to the first stop string
+            readers = [plan.reader() for _ in subs] if plan is not None else None
+            called = [False] * len(subs)
+
+            def deltas(i, final=False):
+                """A chat reply read for tool calls and reasoning: the chunks its text so far adds (the
+                content through the stop cutter)."""
+                for d in readers[i].push(full[i], final):
+                    if "content" in d:
+                        d = {"content": cutters[i].push(d["content"])}
+                        if not d["content"]:
+                            continue
+                    called[i] = called[i] or "tool_calls" in d
+                    yield chunk(i, delta=d)
             n_out, status = 0, "200"
             try:
                 for i in range(len(subs)):
@@ -575,12 +609,27 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
                             reasons[i] = ev.reason
                             tail = decs[i].flush()
                             full[i] += tail
-                            text = cutters[i].push(tail) + cutters[i].finish()
+                            if readers is not None:
+                                for c in deltas(i, final=True):
+                                    yield c
+                                text = cutters[i].finish()
+                            else:
+                                text = cutters[i].push(tail) + cutters[i].finish()
                             if text:
                                 yield chunk(i, text=text)
-                            yield chunk(i, text=None if chat else "", fr=finish(reasons[i], full[i]))
+                            fr = "tool_calls" if called[i] else finish(reasons[i], full[i])
+                            yield chunk(i, text=None if chat else "", fr=fr)
                             continue
                         n_out += 1
+                        if readers is not None:
+                            if ev.token not in eos:
+                                full[i] += decs[i].push(ev.token)
+                            lp = {"content": [lp_chat(ev)]} if logprobs else None
+                            for c in deltas(i):
+                                yield c
+                            if lp or b.return_tokens:
+                                yield chunk(i, delta={}, lp=lp, tokens=[ev.token] if b.return_tokens else None)
+                            continue
                         new = decs[i].push(ev.token)
                         full[i] += new
                         lp = None
@@ -610,11 +659,28 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     def unsupported(b: Common):
-        """The message refusing what the server does not do yet (tool calls), or None."""
-        if b.tools or b.functions or b.tool_choice not in (None, "none") or b.function_call not in (None, "none"):
-            return ("tool calls are not supported by colibri serve yet: send the request without 'tools' / "
-                    "'tool_choice' (or 'functions' / 'function_call') and describe the tools in the prompt")
+        """The message refusing what only a chat takes (tools on /v1/completions), or None."""
+        if isinstance(b, Completion) and (b.tools or b.functions or b.tool_choice not in (None, "none")
+                                          or b.function_call not in (None, "none")):
+            return ("tools and tool_choice are for /v1/chat/completions: send the conversation as messages there")
         return None
+
+    def chat_plan(e, body: Chat):
+        """The chat request's ChatPlan (prompt and grammar), or None when its reply is plain text."""
+        from ..requests.chat import ChatPlan
+        tools, choice = body.tools, body.tool_choice
+        if body.functions is not None:          # the older names: functions / function_call
+            if tools is not None:
+                raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, "give tools or functions, not both")
+            tools = [{"type": "function", "function": f} for f in body.functions]
+            fc = body.function_call
+            choice = {"type": "function", "function": fc} if isinstance(fc, dict) else fc
+        kwargs = dict(body.chat_template_kwargs or {})
+        if body.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = body.reasoning_effort
+        grammar = {k: getattr(body, k) for k in GRAMMAR_ARGS if getattr(body, k, None) is not None}
+        plan = ChatPlan(e.codec, chat_messages(body), tools, choice, body.parallel_tool_calls, grammar, kwargs)
+        return plan if (plan.calls or plan.reasoning or plan.grammar != grammar or kwargs) else None
 
     def chat_messages(body: Chat) -> list:
         if not body.messages:
@@ -629,7 +695,11 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
                                        f"{bad[0]!r}; this server takes text parts only "
                                        "({'type': 'text', 'text': ...})")
                 content = "\n".join(p.text for p in content)
-            out.append({"role": m.role, "content": content or ""})
+            msg = {"role": m.role, "content": content if content is not None or m.tool_calls else ""}
+            for k in ("tool_calls", "tool_call_id", "name", "reasoning_content"):
+                if getattr(m, k) is not None:
+                    msg[k] = getattr(m, k)
+            out.append(msg)
         return out
 
     async def generation(http, body, chat):
@@ -647,8 +717,9 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
             return error(400, why, "unsupported")
         try:
             if chat:
-                return await run(h, http, [chat_messages(body)], body, True, body.logprobs or body.top_logprobs > 0,
-                                 body.top_logprobs)
+                plan = await asyncio.to_thread(chat_plan, h.engine, body)
+                return await run(h, http, [plan.ids if plan is not None else chat_messages(body)], body, True,
+                                 body.logprobs or body.top_logprobs > 0, body.top_logprobs, plan)
             p = body.prompt
             prompts = p if isinstance(p, list) and p and not isinstance(p[0], int) else [p]
             return await run(h, http, prompts, body, False, body.logprobs is not None, body.logprobs or 0)
