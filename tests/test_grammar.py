@@ -131,3 +131,29 @@ def test_the_mask_is_exact(demo):
         lnp.apply_token_bitmask_inplace(want, bits)
         assert np.array_equal(np.isinf(got), np.isinf(want)) and np.isfinite(got).sum() > 0
         c.consume(tok)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "opencl", "cuda"])
+def test_every_backend_masks_inside_one_batch(backend):
+    """On each backend a JSON-schema request, a forced tool call and a free request run in one batch and
+    each gives what it gives alone; the schema's output and the call's arguments validate."""
+    from helpers import need
+    from colibri_edge.requests.chat import ChatPlan
+    need(backend)
+    weather = {"type": "object", "additionalProperties": False, "required": ["city"],
+               "properties": {"city": {"type": "string", "maxLength": 12}}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    with Engine.open(ensure_default_model()[0], backend=backend, max_seq_len=1024, max_batch=4) as eng:
+        plan = ChatPlan(eng.codec, ASK, tools, "required", False)
+
+        asks = [(ASK, dict(max_new_tokens=120, response_format=fmt)),
+                 (plan.ids, dict(max_new_tokens=120, **plan.grammar)), (ASK, dict(max_new_tokens=24))]
+
+        def tokens(reqs):
+            return [[ev.token for ev in r.iter_events(timeout=600) if ev.kind == TOKEN] for r in reqs]
+        alone = [tokens([eng.submit(p, temperature=0.8, seed=3, **kw)])[0] for p, kw in asks]
+        assert tokens([eng.submit(p, temperature=0.8, seed=3, **kw) for p, kw in asks]) == alone
+    jsonschema.validate(json.loads(eng.codec.decode(alone[0])), PERSON)
+    (call,) = plan.reader().message(eng._reply_text(alone[1]))["tool_calls"]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), weather)
