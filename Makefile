@@ -37,7 +37,7 @@ $(VENV)/.base: pyproject.toml setup.py
 # tmux: tests/test_cli_chat.py drives `colibri chat` in a real terminal (Debian's package; CI runs as root)
 $(VENV)/.test: $(VENV)/.base
 	command -v tmux >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux; }
-	$(PIP) install -q -e '.[test,opencl,cuda,gguf,serve,grammar]'
+	$(PIP) install -q -e '.[test,opencl,cuda,gguf,serve,grammar,ray]'
 	$(PY) tests/llamacpp_convert.py fetch
 	touch $@
 

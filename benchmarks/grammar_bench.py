@@ -156,10 +156,8 @@ def main():
              "| vocabulary | mask alone per token |", "|---:|---:|",
              f"| {V_demo:,} (demo) | {t_demo * 1e3:.3f} ms |",
              f"| {V_BIG:,} (Qwen-sized, byte-level) | {t_big * 1e3:.3f} ms |"]
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "grammar.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    from report import write_lines
+    write_lines(a.out, "grammar.md", lines)
 
 
 if __name__ == "__main__":

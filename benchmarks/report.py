@@ -4,6 +4,15 @@ from __future__ import annotations
 import numpy as np
 
 
+def write_lines(out_dir: str, name: str, lines: list):
+    """A results page: lines written to out_dir/name and printed."""
+    import os
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, name), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def label(e):
     return f"{e['engine']} {e['precision']}"
 

@@ -75,8 +75,8 @@ CASES = [
     ("glm", "GLM-4.7-Flash", True, "<|assistant|>"),
     ("glm", "inclusionai-ling-3.0-flash", True, None),
     ("glm", "Spark2.5", True, "<|Bot|>"),
-    ("gemma4", "google-gemma-4-31B-it", True, "<|turn>model\n"),
-    ("gemma4", "google-gemma-4-31B-it-interleaved", True, "<|turn>model\n"),
+    ("gemma", "google-gemma-4-31B-it", True, "<|turn>model\n"),
+    ("gemma", "google-gemma-4-31B-it-interleaved", True, "<|turn>model\n"),
     ("granite", "ibm-granite-granite-3.3-2B-Instruct", True, HAND),
 ]
 IDS = [c[1] for c in CASES]
@@ -92,7 +92,7 @@ SPECIAL = {
     "deepseek_dsml": ["｜DSML｜", "<think>", "</think>"],
     "glm": ["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "<think>",
             "</think>"],
-    "gemma4": ["<|tool_call>", "<tool_call|>", '<|"|>', "<|channel>", "<channel|>"],
+    "gemma": ["<|tool_call>", "<tool_call|>", '<|"|>', "<|channel>", "<channel|>"],
     "granite": ["<|tool_call|>"],
 }
 
@@ -230,7 +230,7 @@ def test_unparsable_call_stays_content():
     dsv31 = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>search<｜tool▁sep｜>{oops<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
     assert f["deepseek"].parse(dsv31) == (dsv31, [])
     assert f["mistral"].parse("[TOOL_CALLS]search[ARGS]{") == ("[TOOL_CALLS]search[ARGS]{", [])
-    assert f["gemma4"].parse("<|tool_call>call:search{query:<|\"|>x}") == ("<|tool_call>call:search{query:<|\"|>x}", [])
+    assert f["gemma"].parse("<|tool_call>call:search{query:<|\"|>x}") == ("<|tool_call>call:search{query:<|\"|>x}", [])
     bad = "<|channel|>commentary to=functions.search <|constrain|>json<|message|>{not json"
     assert f["harmony"].parse(bad) == ("{not json", [])
 

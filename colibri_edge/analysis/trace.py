@@ -3,7 +3,8 @@
 File (.npz):
   expert_ids  int16   [tokens, moe_layers, top_k]
   weights     float32 [tokens, moe_layers, top_k]
-  seq_ids, positions, step_ids  int32 [tokens]   (a step is one forward call: a prefill chunk or a decode step)
+  seq_ids, positions, step_ids  int32 [tokens]   (a step is one forward call: a prefill chunk or a decode step;
+              Engine.trace's seq_ids are the prompts' indices)
   layer_ids   int32   [moe_layers]
   predicted_ids int16 [tokens, moe_layers, top_k]  layer j's experts as predicted by applying its router
               to the hidden state of MoE layer j-1 (-1 for the first): what the prefetch policy uses
@@ -58,6 +59,48 @@ class Trace:
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{path}: not a Colibri routing trace ({e}); "
                                "make one with `colibri trace`") from None
 
+    @classmethod
+    def concat(cls, parts) -> "Trace":
+        """Traces of consecutive shards of one prompt list, as one: shard i's seq_ids (its prompts'
+        indices) move past the prompts of the shards before it, its step_ids past their steps, so
+        the rows come in prompt order as one process running the shards one after another writes
+        them. The meta is the first part's."""
+        parts = list(parts)
+        if not parts:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, "no traces to join")
+        seq_off, step_off, seqs, steps = 0, 0, [], []
+        for p in parts:
+            seqs.append(p.seq_ids + seq_off)
+            steps.append(p.step_ids + step_off)
+            seq_off += int(p.meta.get("prompts", int(p.seq_ids.max()) + 1 if p.seq_ids.size else 0))
+            step_off += p.num_steps
+        cat = lambda name: np.concatenate([getattr(p, name) for p in parts])   # noqa: E731
+        pw = None if any(p.predicted_weights is None for p in parts) else cat("predicted_weights")
+        meta = {**parts[0].meta, "prompts": seq_off}
+        return cls(cat("expert_ids"), cat("weights"), np.concatenate(seqs).astype(np.int32), cat("positions"),
+                   np.concatenate(steps).astype(np.int32), parts[0].layer_ids, cat("predicted_ids"), meta, pw)
+
+    def with_top_k(self, k: int) -> "Trace":
+        """The trace as if each token had kept only its k highest-weight experts (and k predicted ones):
+        `colibri simulate --top-k`. The first MoE layer's choice is then exactly the model's at top-k;
+        later layers' are approximate (their inputs would have mixed fewer experts): trace with
+        `colibri trace --experts-per-token k` for the exact routing."""
+        K = self.expert_ids.shape[2]
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= K:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"top_k={k!r}: give 1..{K} (the trace's experts per "
+                               "token); trace with --experts-per-token for more")
+        if k == K:
+            return self
+        order = np.argsort(-self.weights, axis=2, kind="stable")[:, :, :k]
+        keep = lambda a, o: np.take_along_axis(a, o, axis=2)                   # noqa: E731
+        if self.predicted_weights is not None:
+            porder = np.argsort(-self.predicted_weights, axis=2, kind="stable")[:, :, :k]
+            pred, pw = keep(self.predicted_ids, porder), keep(self.predicted_weights, porder)
+        else:
+            pred, pw = self.predicted_ids[:, :, :k], None
+        return Trace(keep(self.expert_ids, order), keep(self.weights, order), self.seq_ids, self.positions,
+                     self.step_ids, self.layer_ids, pred, {**self.meta, "top_k": k}, pw)
+
     @property
     def num_steps(self):
         return int(self.step_ids.max()) + 1 if self.step_ids.size else 0
@@ -85,12 +128,12 @@ class TraceRecorder(RoutingHook):
         self._cur = None
 
     def begin_step(self, entries, positions):
-        seq_ids = np.repeat([seq.seq_id for seq, _ in entries], [len(t) for _, t in entries])
+        seq_ids = np.repeat(np.arange(len(entries)), [len(t) for _, t in entries])   # rows' entry, until trace()
         T, k = len(seq_ids), self.runner.top_k
         L = len(self.moe_layers)
         self._cur = {"ids": np.full((T, L, k), -1, np.int16), "w": np.zeros((T, L, k), np.float32),
                      "pred": np.full((T, L, k), -1, np.int16), "pred_w": np.zeros((T, L, k), np.float32),
-                     "seq": np.asarray(seq_ids, np.int32),
+                     "seq": np.asarray(seq_ids, np.int32), "owners": [(seq.owner, seq.seq_id) for seq, _ in entries],
                      "pos": np.asarray(positions, np.int32).copy()}
 
     def on_route(self, layer, ids, weights, next_layer, predicted):
@@ -110,12 +153,19 @@ class TraceRecorder(RoutingHook):
         self._step += 1
         self._cur = None
 
-    def trace(self) -> Trace:
+    def trace(self, labels=None) -> Trace:
+        """labels: request -> its prompt's index (the seq_ids written); any other request's rows get
+        len(labels) + its sequence id."""
+        labels = labels or {}
+        for c in self.chunks:
+            ids = np.array([labels[o] if o in labels else len(labels) + s for o, s in c.pop("owners")], np.int32)
+            c["seq"] = ids[c["seq"]] if len(ids) else c["seq"]
         L, k = len(self.moe_layers), self.runner.top_k
         cat = lambda key, shape, dt: np.concatenate([c[key] for c in self.chunks]) if self.chunks else np.zeros(shape, dt)
+        meta = {**self.meta, "prompts": len(labels)} if labels else dict(self.meta)
         return Trace(cat("ids", (0, L, k), np.int16), cat("w", (0, L, k), np.float32), cat("seq", (0,), np.int32),
                      cat("pos", (0,), np.int32), cat("step", (0,), np.int32), np.array(self.moe_layers, np.int32),
-                     cat("pred", (0, L, k), np.int16), dict(self.meta), cat("pred_w", (0, L, k), np.float32))
+                     cat("pred", (0, L, k), np.int16), meta, cat("pred_w", (0, L, k), np.float32))
 
 
 # ------------------------------------------------------------------------------------------------

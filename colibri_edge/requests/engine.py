@@ -344,13 +344,16 @@ class Engine:
         self._check_open()
         return session.load(self, path)
 
-    def _score(self, seqs, kind=True) -> list:
+    def _score(self, seqs, kind=True, made=None) -> list:
         """Every token's logits of each sequence, through the request core: scoring requests (no
-        generation) prefilled in chunks beside whatever else is running, max_batch at a time."""
+        generation) prefilled in chunks beside whatever else is running, max_batch at a time (made: a
+        list the requests are appended to)."""
         out = []
         params = self._params(max_new_tokens=1)
         for g in range(0, len(seqs), self.max_batch):
             reqs = [Request(ids, params) for ids in seqs[g:g + self.max_batch]]
+            if made is not None:
+                made += reqs
             for r in reqs:
                 r.score = kind
             self._core.submit(reqs)
@@ -615,19 +618,31 @@ class Engine:
 
     def trace(self, prompts, max_new_tokens=0, **gen):
         """Run prompts (token id lists or strings) and return the routing Trace of every step
-        (prefill, and decode when max_new_tokens > 0)."""
+        (prefill, and decode when max_new_tokens > 0). The trace's seq_ids are the prompts' indices
+        (other requests running meanwhile are traced too, as len(prompts) + their sequence id)."""
         from ..analysis.trace import TraceRecorder
         self._check_open()
+        prompts = self._check_prompts(prompts)
         rec = TraceRecorder(self.runner, self.trace_meta())
         self._core.call(lambda: self.runner.hooks.append(rec))      # steps of concurrent requests are traced too
+        reqs = []
         try:
             if max_new_tokens > 0:
-                self.generate_batch(list(prompts), max_new_tokens=max_new_tokens, **gen)
+                priority = gen.pop("priority", 0)
+                reqs = self._submit(prompts, priority, max_new_tokens=max_new_tokens, **gen)
+                try:
+                    for r in reqs:
+                        for ev in r.iter_events():
+                            if ev.kind == ERROR:
+                                raise ev.error
+                finally:
+                    for r in reqs:
+                        r.cancel()
             else:
-                self._score([self._prompt_ids(p) for p in prompts])
+                self._score([self._prompt_ids(p) for p in prompts], made=reqs)
         finally:
             self._core.call(lambda: self.runner.hooks.remove(rec))
-        return rec.trace()
+        return rec.trace({r: i for i, r in enumerate(reqs)})
 
     @property
     def kv_free_blocks(self) -> int:

@@ -404,6 +404,7 @@ class Core:
             if p is not None and not p.finished and (p in self.waiting or (p.seq is not None and p.pos < len(p.ctx))):
                 break                                   # its parent's prompt is not prefilled yet: wait for it
             seq = e._new_seq()
+            seq.owner = r
             start = 0
             if p is not None and p.seq is not None and r.ctx is r.prompt and p.pos >= len(p.ctx) >= len(r.ctx):
                 # share the parent's whole blocks below the last prompt token (which this one computes

@@ -11,7 +11,7 @@ assistant turns it renders); `format_for(template)` picks the format by substrin
 | deepseek_dsml | DeepSeek V3.2, V4                                 | <｜DSML｜invoke name="NAME"> then <｜DSML｜parameter name="K" string="true|false">V</｜DSML｜parameter> lines, in a <｜DSML｜function_calls> block (V4: tool_calls) |
 | deepseek      | DeepSeek V3.1 (V3-0324, R1 distills)              | <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜> between <｜tool▁calls▁begin｜> and <｜tool▁calls▁end｜> (V3: function<｜tool▁sep｜>NAME, ARGS in a ```json fence) |
 | mistral       | Nemo, Small 3.2, Ministral 3, Devstral            | [TOOL_CALLS]NAME[ARGS]ARGS per call (Small 3.2's template: [CALL_ID]ID before [ARGS]); Nemo: [TOOL_CALLS][{"name", "arguments"}, ...] |
-| gemma4        | Gemma 4                                           | <|tool_call>call:NAME{k:V,...}<tool_call|>, strings between <|"|> marks |
+| gemma         | Gemma 4                                           | <|tool_call>call:NAME{k:V,...}<tool_call|>, strings between <|"|> marks |
 | granite       | Granite 3.x                                       | <|tool_call|>[{"name", "arguments"}, ...]             |
 | glm           | GLM-4.6, GLM-4.7 (Ling 3, Spark 2.5)              | <tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call> |
 | qwen3_coder   | Qwen3.5, Qwen3-Coder (Nemotron 3 Nano, Step 3.5)  | <tool_call>\\n<function=NAME>\\n<parameter=K>\\nV\\n</parameter>\\n</function>\\n</tool_call> |
@@ -38,7 +38,7 @@ order, and takes \\u escapes for control characters only: other characters are w
 zero or one space after "," and ":" passes, as json.dumps and compact writers emit), and where
 it writes values as text one rule per parameter by its type (a string: any text up to the parameter's
 end marker; integer, number, boolean by their spellings; objects and arrays %json), the parameters in
-the schema's order (gemma4: sorted, as its template writes them), the required ones present. Reasoning
+the schema's order (gemma: sorted, as its template writes them), the required ones present. Reasoning
 may come first: the format's block, or the rest of one the prompt opened (in_reasoning =
 opens_reasoning(prompt)). Markers that are special tokens of the model's tokenizer are given in
 `special` (text -> id) and written as token references: plain text cannot spell a special token.
@@ -61,7 +61,7 @@ _INT = r"-?(0|[1-9][0-9]*)"
 _NUM = r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?"
 _JSON_OPTIONS = {"whitespace_pattern": "[ ]?"}     # between JSON tokens: nothing or one space
 _SP = '" "?'                                        # the same between the parts a format writes around JSON
-_KEY = "/[A-Za-z_][A-Za-z0-9_.-]*/"                 # a bare key (gemma4)
+_KEY = "/[A-Za-z_][A-Za-z0-9_.-]*/"                 # a bare key (gemma)
 
 
 def register(cls):
@@ -654,7 +654,7 @@ class Gemma4(ToolFormat):
     """Gemma 4: <|tool_call>call:NAME{key:VALUE,...}<tool_call|> per call, keys bare and sorted (the
     template's dictsort), strings between <|"|> marks, numbers, true/false and null bare, objects
     {k:v,...} and lists [v,...] nested. Its reasoning: <|channel>thought...<channel|>."""
-    name = "gemma4"
+    name = "gemma"
     markers = ("<|tool_call>",)
     start = "<|tool_call>"
     think = ("<|channel>thought", "<channel|>")

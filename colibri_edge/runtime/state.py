@@ -46,6 +46,7 @@ class SeqState:
     tables: list = field(default_factory=list)       # per paged pool: block ids, in position order
     slots: list = field(default_factory=list)        # per fixed pool: the slot, or -1
     restore: int = -1                                # a snapshot to copy into its fixed slot once reserved
+    owner: object = None                             # the request holding it (set at admission; traces)
 
 
 class FreeList:

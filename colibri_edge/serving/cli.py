@@ -436,13 +436,58 @@ def _cmd_trace(a):
     lines = [l.strip() for l in open(a.prompts, encoding="utf-8") if l.strip()]
     if not lines:
         raise ColibriError(-1, f"{a.prompts}: no prompts (one a line)")
-    with Engine.open(_model_or_default(a.model), backend=a.backend, max_batch=a.max_batch,
-                     top_k=a.experts_per_token) as eng:
-        prompts = [[int(t) for t in l.split()] for l in lines] if a.ids else lines
-        tr = eng.trace(prompts, max_new_tokens=a.max_new_tokens, ignore_eos=a.max_new_tokens > 0)
+    prompts = [[int(t) for t in l.split()] for l in lines] if a.ids else lines
+    model = _model_or_default(a.model)
+    kw = dict(backend=a.backend, max_batch=a.max_batch, top_k=a.experts_per_token)
+    if a.ray is not None or a.workers is not None:
+        from .distributed import trace_sharded
+        tr = trace_sharded(os.path.abspath(model), prompts, workers=a.workers or 2, address=a.ray,
+                           max_new_tokens=a.max_new_tokens, engine_kw=kw,
+                           on_shard=lambda done, total, *_: _progress("shards", done, total))
+    else:
+        with Engine.open(model, prefix_cache=False, **kw) as eng:
+            tr = eng.trace(prompts, max_new_tokens=a.max_new_tokens, ignore_eos=a.max_new_tokens > 0)
     tr.save(a.out)
     print(f"wrote {a.out}: {tr.expert_ids.shape[0]} tokens, {tr.num_steps} steps, "
           f"{len(tr.layer_ids)} MoE layers, top-{tr.expert_ids.shape[2]}")
+    return 0
+
+
+def _progress(what, done, total):
+    """A progress bar on stderr (stdout stays the result)."""
+    n = 30 * done // max(total, 1)
+    print(f"\r[{'#' * n}{'.' * (30 - n)}] {done}/{total} {what}", end="\n" if done >= total else "",
+          file=sys.stderr, flush=True)
+
+
+def _cmd_sweep(a, tr):
+    """simulate --sweep SPEC: the grid's cells (here, or on Ray), one table or --json rows."""
+    import json as _json
+    from .distributed import SWEEP_KEYS, parse_sweep, plot_grid, sweep
+    grid = parse_sweep(a.sweep)
+    if "policy" not in grid:
+        grid["policy"] = a.policy.split(",")
+    if "device" not in grid and a.device:
+        grid["device"] = [a.device]
+    if "top_k" not in grid and a.top_k is not None:
+        grid["top_k"] = [a.top_k]
+    rows = sweep(tr, grid, a.context, address=a.ray, workers=a.workers,
+                 on_cell=lambda done, total: _progress("cells", done, total))
+    if a.json:
+        print(_json.dumps(rows, indent=1))
+    else:
+        from ..units import human
+        keys = [k for k in SWEEP_KEYS if k in rows[0]]
+        est = "est_ms_per_token" in rows[0]
+        print("".join(f"{k:>16}" if k == "device" else f"{k:>8}" for k in keys) + f"{'misses':>10}{'hit rate':>10}"
+              f"{'moved':>12}" + (f"{'ms/token':>10}{'fits':>6}" if est else ""))
+        for r in rows:
+            print("".join(f"{r[k]:>16}" if k == "device" else f"{r[k]:>8}" for k in keys) + f"{r['misses']:>10}"
+                  f"{r['hit_rate']:>10.3f}{human(r['bytes_moved']):>12}"
+                  + (f"{r['est_ms_per_token']:>10.2f}{'yes' if r['fits'] else 'NO':>6}" if est else ""))
+    if a.plot:
+        plot_grid(rows, a.plot, os.path.basename(a.trace))
+        print(f"wrote {a.plot}")
     return 0
 
 
@@ -453,6 +498,12 @@ def _cmd_simulate(a):
     if a.plot:
         _need_matplotlib("simulate --plot")
     tr = Trace.load(a.trace)
+    if isinstance(a.sweep, str):
+        return _cmd_sweep(a, tr)
+    if a.ray is not None or a.workers is not None:
+        raise ColibriError(-1, "--ray / --workers run a grid: give --sweep KEY=VALUES (e.g. slots=4:64:4,policy=lru,lfu)")
+    if a.top_k is not None:
+        tr = tr.with_top_k(a.top_k)
     prof = load_profile(a.device) if a.device else None
     policies = a.policy.split(",")
     if a.target_ms is not None:
@@ -827,6 +878,11 @@ def build_parser():
     t.add_argument("--backend", default=None)
     t.add_argument("--experts-per-token", type=int, default=None, metavar="K",
                    help="trace the model routed to K experts per token (COLIBRI_TOP_K): simulate what it saves")
+    t.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="trace on N Ray actors, prompts sharded (the ray extra; a local Ray without --ray)")
+    t.add_argument("--ray", default=None, metavar="ADDRESS",
+                   help="a Ray cluster's address (auto, HOST:PORT, ray://...); the model directory must be at "
+                   "the same path on every node")
     t.set_defaults(fn=_cmd_trace)
     sm = sub.add_parser("simulate", help="replay a trace through the expert slot pool; estimate a device")
     sm.add_argument("--trace", required=True)
@@ -835,7 +891,14 @@ def build_parser():
     sm.add_argument("--device", default=None, help="profile name (rk3588, mali-g78-phone, jetson-orin, "
                     "a100-pcie4) or a JSON file")
     sm.add_argument("--context", type=int, default=4096, help="context length for the memory fit")
-    sm.add_argument("--sweep", action="store_true", help="hit rate over slot counts")
+    sm.add_argument("--sweep", nargs="?", const=True, default=False, metavar="KEY=VALUES",
+                    help="alone: hit rate over slot counts; KEY=VALUES[,KEY=VALUES]: a grid over slots "
+                    "(start:stop:step, stop included), policy, device and top_k, e.g. "
+                    "slots=4:64:4,policy=lru,lfu,belady,prefetch,device=rk3588,jetson-orin,top_k=2,1")
+    sm.add_argument("--top-k", type=int, default=None, metavar="K",
+                    help="replay as if each token kept its K highest-weight experts (Trace.with_top_k)")
+    sm.add_argument("--workers", type=int, default=None, metavar="N", help="run the grid on N Ray workers")
+    sm.add_argument("--ray", default=None, metavar="ADDRESS", help="run the grid on this Ray cluster")
     sm.add_argument("--plot", default=None, help="write the sweep as a PNG")
     sm.add_argument("--json", action="store_true")
     sm.add_argument("--target-ms", type=float, default=None,
