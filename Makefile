@@ -35,8 +35,11 @@ $(VENV)/.base: pyproject.toml setup.py
 # llama.cpp's converter (convert_hf_to_gguf.py, from llama-cpp-python's sdist on PyPI, sha256-pinned):
 # the GGUF tests' files are made by it; fetched here so pytest itself never touches the network
 # tmux: tests/test_cli_chat.py drives `colibri chat` in a real terminal (Debian's package; CI runs as root)
+# chromium + chromium-driver: tests/test_dashboard.py drives colibri serve's /dashboard in headless Chromium
 $(VENV)/.test: $(VENV)/.base
 	command -v tmux >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux; }
+	command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1 || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; }
 	$(PIP) install -q -e '.[test,opencl,cuda,gguf,serve,grammar,ray]'
 	$(PY) tests/llamacpp_convert.py fetch
 	touch $@

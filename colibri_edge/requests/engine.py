@@ -146,7 +146,7 @@ class Engine:
                  int8_activations=None,
                  device=None, max_queue=1024, interleave=2.0, core_thread=None, memory_budget=None, top_k=None,
                  chat_template=None, prefix_cache=True, kv_dtype=None, state_snapshots=None, snapshot_every=1024,
-                 settle_replies=False):
+                 settle_replies=False, profile=False):
         # chat_template: a Jinja file's path or the template text, over the model's own (textio.load_chat_template);
         # a model with neither renders chats as ChatML, with a warning (textio.FALLBACK_CHAT_TEMPLATE)
         from .textio import load_chat_template
@@ -203,12 +203,14 @@ class Engine:
         snapshots = sampling.integer("state_snapshots", self.max_batch if state_snapshots is None else
                                      state_snapshots, 0, 1 << 20) if use_prefix else 0
         snapshot_every = sampling.integer("snapshot_every", snapshot_every, 0, 1 << 30)
+        # memory_budget: bytes the engine may allocate (arena, KV pool, expert slots); kept for the dashboard
+        self.memory_budget = None if memory_budget is None else sampling.integer("memory_budget", memory_budget, 1,
+                                                                                 1 << 60)
         self.runner = Runner(self.model, self.backend, rows, self.max_batch, self.max_seq_len,
                              -(-int(kv_cache_tokens) // block), block, snapshots=snapshots,
                              snapshot_every=snapshot_every,
                              expert_slots=slots or None, slot_policy=policy,
-                             memory_budget=None if memory_budget is None else
-                             sampling.integer("memory_budget", memory_budget, 1, 1 << 60), kv_dtype=self.kv_dtype)
+                             memory_budget=self.memory_budget, kv_dtype=self.kv_dtype)
         # prefix caching (runtime/state.py States.adopt_prefix): a request starts from the longest
         # prefix of whole KV blocks an earlier one left in the pool, prefilling only the rest
         if not use_prefix:
@@ -232,6 +234,12 @@ class Engine:
         self.closed = False
         for _ in range(warmup):
             self.infer(np.zeros(min(8, self.max_seq_len), dtype=np.int32))
+        # profile: every step's time by phase (runtime/profiler.py; the dashboard shows it), at the cost
+        # of a device sync after each operation on queued backends
+        self.profiler = None
+        if sampling.flag("profile", profile):
+            from ..runtime.profiler import StepProfiler
+            self.profiler = StepProfiler(self.runner)
 
     @classmethod
     def open(cls, path, backend=None, **kw) -> "Engine":
@@ -247,6 +255,8 @@ class Engine:
         if not self.closed:
             self.closed = True
             self._core.close()
+            if self.profiler is not None:
+                self.profiler.close()
             if self.runner.slot_pool is not None:
                 self.runner.slot_pool.close()
             self.backend.close()

@@ -683,6 +683,8 @@ def serve_plan(a) -> tuple:
     if a.no_prefix_cache:
         shared["prefix_cache"] = False
     shared["settle_replies"] = not a.no_settle_replies
+    if a.profile:
+        shared["profile"] = True
     return models, options, budgets, shared
 
 
@@ -844,6 +846,8 @@ def build_parser():
                     "restarts (session files, per model)")
     sv.add_argument("--cache-dir-size", default="2G", metavar="SIZE", help="most bytes --cache-dir keeps per model "
                     "(least recently used files go first; default 2G)")
+    sv.add_argument("--profile", action="store_true", help="time every step by phase (attention, experts, "
+                    "lm_head, host) for the dashboard; queued backends sync after each operation (slower)")
     sv.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt whole (no KV reuse "
                     "across requests)")
     _add_engine_args(sv, per_model=True)

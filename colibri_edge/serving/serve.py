@@ -852,6 +852,8 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
     async def prom():
         return PlainTextResponse(generate_latest(metrics.registry).decode(), media_type=CONTENT_TYPE_LATEST)
 
+    from .dashboard import add_dashboard      # last: its page is answered outside the key check
+    add_dashboard(app, hosts, metrics, auth=bool(api_key))
     app.state.hosts = hosts
     return app
 
