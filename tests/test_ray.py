@@ -36,17 +36,26 @@ def _free_port():
 
 @pytest.fixture(scope="module")
 def cluster():
+    """A loopback cluster without token authentication (Ray 2.60 turns it on for a machine where any
+    local Ray wrote ~/.ray/auth_token): the head, this process and the CLI's subprocesses agree on it."""
     exe = os.path.join(os.path.dirname(sys.executable), "ray")
     port = _free_port()
     temp = f"/tmp/colibri-ray-{os.getpid()}"
-    subprocess.run([exe, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
-                    "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}"],
-                   check=True, capture_output=True, timeout=180)
+    saved = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    r = subprocess.run([exe, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
+                        "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}"],
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-2000:]
     try:
         yield f"127.0.0.1:{port}"
     finally:
         ray.shutdown()
         subprocess.run([exe, "stop", "--force"], capture_output=True, timeout=120)
+        if saved is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = saved
 
 
 @pytest.fixture(scope="module")
