@@ -494,6 +494,17 @@ class Backend:
         """out[t] += sum_j w[t,j] * y[inverse[t*k+j]]   (the residual add is fused)."""
         raise NotImplementedError
 
+    # -- LoRA (optional) ---------------------------------------------------------------------
+    runs_lora = False              # True: lora_update runs on this backend's buffers (run-time adapters,
+                                   # runtime/lora.py); False: adapters are merged at conversion instead
+
+    def lora_update(self, out, x, a_t, b_t, r0: int, r1: int):
+        """Optional (runs_lora): a LoRA update of rows r0 .. r1-1,
+            out[t] += (x[t] @ a_t) @ b_t,   a_t [in, r], b_t [r, out] float32 (the scale folded into b_t)
+        each row on its own, so that a row's result never depends on the rows beside it (the batch
+        invariance the request core relies on). Default: NumPy, on host buffers."""
+        out[r0:r1] += (x[r0:r1] @ a_t) @ b_t
+
     # -- optional capabilities ---------------------------------------------------------------
     ffn_activations = ("silu",)    # the expert activations grouped_ffn runs (Act kinds beyond SwiGLU)
     copies_weights = False         # True: weights are copied into the backend's memory (a device), so

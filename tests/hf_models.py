@@ -2,6 +2,7 @@
 (no hub): the whole-model oracle for every backend."""
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -236,7 +237,6 @@ def model_class(model_type: str):
 
 
 def checkpoint_class(path: str):
-    import json
     archs = json.load(open(os.path.join(path, "config.json"))).get("architectures") or []
     return model_class("qwen3_5_moe" if "Qwen3_5MoeForConditionalGeneration" in archs else "")
 
@@ -296,7 +296,6 @@ def dequantised_checkpoint(hf_dir: str, model_dir: str, out_dir: str) -> str:
     tensor replaced by what the directory stores, decoded (widen: the block formats by the NumPy
     reference of quant.py, itself checked against gguf-py), saved for transformers to run. Every
     tensor of the checkpoint must be replaced (a name map that misses one fails here)."""
-    import json
     import shutil
     from safetensors.numpy import load_file, save_file
     from colibri_edge.model import families
@@ -349,7 +348,6 @@ def dequantised_checkpoint(hf_dir: str, model_dir: str, out_dir: str) -> str:
 def build_text_model(tmp, case="mixtral", **overrides) -> tuple:
     """A model of CASES[case]'s shape with the demo's byte-level tokenizer (multi-byte characters
     span several tokens) and a chat template: (hf_dir, model_dir, eos id); overrides: config fields."""
-    import json
     from colibri_edge.model.demo import byte_level_tokenizer
     from colibri_edge.model.convert import convert
     tmp = str(tmp)
@@ -407,7 +405,6 @@ def mxfp4_checkpoint(tmp: str, case: str = "gpt_oss_mx") -> tuple:
 
 def pack_mxfp4(src: str, mx: str, oracle: str) -> tuple:
     """mxfp4_checkpoint's work on a saved float checkpoint `src` (any tokenizer files are copied)."""
-    import json
     import shutil
     import torch
     from safetensors.numpy import load_file, save_file
@@ -435,3 +432,45 @@ def pack_mxfp4(src: str, mx: str, oracle: str) -> tuple:
                                                                                       "model.embed_tokens", "lm_head"]}
     json.dump(cfg, open(os.path.join(mx, "config.json"), "w"))
     return mx, oracle
+
+
+# LoRA adapters (tests/test_lora.py): PEFT is the oracle. Which modules each family's adapter changes:
+# attention (latent attention's own projections), and the fused experts through target_parameters
+LORA_TARGETS = {
+    "deepseek_v3": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"],
+    "deepseek_v2": ["q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"],
+}
+EXPERT_PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]
+
+
+def build_lora(hf_dir: str, out_dir: str, targets=None, parameters=EXPERT_PARAMETERS, seed: int = 1, r: int = 4,
+               alpha: float = 8, std: float = 0.15, **config) -> str:
+    """A PEFT LoRA adapter of the checkpoint at hf_dir saved to out_dir, every factor random and non-zero
+    (B too: an adapter at PEFT's init would change nothing); config: other LoraConfig fields."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    model = checkpoint_class(hf_dir).from_pretrained(hf_dir, dtype=torch.float32)
+    mt = json.load(open(os.path.join(hf_dir, "config.json")))["model_type"]
+    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets or LORA_TARGETS.get(mt, ["q_proj", "k_proj",
+                                                                                             "v_proj", "o_proj"]),
+                     target_parameters=list(parameters) or None, init_lora_weights=False, **config)
+    torch.manual_seed(seed)
+    pm = get_peft_model(model, cfg)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_" in n:
+                p.normal_(0.0, std)
+    pm.save_pretrained(out_dir)
+    return out_dir
+
+
+def peft_logits(hf_dir: str, adapter_dir, ids) -> np.ndarray:
+    """PeftModel's float32 logits for ids [batch, seq] with the adapter at adapter_dir (None: the base)."""
+    import torch
+    from peft import PeftModel
+    model = checkpoint_class(hf_dir).from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    model.eval()
+    with torch.no_grad():
+        return model(torch.as_tensor(np.asarray(ids), dtype=torch.long)).logits.float().numpy()

@@ -100,6 +100,7 @@ class Backend(BackendBase):
         import numba
         from . import kernels, moe_kernels, qkernels, recurrent
         self.numba, self.k, self.m, self.q, self.r = numba, kernels, moe_kernels, qkernels, recurrent
+        self._lora_z = None               # lora_update's per-row scratch (grown on first use)
         _threading_defaults()
         pool = numba.config.NUMBA_NUM_THREADS
         num_threads = int(num_threads or 0)
@@ -520,3 +521,17 @@ class Backend(BackendBase):
 
     def combine(self, out, y, w, plan):
         self.m.combine(out, y, w, plan.inverse)
+
+    runs_lora = True
+
+    def lora_update(self, out, x, a_t, b_t, r0, r1):
+        """lora_kernels.lora_update: serial for a decode step's few rows, on the pool from PARALLEL_ROWS."""
+        from . import lora_kernels as lk
+        z = self._lora_z
+        if z is None or z.shape[0] < r1 or z.shape[1] < a_t.shape[1]:   # grown on first use, then reused
+            z = self._lora_z = np.zeros((max(r1, 64), max(a_t.shape[1], 16)), np.float32)
+        if r1 - r0 >= lk.PARALLEL_ROWS:
+            self._use_threads()
+            lk.lora_update_par(out, x, a_t, b_t, r0, r1, z)
+        else:
+            lk.lora_update(out, x, a_t, b_t, r0, r1, z)

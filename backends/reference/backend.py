@@ -186,6 +186,7 @@ def delta_rule_chunked(q, k, v, g, beta, S, chunk=DELTA_CHUNK):
 
 class Backend(BackendBase):
     name = "reference"
+    runs_lora = True               # base.Backend.lora_update's NumPy default
     weight_dtypes = WEIGHT_DTYPES
     kv_dtypes = KV_DTYPES
 
@@ -343,7 +344,8 @@ class Backend(BackendBase):
     def grouped_ffn(self, out, x, experts, plan, scratch, act=None):
         k = plan.top_k
         for e in plan.experts_to_run():
-            a, b = plan.offsets[e], plan.offsets[e + 1]
+            a = plan.offsets[e]
+            b = a + plan.counts[e] if plan.counts is not None else plan.offsets[e + 1]   # counts may narrow it
             tokens = plan.order[a:b] // k
             ffn = experts[e]
             xs = x[tokens]

@@ -212,10 +212,16 @@ def _finite(hf_dir, name, arr):
                             "saved after a diverged step): convert a sound one")
 
 
-def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool = True) -> dict:
+def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool = True, lora=None,
+            lora_scale: float = 1.0) -> dict:
     """Convert a Hugging Face checkpoint directory, or a GGUF file (gguf_import.py); returns the
-    Colibri config written."""
+    Colibri config written. lora: a PEFT LoRA adapter directory merged into the weights (model/lora.py:
+    W + lora_scale s B A per matrix and per expert, in float32, before the family's layout changes and
+    the requested dtype)."""
     hf_dir, out_dir = os.fspath(hf_dir), os.fspath(out_dir)
+    if lora is not None and os.path.isfile(hf_dir) and hf_dir.endswith(".gguf"):
+        raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, "--lora merges into a Hugging Face checkpoint; a GGUF model "
+                           "takes its adapter at run time (Engine.open(..., adapters=...), serve --lora)")
     if os.path.isfile(hf_dir) and hf_dir.endswith(".gguf"):
         if dtype is not None:
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"--dtype {dtype}: a GGUF file is converted in the "
@@ -243,6 +249,14 @@ def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool 
     if cfg.get("embed_scale") and emb in src and src.dtype(emb) in ("bfloat16", "float16"):
         # transformers multiplies by the scale cast to the embedding's type (Gemma's ScaledWordEmbedding)
         cfg["embed_scale"] = float(widen(narrow(np.float32([cfg["embed_scale"]]), src.dtype(emb)), src.dtype(emb))[0])
+    merge = None
+    if lora is not None:
+        from .lora import check_scale, read_adapter, resolve
+        merge = resolve(read_adapter(os.fspath(lora)), cfg, fam, check_scale(lora_scale))
+        if merge.gguf:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"--lora {lora}: a GGUF adapter applies at run time "
+                               "(Engine.open(..., adapters=...)); --lora merges a PEFT adapter directory")
+    merged, merged_arrays = set(), {}      # (a source tensor read for several of ours is merged once)
     names = fam.source_names(cfg, src)
     fold = fam.fold_factors(cfg)
     perm = row_permutations(cfg)
@@ -277,6 +291,15 @@ def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool 
                                     f"missing (needed for {what} by the config)")
             arr = src.float32(hf_name)
             _finite(hf_dir, hf_name, arr)
+            if merge is not None and hf_name in merge.linear and hf_name not in merged_arrays:
+                d = merge.delta(hf_name)
+                if d.shape != arr.shape:
+                    raise invalid_model(os.path.join(os.fspath(lora), "adapter_model.safetensors"), hf_name,
+                                        f"an update of shape {list(d.shape)} for a tensor of {list(arr.shape)}")
+                merged_arrays[hf_name] = arr = arr + d
+                merged.add(hf_name)
+            elif merge is not None and hf_name in merged_arrays:
+                arr = merged_arrays[hf_name]
             if rows is not None:
                 if arr.ndim != 2 or arr.shape[0] < rows.stop:
                     raise invalid_model(os.path.join(hf_dir, "*.safetensors"), hf_name,
@@ -296,6 +319,10 @@ def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool 
             w.add_tensor(what, arr, tdtype)
             used.add(hf_name)
         elif what[0] in packed and dtype is None:
+            if merge is not None and what in merge.experts:
+                raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"--lora changes the MXFP4 experts of layer {what[0]}; "
+                                   "merging needs them widened: give --dtype (e.g. --dtype mxfp4 requantises after "
+                                   "the merge)")
             mats, src_names = fam.packed_expert(src, cfg, *what)
             w.add_expert(what[0], what[1], *mats, expert_fmts[what[0]], hidden=H, inter=I)
             used.update(src_names)
@@ -306,12 +333,25 @@ def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool 
             else:
                 getters, src_names = fam.expert_sources(src, cfg, *what)
                 mats = [g() for g in getters]
+            if merge is not None and what in merge.experts:
+                for i, part in enumerate(("gate", "up", "down")):
+                    if part in merge.experts[what]:
+                        a, b = merge.experts[what][part]
+                        mats[i] = mats[i] + b @ a
+                merged.add(what)
             if "expert.down" in fold:
                 mats[2] = mats[2] * np.float32(fold["expert.down"])
             for m, part in zip(mats, ("gate", "up", "down")):
                 _finite(hf_dir, f"{src_names[0].rsplit('.', 2)[0]} (expert {what[1]} of layer {what[0]}, {part})", m)
             w.add_expert(what[0], what[1], *mats, expert_fmts[what[0]])
             used.update(src_names)
+    if merge is not None:
+        left = sorted(str(k) for k in set(merge.linear) | set(merge.experts) if k not in merged)
+        if left:
+            w.finish()
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"--lora {lora}: the adapter changes {left[0]}"
+                               f"{f' (and {len(left) - 1} more)' if len(left) > 1 else ''}, which this conversion "
+                               "does not write; was it trained on another model?")
     if cfg["tie_word_embeddings"]:
         used.add("lm_head.weight")
     leftover = sorted(n for n in src.entries if n not in used and not n.endswith("rotary_emb.inv_freq"))

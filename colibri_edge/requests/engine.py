@@ -146,7 +146,7 @@ class Engine:
                  int8_activations=None,
                  device=None, max_queue=1024, interleave=2.0, core_thread=None, memory_budget=None, top_k=None,
                  chat_template=None, prefix_cache=True, kv_dtype=None, state_snapshots=None, snapshot_every=1024,
-                 settle_replies=False, profile=False):
+                 settle_replies=False, profile=False, adapters=None):
         # chat_template: a Jinja file's path or the template text, over the model's own (textio.load_chat_template);
         # a model with neither renders chats as ChatML, with a warning (textio.FALLBACK_CHAT_TEMPLATE)
         from .textio import load_chat_template
@@ -240,6 +240,81 @@ class Engine:
         if sampling.flag("profile", profile):
             from ..runtime.profiler import StepProfiler
             self.profiler = StepProfiler(self.runner)
+        # adapters: {name: PEFT adapter directory (or llama.cpp LoRA .gguf)}, loaded now (load_adapter)
+        if adapters is not None:
+            if not isinstance(adapters, dict):
+                raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"adapters={adapters!r:.80}: expected a dict of "
+                                   "name -> adapter directory")
+            for name, where in adapters.items():
+                self.load_adapter(name, where)
+
+    # -- LoRA adapters (runtime/lora.py, docs/lora.md) ----------------------------------------
+    def load_adapter(self, name: str, path, scale: float = 1.0) -> dict:
+        """Load a LoRA adapter (PEFT's adapter_config.json + adapter_model.safetensors, or llama.cpp's LoRA
+        .gguf) under `name`, while the engine runs; requests then name it (adapter=name). Its factors
+        count against the engine's memory_budget. Returns adapters()[name]."""
+        self._check_open()
+        if not isinstance(name, str) or not name or len(name) > 256 or name.strip() != name:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"adapter name {name!r:.80}: expected a non-empty "
+                               "string without surrounding spaces")
+        if not isinstance(path, (str, os.PathLike)):
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"adapter {name!r}: path {path!r:.80} is not a path")
+        from ..model import families
+        from ..model.lora import check_scale, read_adapter
+        scale = check_scale(scale)
+        adapter = read_adapter(os.fspath(path))
+        family = families.for_model_type(self.config["model_type"], os.path.join(self.path, "config.json"))
+
+        def load():
+            from ..runtime.lora import Adapters
+            r = self.runner
+            if r.adapters is None:
+                r.adapters = Adapters(r)
+            if name in r.adapters.loaded:
+                raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"an adapter named {name!r} is loaded already; "
+                                   "unload_adapter it first, or pick another name")
+            lo = r.adapters.load(name, adapter, family, scale)
+            if self.memory_budget is not None and r.memory_need + r.adapters.nbytes > self.memory_budget:
+                r.adapters.unload(name)
+                from ..errors import COLIBRI_ERR_OUT_OF_MEMORY
+                from ..units import human
+                raise ColibriError(COLIBRI_ERR_OUT_OF_MEMORY, f"adapter {name!r} takes {human(lo.nbytes)}; with the "
+                                   f"engine's {human(r.memory_need)} and the adapters loaded it is over the memory "
+                                   f"budget of {human(self.memory_budget)}; unload an adapter or give a larger budget")
+            return lo
+        self._core.call(load)
+        return self.adapters()[name]
+
+    def unload_adapter(self, name: str):
+        """Unload an adapter; refused while a request queued or running uses it."""
+        self._check_open()
+        lo = self._adapter(name)
+
+        def unload():
+            core = self._core
+            users = [r for r in list(core.running) + list(core.waiting) if r.adapter is lo and not r.finished]
+            if users:
+                raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"adapter {name!r} is in use by {len(users)} "
+                                   "request(s); unload it when they finish (or cancel them)")
+            self.runner.adapters.unload(name)
+        self._core.call(unload)
+
+    def adapters(self) -> dict:
+        """name -> {"path", "rank", "bytes", "matrices"} of every loaded adapter."""
+        ad = self.runner.adapters if self.runner is not None else None
+        return {} if ad is None else {n: {"path": a.path, "rank": a.rank, "bytes": a.nbytes, "matrices": len(a.names)}
+                                      for n, a in ad.loaded.items()}
+
+    def _adapter(self, name):
+        """The loaded adapter a request names (None: the base model); unknown names refused."""
+        if name is None:
+            return None
+        ad = self.runner.adapters
+        if not isinstance(name, str) or ad is None or name not in ad.loaded:
+            known = ", ".join(sorted(ad.loaded)) if ad is not None and ad.loaded else "none"
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"adapter {name!r:.80} is not loaded (loaded: {known}); "
+                               "load it with Engine.load_adapter(name, path) or serve --lora NAME=DIR")
+        return ad.loaded[name]
 
     @classmethod
     def open(cls, path, backend=None, **kw) -> "Engine":
@@ -298,12 +373,13 @@ class Engine:
         return self.runner.new_sequence(self._next_seq)
 
     # -- public API -------------------------------------------------------------------------
-    def infer(self, input_ids):
+    def infer(self, input_ids, adapter=None):
         """int token ids [seq] or [batch, seq] (an array or nested lists, e.g. [[1, 2, 3, 4]]) -> float32
         logits, an array [batch, seq, vocab] ([1, seq, vocab] for 1-D). Sequences of different lengths
         (a list of them) -> a list of float32 [len, vocab] arrays, one per sequence (nothing is padded:
-        a pad position's logits would mean nothing)."""
+        a pad position's logits would mean nothing). adapter: a loaded LoRA adapter's name."""
         self._check_open()
+        lora = self._adapter(adapter)
         as_list = isinstance(input_ids, (list, tuple)) and len(input_ids) > 0 and \
             not np.isscalar(input_ids[0])
         if as_list:
@@ -317,22 +393,24 @@ class Engine:
                 raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT,
                                    f"input_ids must be [seq] or [batch, seq] token ids, got shape {arr.shape}")
             seqs = [self._check_ids(x) for x in arr]
-        results = self._score(seqs)
+        results = self._score(seqs, lora=lora)
         for j, r in enumerate(results):
             if not np.isfinite(r.max()):
                 raise nonfinite(f"input {j}")
         results = [r.astype(np.float32, copy=False) for r in results]
         return results if as_list else np.stack(results)
 
-    def embed(self, input_ids) -> list:
+    def embed(self, input_ids, adapter=None) -> list:
         """Token ids ([seq], or a list of sequences of any lengths) -> a list of float32 [len, hidden]
         arrays: every token's final hidden state after the final norm (the rows the lm_head reads), as
-        transformers' output.hidden_states[-1] after model.norm. serve's /v1/embeddings mean-pools them."""
+        transformers' output.hidden_states[-1] after model.norm. serve's /v1/embeddings mean-pools them.
+        adapter: a loaded LoRA adapter's name."""
         self._check_open()
+        lora = self._adapter(adapter)
         one = len(input_ids) > 0 and np.isscalar(input_ids[0]) if isinstance(input_ids, (list, tuple)) \
             else np.asarray(input_ids).ndim == 1
         seqs = [self._check_ids(input_ids)] if one else [self._check_ids(x) for x in input_ids]
-        out = self._score(seqs, kind="hidden")
+        out = self._score(seqs, kind="hidden", lora=lora)
         for j, r in enumerate(out):
             if not np.isfinite(r).all():
                 raise nonfinite(f"input {j}'s hidden states")
@@ -354,7 +432,7 @@ class Engine:
         self._check_open()
         return session.load(self, path)
 
-    def _score(self, seqs, kind=True, made=None) -> list:
+    def _score(self, seqs, kind=True, made=None, lora=None) -> list:
         """Every token's logits of each sequence, through the request core: scoring requests (no
         generation) prefilled in chunks beside whatever else is running, max_batch at a time (made: a
         list the requests are appended to)."""
@@ -365,7 +443,7 @@ class Engine:
             if made is not None:
                 made += reqs
             for r in reqs:
-                r.score = kind
+                r.score, r.adapter = kind, lora
             self._core.submit(reqs)
             for r in reqs:
                 for ev in r.iter_events():
@@ -444,12 +522,15 @@ class Engine:
 
     def _submit(self, prompts, priority=0, notify=None, _share=False, **gen) -> list:
         self._check_open()
+        lora = self._adapter(gen.pop("adapter", None))
         from .constrain import grammar_spec
         spec = grammar_spec(**{k: gen.pop(k) for k in GRAMMAR_ARGS if k in gen})
         params = self._params(**gen)
         pri = priority if isinstance(priority, (list, tuple)) else [priority] * len(prompts)
         pri = [sampling.integer("priority", x, -(1 << 20), 1 << 20) for x in pri]
         reqs = [Request(self._prompt_ids(p), params, pri[i], i, notify) for i, p in enumerate(prompts)]
+        for r in reqs:
+            r.adapter = lora
         if spec is not None:
             first = self._grammars().matcher(spec)        # a grammar that does not compile: raised here
             for i, r in enumerate(reqs):

@@ -152,8 +152,14 @@ class Request:
         self.admitted = 0.0
         self.first_token_at = None
         # "hidden" (Engine.embed): every prompt token's final-normed hidden state instead of its logits
+        self.adapter = None             # its LoRA adapter (runtime/lora.Loaded), or None: the base model
         self.score = False              # a scoring request (Engine.infer / trace): every prompt token's
         self.chunks: list = []          # logits, gathered chunk by chunk; it finishes when the prompt is in
+
+    @property
+    def hash_seed(self) -> bytes:
+        """Its prefix-cache blocks' key: the base model's, or its adapter's (never shared across them)."""
+        return b"colibri-kv" if self.adapter is None else self.adapter.hash_seed
 
     def cancel(self):
         """Leave at the next step (blocks back in the pool); the request's stream ends."""
@@ -368,7 +374,7 @@ class Core:
         if (len(fed) - 1) // A <= (len(r.prompt) - 1) // A:
             return                                       # no snapshot point inside the reply
         w = Request(fed, r.params, priority=SETTLE_PRIORITY)
-        w.score = SETTLE
+        w.score, w.adapter = SETTLE, r.adapter
         with self.cond:
             w.order, w.core = next(self._order), self
             self.waiting.append(w)
@@ -405,6 +411,7 @@ class Core:
                 break                                   # its parent's prompt is not prefilled yet: wait for it
             seq = e._new_seq()
             seq.owner = r
+            seq.adapter = None if r.adapter is None else r.adapter.name
             start = 0
             if p is not None and p.seq is not None and r.ctx is r.prompt and p.pos >= len(p.ctx) >= len(r.ctx):
                 # share the parent's whole blocks below the last prompt token (which this one computes
@@ -415,7 +422,7 @@ class Core:
                 # the longest cached prefix of whole blocks, short of the last token (whose logits
                 # this request computes itself); not while hooks watch every token (traces, tests)
                 B = states.prefix_block
-                hashes = block_hashes(r.ctx, B, upto=(len(r.ctx) - 1) // B)
+                hashes = block_hashes(r.ctx, B, upto=(len(r.ctx) - 1) // B, seed=r.hash_seed)
                 start = states.adopt_prefix(seq, hashes)
                 r.hashes = hashes[:start // B]
                 if not r.produced:
@@ -582,7 +589,8 @@ class Core:
                 fed = np.concatenate([r.ctx, np.asarray(tail, np.int32)])
         states = self.e.runner.states
         old = len(r.hashes)
-        r.hashes = block_hashes(fed, states.prefix_block, r.hashes, upto=r.seq.cached // states.prefix_block)
+        r.hashes = block_hashes(fed, states.prefix_block, r.hashes, upto=r.seq.cached // states.prefix_block,
+                                seed=r.hash_seed)
         states.publish(r.seq, r.hashes, old, replace=r.score == SETTLE)
 
     def _snapshot(self, r: Request):

@@ -34,6 +34,20 @@ from ..errors import ColibriError, COLIBRI_ERR_UNAVAILABLE
 from ..model.layerplan import geometry
 
 
+def lora(s, out, x, w: Weight):
+    """out += the LoRA updates of x for the step's requests whose adapter changes w (runtime/lora.py;
+    s.lora is None in a step without adapters)."""
+    if s.lora is not None:
+        s.lora.linear(out, x, w)
+
+
+def grouped(be, s, out, x, experts, plan, scratch, act=None, dense=False):
+    """be.grouped_ffn, or with adapters in the step runtime/lora.py's split of it: the rows of requests
+    whose adapter changes these experts run gate/up, the update, the activation, down and its update."""
+    if s.lora is None or not s.lora.ffn(be, out, x, experts, plan, scratch, act, dense):
+        be.grouped_ffn(out, x, experts, plan, scratch, act)
+
+
 @dataclass
 class Attention:
     """GQA over a paged KV cache. Hq query heads, Hkv KV heads, head_dim D, hidden H."""
@@ -73,6 +87,10 @@ class Attention:
         be.matmuls((g.q2, g.k2, g.v2), s.h, (self.wq, self.wk, self.wv), (self.bq, self.bk, self.bv))
         if self.wq_gate is not None:
             be.matmul(g.gate2, s.h, self.wq_gate)
+        if s.lora is not None:
+            for out, w in ((g.q2, self.wq), (g.k2, self.wk), (g.v2, self.wv), (g.gate2, self.wq_gate)):
+                if w is not None:
+                    s.lora.linear(out, s.h, w)
         if self.qk_norm == "per_head":
             be.rmsnorm(g.q_heads, g.q_heads, self.q_norm, self.eps)
             be.rmsnorm(g.k_heads, g.k_heads, self.k_norm, self.eps)
@@ -89,6 +107,7 @@ class Attention:
         if self.wq_gate is not None:
             be.gate_mul(g.attn2, g.attn2, g.gate2, "sigmoid")
         be.matmul(s.o, g.attn2, self.wo, self.bo)
+        lora(s, s.o, g.attn2, self.wo)
         if self.out_norm is not None:
             be.rmsnorm(s.o, s.o, self.out_norm, self.eps)
         be.add(s.x, s.x, s.o)
@@ -134,10 +153,15 @@ class LatentAttention:
         qin = s.h
         if self.wq_a is not None:
             be.matmul(m.qa, s.h, self.wq_a)
+            lora(s, m.qa, s.h, self.wq_a)
             be.rmsnorm(m.qa, m.qa, self.q_a_norm, self.eps)
             qin = m.qa
         be.matmuls((m.q_nope, m.q_rope), qin, (self.wq, self.wq_rope), (None, None))
         be.matmuls((m.c, m.r), s.h, (self.wkv_a, self.wk_rope), (None, None))
+        if s.lora is not None:
+            for out, x, w in ((m.q_nope, qin, self.wq), (m.q_rope, qin, self.wq_rope), (m.c, s.h, self.wkv_a),
+                              (m.r, s.h, self.wk_rope)):
+                s.lora.linear(out, x, w)
         be.rmsnorm(m.c, m.c, self.kv_a_norm, self.eps)
         be.rope(m.q_rope3, m.q_rope3, s.pos, self.rope_theta, self.inv_freq)
         be.rope(m.r3, m.r3, s.pos, self.rope_theta, self.inv_freq)
@@ -149,6 +173,7 @@ class LatentAttention:
                             self.block_size, self.scale)
         be.head_matmul(m.o_v3, m.o_lat, self.wv_b)
         be.matmul(s.o, m.o_v, self.wo)
+        lora(s, s.o, m.o_v, self.wo)
         be.add(s.x, s.x, s.o)
 
     def bind(self, storage: dict, layer: int):
@@ -187,12 +212,16 @@ class GatedDeltaNet:
         L, slots = s.lin, s.fslots[self.fixed]
         be.matmuls((L.qkv, L.z), s.h, (self.wqkv, self.wz), (None, None))
         be.matmuls((L.a, L.b), s.h, (self.wa, self.wb), (None, None))
+        if s.lora is not None:
+            for out, w in ((L.qkv, self.wqkv), (L.z, self.wz), (L.a, self.wa), (L.b, self.wb)):
+                s.lora.linear(out, s.h, w)
         be.causal_conv(L.conv, L.qkv, self.conv, self.conv_state, s.starts, slots, s.pos)
         be.delta_rule(L.core, L.conv, L.a, L.b, self.a_neg, self.dt_bias, self.ssm_state, s.starts, slots, s.pos,
                       self.heads)
         be.rmsnorm(L.core_heads, L.core_heads, self.norm, self.eps)
         be.gate_mul(L.core_heads, L.core_heads, L.z_heads, "silu")
         be.matmul(s.o, L.core, self.wo)
+        lora(s, s.o, L.core, self.wo)
         be.add(s.x, s.x, s.o)
 
 
@@ -255,6 +284,7 @@ class MoE:
         if self.norms is not None:
             be.rmsnorm(s.h, s.x, self.norms[0], self.eps)
         be.matmul(s.router, s.h, self.router, self.router_bias)
+        lora(s, s.router, s.h, self.router)
         be.route(s.ids, s.w, s.router, self.top_k, self.mode, self.normalize, self.choice_bias, self.norm_min,
                  self.expert_scale, self.score, self.groups, self.scaling)
         plan = be.align(c.plan_bufs, s.ids, s.T, len(self.experts), self.top_k, self.tally)
@@ -262,7 +292,7 @@ class MoE:
         if self.norms is not None:
             be.rmsnorm(s.h, s.x, self.norms[1], self.eps)
         if c.slot_pool is None:
-            be.grouped_ffn(s.y, s.h, self.experts, plan, s.scratch, self.act)
+            grouped(be, s, s.y, s.h, self.experts, plan, s.scratch, self.act)
         else:
             c.slot_pool.run_layer(self, plan, s, prefetch)
         if self.norms is None:
@@ -285,9 +315,10 @@ class SharedExpert:
 
     def forward(self, c: FFNContext, s):
         be = c.be
-        be.grouped_ffn(s.o, s.h, self._one, c.dense_plan(s), s.scratch_dense)
+        grouped(be, s, s.o, s.h, self._one, c.dense_plan(s), s.scratch_dense, dense=True)
         if self.gate is not None:
             be.matmul(s.gate_logit, s.h, self.gate)
+            lora(s, s.gate_logit, s.h, self.gate)
             be.add(s.x, s.x, s.o, gate=s.gate_logit)
         else:
             be.add(s.x, s.x, s.o)
@@ -305,7 +336,7 @@ class DenseMLP:
 
     def forward(self, c: FFNContext, s):
         be = c.be
-        be.grouped_ffn(s.y_dense, s.h, self._one, c.dense_plan(s), s.scratch_dense, self.act)
+        grouped(be, s, s.y_dense, s.h, self._one, c.dense_plan(s), s.scratch_dense, self.act, dense=True)
         be.add(s.x, s.x, s.y_dense)
 
 
@@ -329,7 +360,7 @@ class ParallelFFN:
 
     def forward(self, c: FFNContext, s):
         be = c.be
-        be.grouped_ffn(s.y_dense, s.h, self._one, c.dense_plan(s), s.scratch_dense, self.act)
+        grouped(be, s, s.y_dense, s.h, self._one, c.dense_plan(s), s.scratch_dense, self.act, dense=True)
         if self.moe is None:
             be.rmsnorm(s.o, s.y_dense, self.out_norm, self.eps)
         else:
@@ -359,6 +390,9 @@ class Program:
     eps: float                  # rms_norm_eps
     embed_scale: float = 1.0    # x = embed_scale * embed[tok] (Gemma: sqrt(H))
     softcap: float = 0.0        # logits = cap tanh(logits / cap) (Gemma's final_logit_softcapping; 0: none)
+    named: dict = field(default_factory=dict)   # model tensor name -> its Weight (run-time adapters find theirs)
+    ffn_lists: dict = field(default_factory=dict)   # "layers.N.experts" / ".shared" / ".mlp" -> the FFN list
+                                                    # grouped_ffn takes (routed experts; a shared or dense MLP)
 
     @property
     def moe(self) -> list:
@@ -373,11 +407,16 @@ def build(model, be, pools, resident: bool, fixed_pools=()) -> Program:
     layers), after the paged ones in the engine's pool order."""
     cfg = model.config
 
+    named = {}
+
     def w(name):
         if not model.has(name):
             return None
-        sc = model.raw_tensor(name + ".scales") if model.has(name + ".scales") else None
-        return be.upload(model.raw_tensor(name), model.tensor_dtype(name), scales=sc, shape=model.tensor_shape(name))
+        if name not in named:
+            sc = model.raw_tensor(name + ".scales") if model.has(name + ".scales") else None
+            named[name] = be.upload(model.raw_tensor(name), model.tensor_dtype(name), scales=sc,
+                                    shape=model.tensor_shape(name))
+        return named[name]
 
     def ffn(prefix):
         return FFN(w(prefix + ".gate"), w(prefix + ".up"), w(prefix + ".down"))
@@ -493,7 +532,17 @@ def build(model, be, pools, resident: bool, fixed_pools=()) -> Program:
         layers.append(Layer(i, w(p + "input_norm"), mixer, w(p + "post_attention_norm"), parts, scalar))
     embed = w("embed_tokens")
     prog = Program(embed, layers, w("norm"), embed if cfg["tie_word_embeddings"] else w("lm_head"), eps,
-                   float(cfg.get("embed_scale", 1.0)), float(cfg.get("final_logit_softcap", 0.0)))
+                   float(cfg.get("embed_scale", 1.0)), float(cfg.get("final_logit_softcap", 0.0)), named)
+    for layer in layers:
+        p = f"layers.{layer.index}."
+        for part in layer.ffns:
+            if isinstance(part, SharedExpert):
+                prog.ffn_lists[p + "shared"] = part._one
+            elif isinstance(part, (DenseMLP, ParallelFFN)):
+                prog.ffn_lists[p + "mlp"] = part._one
+            m = part if isinstance(part, MoE) else getattr(part, "moe", None)
+            if m is not None:
+                prog.ffn_lists[p + "experts"] = m.experts
     moe = prog.moe
     for a, b in zip(moe, moe[1:]):
         a.next_layer, a.next_router, a.next_choice_bias = b.layer, b.router, b.choice_bias

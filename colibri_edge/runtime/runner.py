@@ -87,6 +87,7 @@ class StepViews:
         self.pred_router, self.pred_ids, self.pred_w = a["pred_router"][:T], a["pred_ids"][:T], a["pred_w"][:T]
         self.rows, self.sel, self.logits = inputs["rows"][:nrows], a["sel"][:nrows], a["logits"][:nrows]
         self.dense_plan = None          # the 1-expert plan of shared experts and dense MLPs, per step
+        self.lora = None                # the step's adapters (runtime/lora.py StepLora), or None
         self.mla = LatentViews(a, cfg, T) if cfg.get("latent_attention") else None
         self.attn_gate = a["attn_gate"][:T] if "attn_gate" in a else None
         self.lin = LinearViews(a, cfg, T) if fixed else None
@@ -176,6 +177,7 @@ class Runner:
         self.ffn_context = program.FFNContext(self.be, self.plan_bufs, self.dense_plan, self.slot_pool,
                                               self.hooks, self.on_route)
         self._views = {}
+        self.adapters = None             # run-time LoRA adapters (lora.Adapters), made at the first load
 
     # -- setup ------------------------------------------------------------------------------
     def _auto_slots(self, budget=None):
@@ -333,6 +335,12 @@ class Runner:
                                f"exceeds the arena ({self.max_rows} / {self.max_batch})")
         h = self.h
         h_tok, h_pos, h_seq, h_rows = h["tok"], h["pos"], h["seq"], h["rows"]
+        given, lora = entries, None
+        if self.adapters is not None and any(seq.adapter is not None for seq, _ in entries):
+            # the tokens laid out by adapter (the base model's first, then each adapter's run: lora.py);
+            # logit rows still in entry order
+            entries = sorted(entries, key=lambda e: (e[0].adapter is not None, e[0].adapter or ""))
+        first = {}                      # entry -> its first token's row in the step
         t = nrows = 0
         for s, (seq, toks) in enumerate(entries):
             n = len(toks)
@@ -347,24 +355,37 @@ class Runner:
                     slots[t:t + n] = row[p // B] * B + p % B
                 else:
                     slots[t] = tbl[seq.cached // B] * B + seq.cached % B
-            if all_logits is True or (all_logits is not False and all_logits[s]):
-                h_rows[nrows:nrows + n] = np.arange(t, t + n) if n > 1 else t
-                nrows += n
-            else:
-                h_rows[nrows] = t + n - 1
-                nrows += 1
+            first[id(seq)] = t
             if self.h_fslots:
                 h["starts"][s + 1] = t + n
                 for slots, slot in zip(self.h_fslots, seq.slots):
                     slots[s] = slot
             seq.cached += n
             t += n
+        for s, (seq, toks) in enumerate(given):              # logit rows in the order the entries came
+            t0, n = first[id(seq)], len(toks)
+            if all_logits is True or (all_logits is not False and all_logits[s]):
+                h_rows[nrows:nrows + n] = np.arange(t0, t0 + n) if n > 1 else t0
+                nrows += n
+            else:
+                h_rows[nrows] = t0 + n - 1
+                nrows += 1
+        if entries is not given:
+            runs, t0 = [], 0
+            for seq, toks in entries:
+                if runs and runs[-1][0] == seq.adapter:
+                    runs[-1][2] += len(toks)
+                else:
+                    runs.append([seq.adapter, t0, t0 + len(toks)])
+                t0 += len(toks)
+            lora = self.adapters.step(runs, T)
         for hook in self.hooks:
             hook.begin_step(entries, h_pos[:T])
         self.be.begin_step()
         self.be.upload_into(self.a["inputs"], self.h_inputs)
         s = self.views(T, nrows, len(entries))
-        if all_logits is False and nrows == T and not self.hooks and self.slot_pool is None:
+        s.lora = lora
+        if lora is None and all_logits is False and nrows == T and not self.hooks and self.slot_pool is None:
             # a decode step (one token per sequence): a GPU backend captures it once per shape and
             # replays it (CUDA graphs); only when nothing needs the host inside the step
             self.be.graph_step(("decode", T, nrows), self._forward, s)

@@ -47,6 +47,7 @@ class SeqState:
     slots: list = field(default_factory=list)        # per fixed pool: the slot, or -1
     restore: int = -1                                # a snapshot to copy into its fixed slot once reserved
     owner: object = None                             # the request holding it (set at admission; traces)
+    adapter: str | None = None                       # its LoRA adapter's name (runtime/lora.py), or None
 
 
 class FreeList:
@@ -76,15 +77,17 @@ class FreeList:
 EVICTED = -1            # a window pool's table entry whose block was returned (never read again)
 
 
-def block_hashes(tokens, block_size: int, prev: list | None = None, upto: int | None = None) -> list:
+def block_hashes(tokens, block_size: int, prev: list | None = None, upto: int | None = None,
+                 seed: bytes = b"colibri-kv") -> list:
     """The prefix hashes of the whole blocks of `tokens` (prefix caching): block j's hash covers its
     block_size token ids and, through the previous block's hash, every token before it, so equal
     hashes mean equal prefixes (BLAKE2b, 128 bits). prev: hashes already known for the first blocks
-    (extended, not recomputed); upto: at most this many blocks."""
+    (extended, not recomputed); upto: at most this many blocks; seed: what the first block's hash
+    starts from (a LoRA adapter's own, so that its blocks are never another adapter's or the base's)."""
     out = list(prev or [])
     n = len(tokens) // block_size if upto is None else min(upto, len(tokens) // block_size)
     for j in range(len(out), n):
-        h = hashlib.blake2b(out[-1] if out else b"colibri-kv", digest_size=16)
+        h = hashlib.blake2b(out[-1] if out else seed, digest_size=16)
         h.update(np.asarray(tokens[j * block_size:(j + 1) * block_size], dtype=np.int32).tobytes())
         out.append(h.digest())
     return out

@@ -14,9 +14,10 @@ from ..knobs import KV_DTYPES
 
 def _cmd_convert(a):
     from ..model.convert import convert
-    cfg = convert(a.source, a.out_dir, dtype=a.dtype, progress=not a.quiet)
+    cfg = convert(a.source, a.out_dir, dtype=a.dtype, progress=not a.quiet, lora=a.lora, lora_scale=a.lora_scale)
     print(f"wrote {a.out_dir}: {cfg['model_type']}, {cfg['num_hidden_layers']} layers, "
-          f"{cfg['experts_per_layer']} experts/layer, top-{cfg['top_k']}, {cfg['weight_dtype']}")
+          f"{cfg['experts_per_layer']} experts/layer, top-{cfg['top_k']}, {cfg['weight_dtype']}"
+          + (f", LoRA {a.lora} merged (scale {a.lora_scale:g})" if a.lora else ""))
     return 0
 
 
@@ -268,9 +269,12 @@ def _sampling_kw(a) -> dict:
 
 def _open_kw(a) -> dict:
     """Engine.open arguments of the engine flags (_add_engine_args)."""
-    return dict(backend=a.backend, max_seq_len=a.max_seq_len, expert_slots=a.expert_slots,
-                slot_policy=a.slot_policy, top_k=a.experts_per_token, num_threads=a.threads,
-                chat_template=a.chat_template, kv_dtype=a.kv_dtype)
+    kw = dict(backend=a.backend, max_seq_len=a.max_seq_len, expert_slots=a.expert_slots,
+              slot_policy=a.slot_policy, top_k=a.experts_per_token, num_threads=a.threads,
+              chat_template=a.chat_template, kv_dtype=a.kv_dtype)
+    if getattr(a, "lora", None):
+        kw["adapters"] = {"lora": a.lora}
+    return kw
 
 
 def _cmd_run(a):
@@ -283,6 +287,8 @@ def _cmd_run(a):
         elif a.ids:
             prompt = [int(t) for t in a.prompt.split()]
         kw = _sampling_kw(a)
+        if a.lora:
+            kw["adapter"] = "lora"
         t0 = time.perf_counter()
         if a.ids or not os.path.exists(os.path.join(eng.path, "tokenizer.json")):
             ids = eng.generate(prompt if a.ids else [int(t) for t in prompt.split()], **kw)
@@ -688,6 +694,19 @@ def serve_plan(a) -> tuple:
     return models, options, budgets, shared
 
 
+def lora_plan(specs) -> dict:
+    """serve --lora NAME=DIR (repeated) -> {NAME: DIR}; a malformed or repeated one refused."""
+    out = {}
+    for spec in specs or []:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"--lora {spec}: give NAME=DIR (an adapter directory)")
+        if name in out:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"--lora {spec}: adapter {name!r} is given twice")
+        out[name] = path
+    return out
+
+
 def _cmd_serve(a):
     from .serve import serve
     models, options, budgets, shared = serve_plan(a)
@@ -699,7 +718,8 @@ def _cmd_serve(a):
     serve(models, host=a.host, port=a.port, api_key=api_key, cors=a.cors, request_timeout=a.request_timeout,
           budgets=budgets, options=options, max_body=parse_size(a.max_body, f"--max-body {a.max_body}"),
           max_tokens=a.max_tokens, cache_dir=a.cache_dir,
-          cache_dir_bytes=parse_size(a.cache_dir_size, f"--cache-dir-size {a.cache_dir_size}"), **shared)
+          cache_dir_bytes=parse_size(a.cache_dir_size, f"--cache-dir-size {a.cache_dir_size}"),
+          loras=lora_plan(a.lora), **shared)
     return 0
 
 
@@ -791,6 +811,10 @@ def build_parser():
     c.add_argument("--dtype", choices=WEIGHT_DTYPES + MIXES, default=None,
                    help="weight format written from a Hugging Face checkpoint (default: the checkpoint's): "
                    "int8 (symmetric, per-row scales), ggml's block formats, or q4_k_m (llama.cpp's mix)")
+    c.add_argument("--lora", default=None, metavar="ADAPTER", help="merge a PEFT LoRA adapter directory into the "
+                   "weights (W + scale B A per matrix and per expert, in float32, before --dtype)")
+    c.add_argument("--lora-scale", type=float, default=1.0, metavar="S", help="the merged update's weight "
+                   "(default 1)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(fn=_cmd_convert)
     i = sub.add_parser("inspect", help="validate a model directory and print its plan and memory needs")
@@ -816,6 +840,8 @@ def build_parser():
     r.add_argument("--ids", action="store_true", help="the prompt is space-separated token ids")
     _add_sampling_args(r)
     _add_engine_args(r)
+    r.add_argument("--lora", default=None, metavar="ADAPTER", help="run with a LoRA adapter (PEFT directory or "
+                   "llama.cpp LoRA .gguf) applied at run time")
     r.add_argument("--stats", action="store_true",
                    help="print the backend's setup (cpu: threads used), decode step time p50/p99, the slot pool's counters")
     r.set_defaults(fn=_cmd_run)
@@ -850,6 +876,8 @@ def build_parser():
                     "lm_head, host) for the dashboard; queued backends sync after each operation (slower)")
     sv.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt whole (no KV reuse "
                     "across requests)")
+    sv.add_argument("--lora", action="append", default=None, metavar="NAME=DIR", help="a LoRA adapter applied at "
+                    "run time to the first model's requests that name it (\"model\": NAME); repeat for several")
     _add_engine_args(sv, per_model=True)
     sv.add_argument("--max-batch", type=int, default=8, action=_PerModel)
     sv.add_argument("--kv-cache-tokens", type=int, default=None, action=_PerModel,

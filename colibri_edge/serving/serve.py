@@ -112,6 +112,8 @@ class _Metrics:
 
 
 class _Host:
+    adapter = None                      # a LoRA adapter's name (_AdapterHost), None for the base model
+
     def __init__(self, name, engine, disk=None):
         self.name, self.engine, self.aio = name, engine, AsyncEngine(engine)
         self.created = int(time.time())
@@ -121,6 +123,20 @@ class _Host:
         e = self.engine
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "colibri-edge",
                 "model_type": e.config["model_type"], "backend": e.backend.name, "max_model_len": e.max_seq_len}
+
+
+class _AdapterHost(_Host):
+    """A LoRA adapter served as a model of its own (serve --lora NAME=DIR; a request's "model": NAME, as
+    vLLM does): its base model's engine, every request carrying adapter=NAME."""
+
+    def __init__(self, name, base: _Host):
+        self.name, self.engine, self.aio, self.base = name, base.engine, base.aio, base
+        self.created, self.disk, self.adapter = int(time.time()), None, name
+
+    def card(self):
+        info = self.engine.adapters().get(self.name, {})
+        return {**self.base.card(), "id": self.name, "created": self.created, "parent": self.base.name,
+                "root": info.get("path"), "lora": {"rank": info.get("rank"), "bytes": info.get("bytes")}}
 
 
 class _BodyLimit:
@@ -198,12 +214,13 @@ class _Auth:
 
 def create_app(models: dict, api_key: str | None = None, cors=None, request_timeout: float | None = None,
                max_body: int = MAX_BODY, max_tokens: int | None = None, cache_dir: str | None = None,
-               cache_dir_bytes: int = CACHE_DIR_BYTES):
+               cache_dir_bytes: int = CACHE_DIR_BYTES, adapters: dict | None = None):
     """The FastAPI app serving `models` ({name: Engine}); the engines stay the caller's to close
     (serve() closes those it opened). cors: an origin or a list of them; max_tokens: the most
     tokens a request may generate (a request asking more, or not saying, gets this many);
     cache_dir: conversations' KV prefixes kept there across restarts (diskcache.py), at most
-    cache_dir_bytes per model."""
+    cache_dir_bytes per model. adapters: {adapter name: model name} of the LoRA adapters loaded into
+    those engines (Engine.load_adapter), each served as a model of its own."""
     _deps()
     from fastapi import FastAPI, Request as HTTPRequest
     from fastapi.exceptions import RequestValidationError
@@ -216,6 +233,11 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
     hosts = {n: _Host(n, e, DiskCache(cache_dir, n, e, cache_dir_bytes) if cache_dir else None)
              for n, e in models.items()}
     metrics = _Metrics(hosts)
+    for a, base in (adapters or {}).items():
+        if a in hosts or base not in hosts or a not in hosts[base].engine.adapters():
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"adapter {a!r}: its name is a model's, or {base!r} is "
+                               "not served, or its engine has no such adapter loaded")
+    views = {**hosts, **{a: _AdapterHost(a, hosts[base]) for a, base in (adapters or {}).items()}}
     app = FastAPI(title="Colibri Edge", version=_version())
     origins = [] if not cors else [cors] if isinstance(cors, str) else list(cors)
 
@@ -229,7 +251,8 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
 
     def model_of_body(body):
         m = body.get("model") if isinstance(body, dict) else None
-        return m if isinstance(m, str) and m in hosts else ""
+        return views[m].base.name if isinstance(m, str) and m in views and m not in hosts else \
+            m if isinstance(m, str) and m in hosts else ""
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc):
@@ -361,13 +384,13 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
     def host_of(name):
         if name is None:
             return next(iter(hosts.values()))
-        if name not in hosts:
+        if name not in views:
             raise LookupError(name)
-        return hosts[name]
+        return views[name]
 
     def not_served(name):
         return error(404, f"model {name!r} is not served here; GET /v1/models lists "
-                     f"{', '.join(sorted(hosts))}", "model_not_found")
+                     f"{', '.join(sorted(views))}", "model_not_found")
 
     def gen_args(b: Common, e, logprobs: bool, top: int):
         n = b.max_completion_tokens if b.max_completion_tokens is not None else b.max_tokens
@@ -438,6 +461,8 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
         e = h.engine
         endpoint = "chat" if chat else "completions"
         gen = gen_args(b, e, logprobs, top)
+        if h.adapter is not None:
+            gen["adapter"] = h.adapter
         if plan is not None:
             for k in GRAMMAR_ARGS:
                 gen.pop(k, None)
@@ -752,7 +777,7 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
             x = body.input
             inputs = x if isinstance(x, list) and x and not isinstance(x[0], int) else [x]
             e = h.engine
-            vecs, n = await asyncio.to_thread(lambda: _embed(e, inputs))
+            vecs, n = await asyncio.to_thread(lambda: _embed(e, inputs, h.adapter))
             if body.dimensions is not None and not 1 <= body.dimensions <= vecs.shape[1]:
                 raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"dimensions={body.dimensions}: this model's "
                                    f"embeddings have {vecs.shape[1]}; ask for 1 to {vecs.shape[1]}")
@@ -805,13 +830,13 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
 
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [h.card() for h in hosts.values()]}
+        return {"object": "list", "data": [h.card() for h in views.values()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
-        if model_id not in hosts:
+        if model_id not in views:
             return not_served(model_id)
-        return hosts[model_id].card()
+        return views[model_id].card()
 
     def requests_view():
         """Per model: the pool and each running or waiting request with the KV blocks it holds."""
@@ -858,11 +883,11 @@ def create_app(models: dict, api_key: str | None = None, cors=None, request_time
     return app
 
 
-def _embed(e, inputs):
+def _embed(e, inputs, adapter=None):
     """[inputs] -> (float32 [n, hidden] unit vectors, prompt tokens): Engine.embed's pooled states."""
     import numpy as np
     ids = [e._prompt_ids(x) for x in inputs]
-    states = e.embed(ids)
+    states = e.embed(ids, adapter=adapter)
     vecs = np.stack([s.mean(axis=0) for s in states]).astype(np.float32)
     vecs /= np.maximum(np.linalg.norm(vecs, axis=1, keepdims=True), 1e-12)
     return vecs, sum(len(x) for x in ids)
@@ -932,7 +957,7 @@ def describe(name, e) -> str:
 
 def serve(models: dict, host="127.0.0.1", port=8000, api_key=None, cors=None, request_timeout=None,
           budgets: dict | None = None, options: dict | None = None, max_body=MAX_BODY, max_tokens=None,
-          cache_dir=None, cache_dir_bytes=None, **engine_kw):
+          cache_dir=None, cache_dir_bytes=None, loras: dict | None = None, **engine_kw):
     """Open an engine per model directory ({name: dir}) and serve them until SIGINT / SIGTERM
     (uvicorn stops accepting, lets running responses finish, then the engines are closed).
     The port is bound first: a busy port is an error before any model loads.
@@ -940,7 +965,9 @@ def serve(models: dict, host="127.0.0.1", port=8000, api_key=None, cors=None, re
     device copies of weights); checked together against the memory available, then each engine
     against its own at open: the server refuses to start, with the numbers, when they do not fit.
     options: {name: {Engine.open keyword: value}} for one model, over engine_kw (every model's).
-    A server re-prefills hybrid models' replies for the next turn (settle_replies) unless told not to."""
+    A server re-prefills hybrid models' replies for the next turn (settle_replies) unless told not to.
+    loras: {adapter name: adapter directory} (serve --lora NAME=DIR), loaded into the first model's engine
+    and served as models of their own (their cards name it as "parent")."""
     _deps()
     import uvicorn
     engine_kw.setdefault("settle_replies", True)
@@ -963,9 +990,21 @@ def serve(models: dict, host="127.0.0.1", port=8000, api_key=None, cors=None, re
             except ColibriError as e:
                 raise ColibriError(e.code, f"model {name!r} ({path}): {e.message}") from None
             log.warning("%s", describe(name, engines[name]))
+        base = next(iter(models))
+        for a, where in (loras or {}).items():
+            if a in models:
+                raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"--lora {a}={where}: {a!r} names a model; give the "
+                                   "adapter another name")
+            try:
+                info = engines[base].load_adapter(a, where)
+            except ColibriError as e:
+                raise ColibriError(e.code, f"--lora {a}={where}: {e.message}") from None
+            log.warning("adapter %s (%s) on %s: rank %d, %d matrices, %.1f MiB", a, where, base, info["rank"],
+                        info["matrices"], info["bytes"] / 2**20)
         app = create_app(engines, api_key=api_key, cors=cors, request_timeout=request_timeout,
                          max_body=max_body, max_tokens=max_tokens, cache_dir=cache_dir,
-                         cache_dir_bytes=cache_dir_bytes or CACHE_DIR_BYTES)
+                         cache_dir_bytes=cache_dir_bytes or CACHE_DIR_BYTES,
+                         adapters={a: base for a in (loras or {})})
         config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=30)
         uvicorn.Server(config).run(sockets=[sock])
     finally:
