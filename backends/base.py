@@ -483,11 +483,14 @@ class Backend:
         tokens routed to each expert, on the device (so graph replays count too), or None."""
         raise NotImplementedError
 
-    def grouped_ffn(self, out, x, experts, plan: Plan, scratch, act: Act | None = None):
+    def grouped_ffn(self, out, x, experts, plan: Plan, scratch, act: Act | None = None, pre=None):
         """For each expert e in plan.experts_to_run(): out[sorted rows of e] = experts[e](x[its tokens]).
-        out [T*k,H] in plan order, x [T,H]; scratch [T*k, I] for the gate/up activations.
+        out [T*k,H] in plan order, x [T,H]; scratch [T*k, I] for the gate/up activations (expert e's rows
+        packed [n, I] from scratch's flat offset offsets[e] * scratch.shape[1]).
         Each chosen expert's weights are read once per step, however many tokens chose it.
-        act: another activation with expert biases (Act), only when its kind is in ffn_activations."""
+        act: another activation with expert biases (Act), only when its kind is in ffn_activations.
+        pre: optional (backends with grouped_ffn_pre), float32 [T*k, 2I] in plan order, added to each
+        row's gate (columns :I) and up (I:) before the activation (run-time LoRA: runtime/lora.py)."""
         raise NotImplementedError
 
     def combine(self, out, y, w, plan: Plan):
@@ -495,8 +498,9 @@ class Backend:
         raise NotImplementedError
 
     # -- LoRA (optional) ---------------------------------------------------------------------
-    runs_lora = False              # True: lora_update runs on this backend's buffers (run-time adapters,
-                                   # runtime/lora.py); False: adapters are merged at conversion instead
+    runs_lora = False              # True: the lora_* ops run on this backend's buffers and grouped_ffn takes
+                                   # pre (run-time adapters, runtime/lora.py); False: adapters are merged
+                                   # at conversion instead
 
     def lora_update(self, out, x, a_t, b_t, r0: int, r1: int):
         """Optional (runs_lora): a LoRA update of rows r0 .. r1-1,
@@ -504,6 +508,25 @@ class Backend:
         each row on its own, so that a row's result never depends on the rows beside it (the batch
         invariance the request core relies on). Default: NumPy, on host buffers."""
         out[r0:r1] += (x[r0:r1] @ a_t) @ b_t
+
+    def lora_pre(self, pre, x, pos, tok, eid, ag, bg, au, bu):
+        """Optional (runs_lora): the gate/up LoRA addends of grouped_ffn's rows (pre, plan order),
+            pre[p, :I] += (x[t] @ ag[e]) @ bg[e],   pre[p, I:] += (x[t] @ au[e]) @ bu[e]
+        for p, t, e = pos[j], tok[j], eid[j] (the row, its token, its expert); ag, au [E, H, r] and
+        bg, bu [E, r, I] float32, the scale folded into bg / bu. Each row on its own. Default: NumPy."""
+        I = bg.shape[2]
+        for p, t, e in zip(pos, tok, eid):
+            pre[p, :I] += (x[t] @ ag[e]) @ bg[e]
+            pre[p, I:] += (x[t] @ au[e]) @ bu[e]
+
+    def lora_down(self, out, flat, pos, off, eid, ad, bd):
+        """Optional (runs_lora): the down projection's LoRA update of grouped_ffn's rows,
+            out[p] += (flat[o:o + I] @ ad[e]) @ bd[e]     for p, o, e = pos[j], off[j], eid[j]
+        flat: grouped_ffn's scratch, flat, o: the row's activation there; ad [E, I, r], bd [E, r, H]
+        float32. Each row on its own. Default: NumPy."""
+        I = ad.shape[1]
+        for p, o, e in zip(pos, off, eid):
+            out[p] += (flat[o:o + I] @ ad[e]) @ bd[e]
 
     # -- optional capabilities ---------------------------------------------------------------
     ffn_activations = ("silu",)    # the expert activations grouped_ffn runs (Act kinds beyond SwiGLU)

@@ -39,7 +39,7 @@ SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 SDIST_ROOT = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
 # what the converter needs (at import time and for our archs); models/templates holds chat templates
 # a few converters (not ours) embed at run time: small, kept so every arch can convert
-KEEP_FILES = ("convert_hf_to_gguf.py", "LICENSE")
+KEEP_FILES = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "LICENSE")
 KEEP_DIRS = ("conversion/", "gguf-py/", "models/templates/")
 STAMP = ".complete"
 PYPI_JSON = f"https://pypi.org/pypi/{PACKAGE}/{VERSION}/json"
@@ -61,7 +61,7 @@ def converter_dir(cache_dir=None) -> pathlib.Path:
 
 def is_fetched(cache_dir=None) -> bool:
     d = converter_dir(cache_dir)
-    return (d / STAMP).is_file() and (d / "convert_hf_to_gguf.py").is_file()
+    return (d / STAMP).is_file() and all((d / f).is_file() for f in KEEP_FILES)
 
 
 def _get_json(url: str):
@@ -189,6 +189,22 @@ def convert(hf_dir, out_path, outtype: str = "f32", pre: str = "gpt-2", cache_di
     outtype: f32, f16, bf16, q8_0, tq1_0 or tq2_0 (the converter's own choices). pre: the
     tokenizer.ggml.pre name written (the hash check is bypassed)."""
     return convert_many([(hf_dir, out_path, outtype, pre)], cache_dir=cache_dir)[0]
+
+
+def convert_lora(hf_dir, lora_dir, out_path, outtype: str = "f32", cache_dir=None) -> pathlib.Path:
+    """llama.cpp's convert_lora_to_gguf.py on a PEFT adapter of the checkpoint at hf_dir (--base: only its
+    config is read) into out_path, in a subprocess; returns out_path."""
+    fetch(cache_dir)
+    root = converter_dir(cache_dir)
+    out = pathlib.Path(out_path)
+    out.unlink(missing_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, str(root / "convert_lora_to_gguf.py"), "--base", str(hf_dir), "--outfile",
+                        str(out), "--outtype", outtype, str(lora_dir)], cwd=str(root), env=env, capture_output=True,
+                       text=True, timeout=CONVERT_TIMEOUT_S)
+    if r.returncode != 0 or not out.is_file():
+        raise RuntimeError(f"convert_lora_to_gguf failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    return out
 
 
 def _import_converter():

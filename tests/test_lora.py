@@ -301,3 +301,25 @@ def test_serve_adapters_as_models(tmp_path):
                 assert r.json()["choices"][0]["text"] == text and r.json()["model"] == model
             r = httpx.post(srv.url + "/v1/completions", json={"model": "tenant-b", "prompt": "hi"}, timeout=60)
             assert r.status_code == 404 and "tenant-a" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("case", ["qwen3_moe", "mixtral"])
+def test_gguf_adapter_from_llama_cpp(case, tmp_path):
+    """llama.cpp's own convert_lora_to_gguf.py output of a PEFT adapter (attention: its converter does not
+    take PEFT's fused expert parameters), applied at run time to the model converted from llama.cpp's
+    GGUF of the same checkpoint (Mixtral is llama.cpp's llama arch: q/k rows permuted in both files,
+    un-permuted here), equals PeftModel; without it, the base model."""
+    pytest.importorskip("gguf", reason="make test installs the gguf extra")
+    import gguf_models
+    import llamacpp_convert
+    hf = gguf_models.hf_case(case)
+    ad = build_lora(str(hf), str(tmp_path / "ad"), targets=["q_proj", "k_proj", "v_proj", "o_proj"], parameters=[])
+    lora = llamacpp_convert.convert_lora(hf, ad, tmp_path / "lora.gguf")
+    col = str(tmp_path / "col")
+    convert(str(gguf_models.gguf_case(case).gguf), col, progress=False)
+    ids = IDS[:, :8]
+    want, base = peft_logits(str(hf), ad, ids)[0], hf_logits(str(hf), ids)[0]
+    assert err(base, want) > 100 * TOL
+    with Engine.open(col, backend="cpu", adapters={"g": str(lora)}, **fp32("cpu"), int8_activations=False) as eng:
+        assert err(eng.infer(ids[0], adapter="g")[0], want) < TOL
+        assert err(eng.infer(ids[0])[0], base) < TOL

@@ -117,7 +117,8 @@ class Backend(BackendBase):
         self.none = _readonly(np.zeros(0, np.float32))      # an absent bias or scales vector
         self._kv_warm = {"float32"}                  # the kv_dtypes the attention kernels were warmed in
         self._freqs = {}                                      # (theta, D) -> the rope table
-        self._silu = (self.none, self.none, np.float32(0), np.float32(0))   # kernels.expert_act's SwiGLU
+        self.no_pre = np.zeros((0, 0), np.float32)            # no per-row gate/up addend (kernels.expert_act)
+        self._silu = (self.none, self.none, np.float32(0), np.float32(0), self.no_pre)   # expert_act's SwiGLU
         self.no_tally = np.zeros(0, np.int32)
         self._qscratch = np.zeros((self.num_threads, 4, 0), np.float32)   # block formats' dequantised rows
         # block formats: activations quantised to int8 per 32, integer dots (qir.py); the
@@ -474,9 +475,10 @@ class Backend(BackendBase):
 
     ffn_activations = ("silu", "swiglu_oai", "gelu_tanh")
 
-    def grouped_ffn(self, out, x, experts, plan, scratch, act=None):
+    def grouped_ffn(self, out, x, experts, plan, scratch, act=None, pre=None):
         """Per active expert: gate/up + SwiGLU into scratch (its rows, packed [n, I]), then down into
-        out's rows. Two parallel passes per expert, each reading that expert's weights once."""
+        out's rows. Two parallel passes per expert, each reading that expert's weights once. pre: the
+        rows' gate/up addends (base.grouped_ffn), handed to the activation with the expert's rows."""
         self._use_threads()
         width = scratch.shape[1]
         flat = scratch.reshape(-1)         # scratch is C-contiguous: rows start.. hold act [n, I]
@@ -486,7 +488,7 @@ class Backend(BackendBase):
             ffn = experts[e]
             inter = ffn.gate.shape[0]
             a = flat[start * width:start * width + n * inter].reshape(n, inter)
-            ep, db = self._epilogue(act, e)
+            ep, db = self._epilogue(act, e, self.no_pre if pre is None else pre[start:start + n])
             if ffn.gate.dtype in BLOCK and self.int8_activations:
                 self.q.qswiglu_gate_up_i8(a, x, plan.order, start, plan.top_k, ffn.gate.data, ffn.up.data,
                                           self.work, *self._acts(x.shape[1], n), ep)
@@ -501,14 +503,16 @@ class Backend(BackendBase):
             else:
                 self.k.matmul(out[start:start + n], a, ffn.down.data, self._scales(ffn.down), db, self.work)
 
-    def _epilogue(self, act, e):
-        """(ep, down bias) of expert e for the kernels: ep = (gate bias, up bias, alpha, limit) of
-        kernels.expert_act (alpha 0: SwiGLU, empty biases; alpha -1: gelu_tanh; gpt-oss's alpha > 0)."""
+    def _epilogue(self, act, e, pre):
+        """(ep, down bias) of expert e for the kernels: ep = (gate bias, up bias, alpha, limit, pre) of
+        kernels.expert_act (alpha 0: SwiGLU, empty biases; alpha -1: gelu_tanh; gpt-oss's alpha > 0;
+        pre: the expert's rows' gate/up addends, or empty)."""
         if act is None:
-            return self._silu, self.none
+            return (self._silu if pre is self.no_pre else (self.none, self.none, np.float32(0), np.float32(0), pre)), \
+                self.none
         row = lambda w: self.none if w is None else w.data[e]          # noqa: E731
         alpha = np.float32(-1) if act.kind == "gelu_tanh" else np.float32(act.alpha)
-        return (row(act.gate_bias), row(act.up_bias), alpha, np.float32(act.limit)), row(act.down_bias)
+        return (row(act.gate_bias), row(act.up_bias), alpha, np.float32(act.limit), pre), row(act.down_bias)
 
     def _qmatmul(self, out, x, w, bias):
         """A block-format matmul: int8 activations unless turned off, else float32 (each for every row
@@ -524,14 +528,35 @@ class Backend(BackendBase):
 
     runs_lora = True
 
-    def lora_update(self, out, x, a_t, b_t, r0, r1):
-        """lora_kernels.lora_update: serial for a decode step's few rows, on the pool from PARALLEL_ROWS."""
-        from . import lora_kernels as lk
+    def _lora_scratch(self, rows, rank):
         z = self._lora_z
-        if z is None or z.shape[0] < r1 or z.shape[1] < a_t.shape[1]:   # grown on first use, then reused
-            z = self._lora_z = np.zeros((max(r1, 64), max(a_t.shape[1], 16)), np.float32)
-        if r1 - r0 >= lk.PARALLEL_ROWS:
+        if z is None or z.shape[0] < rows or z.shape[1] < rank:      # grown on first use, then reused
+            z = self._lora_z = np.zeros((max(rows, 64, 0 if z is None else z.shape[0]),
+                                         max(rank, 32, 0 if z is None else z.shape[1])), np.float32)
+        return z
+
+    def _lora_run(self, serial, parallel, rows, rank, *args):
+        """A LoRA kernel (lora_kernels) over `rows` rows, each cut into C column chunks so that even a
+        decode step's one row keeps every thread reading (C = threads / rows; each chunk recomputes
+        its row's rank-r projection, a fraction of the row's bytes)."""
+        n = self.threads
+        C = max(1, n // max(rows, 1))
+        z = self._lora_scratch(rows * C, rank)
+        if n > 1:
             self._use_threads()
-            lk.lora_update_par(out, x, a_t, b_t, r0, r1, z)
+            parallel(*args, z, C)
         else:
-            lk.lora_update(out, x, a_t, b_t, r0, r1, z)
+            serial(*args, z, C)
+
+    def lora_update(self, out, x, a_t, b_t, r0, r1):
+        from . import lora_kernels as lk
+        self._lora_run(lk.lora_update, lk.lora_update_par, r1 - r0, a_t.shape[1], out, x,
+                       a_t.reshape(1, *a_t.shape), b_t.reshape(1, *b_t.shape), r0, r1)
+
+    def lora_pre(self, pre, x, pos, tok, eid, ag, bg, au, bu):
+        from . import lora_kernels as lk
+        self._lora_run(lk.lora_pre, lk.lora_pre_par, len(pos), 2 * ag.shape[2], pre, x, pos, tok, eid, ag, bg, au, bu)
+
+    def lora_down(self, out, flat, pos, off, eid, ad, bd):
+        from . import lora_kernels as lk
+        self._lora_run(lk.lora_down, lk.lora_down_par, len(pos), ad.shape[2], out, flat, pos, off, eid, ad, bd)

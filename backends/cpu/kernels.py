@@ -447,8 +447,10 @@ F05 = np.float32(0.5)
 
 
 @njit(error_model="numpy")
-def expert_act(g, u, i, ep):
-    """The experts' activation of column i; ep = (gate_bias, up_bias, alpha, limit), empty biases = 0:
+def expert_act(g, u, r, i, ep):
+    """The experts' activation of row r, column i; ep = (gate_bias, up_bias, alpha, limit, pre), empty
+    biases = 0; pre [R, 2I] (empty: none) adds per row, first: g += pre[r, i], u += pre[r, I + i] (a
+    LoRA update of gate and up: runtime/lora.py); then
         alpha == 0:  silu(g) * u = g / (1 + exp(-g)) * u                           (SwiGLU)
         alpha < 0:   g' = g + gb[i], u' = u + ub[i]:  gelu_tanh(g') * u'           (GeGLU; limit unused)
                      gelu_tanh(g) = g/2 (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
@@ -456,7 +458,10 @@ def expert_act(g, u, i, ep):
                      (u' + 1) * g' / (1 + exp(-alpha g'))
     The sign of alpha encodes the kind, so every kernel keeps one signature (one compile) for all.
     A call, not inlined by Numba: inlined at its ~20 sites it tripled the kernels' compile time."""
-    gb, ub, alpha, limit = ep
+    gb, ub, alpha, limit, pre = ep
+    if pre.shape[0]:
+        g += pre[r, i]
+        u += pre[r, pre.shape[1] // 2 + i]
     if alpha == F0:
         return g / (F1 + np.exp(-g)) * u
     if gb.shape[0]:

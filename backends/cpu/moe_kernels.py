@@ -12,7 +12,7 @@ from .kernels import F0, F1, REDUCE, TILE4, claim, dot1, expert_act, fdot4, fdot
 def store_swiglu(act, r, i, g, u, gate_scales, up_scales, ep):
     """act[r, i] = silu(g * gate_scales[i]) * (u * up_scales[i])   (empty scales = 1), or ep's
     clamped form with biases (kernels.expert_act)"""
-    act[r, i] = expert_act(scaled(g, gate_scales, i), scaled(u, up_scales, i), i, ep)
+    act[r, i] = expert_act(scaled(g, gate_scales, i), scaled(u, up_scales, i), r, i, ep)
 
 
 @njit(error_model="numpy", inline="always")

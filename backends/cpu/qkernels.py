@@ -95,9 +95,9 @@ def qembed(out, table, ids):
 
 
 @njit(error_model="numpy", inline="always")
-def _swiglu(g, u, i, ep):
-    """column i's activation: kernels.expert_act (SwiGLU, or ep's clamped form with biases)"""
-    return expert_act(g, u, i, ep)
+def _swiglu(g, u, r, i, ep):
+    """row r, column i's activation: kernels.expert_act (SwiGLU, or ep's clamped form with biases)"""
+    return expert_act(g, u, r, i, ep)
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=REDUCE, error_model="numpy")
@@ -125,9 +125,9 @@ def qswiglu_gate_up(act, x, order, start, top_k, gate, up, work, scratch, ep):
                 g0, u0, g1, u1 = buf[0, :H], buf[1, :H], buf[2, :H], buf[3, :H]
                 for r in range(R):
                     a0, a1, a2, a3 = fdot4(g0, u0, g1, u1, x[order[start + r] // top_k])
-                    act[r, i0] = _swiglu(a0, a1, i0, ep)
+                    act[r, i0] = _swiglu(a0, a1, r, i0, ep)
                     if m == 2:
-                        act[r, i0 + 1] = _swiglu(a2, a3, i0 + 1, ep)
+                        act[r, i0 + 1] = _swiglu(a2, a3, r, i0 + 1, ep)
 
 
 # -- int8 activations (decode) ------------------------------------------------------------------
@@ -232,22 +232,23 @@ def qswiglu_gate_up_i8(act, x, order, start, top_k, gate, up, work, qx, dx, xs, 
                                     (r + 2) * S, (r + 3) * S)
                     for j in range(4):
                         for v in range(4):
-                            act[r + v, i + j * q] = _swiglu(g[4 * j + v], u[4 * j + v], i + j * q, ep)
+                            act[r + v, i + j * q] = _swiglu(g[4 * j + v], u[4 * j + v], r + v, i + j * q, ep)
                 if R - R4 >= 2:
                     r = R4
                     g = rowdot4x2_q(gate, i, i + q, i + 2 * q, i + 3 * q, qx, dx, xs, r * S, (r + 1) * S)
                     u = rowdot4x2_q(up, i, i + q, i + 2 * q, i + 3 * q, qx, dx, xs, r * S, (r + 1) * S)
                     for j in range(4):
-                        act[r, i + j * q] = _swiglu(g[2 * j], u[2 * j], i + j * q, ep)
-                        act[r + 1, i + j * q] = _swiglu(g[2 * j + 1], u[2 * j + 1], i + j * q, ep)
+                        act[r, i + j * q] = _swiglu(g[2 * j], u[2 * j], r, i + j * q, ep)
+                        act[r + 1, i + j * q] = _swiglu(g[2 * j + 1], u[2 * j + 1], r + 1, i + j * q, ep)
                 if R % 2:
                     g = rowdot4_q(gate, i, i + q, i + 2 * q, i + 3 * q, qx, dx, xs, (R - 1) * S)
                     u = rowdot4_q(up, i, i + q, i + 2 * q, i + 3 * q, qx, dx, xs, (R - 1) * S)
                     for j in range(4):
-                        act[R - 1, i + j * q] = _swiglu(g[j], u[j], i + j * q, ep)
+                        act[R - 1, i + j * q] = _swiglu(g[j], u[j], R - 1, i + j * q, ep)
             for i in range(lo + 4 * q, hi):
                 for r in range(R):
-                    act[r, i] = _swiglu(rowdot_q(gate, i, qx, dx, xs, r * S), rowdot_q(up, i, qx, dx, xs, r * S), i, ep)
+                    act[r, i] = _swiglu(rowdot_q(gate, i, qx, dx, xs, r * S), rowdot_q(up, i, qx, dx, xs, r * S), r, i,
+                                        ep)
 
 
 drop_stale(globals(), __file__.replace("qkernels.py", "qir.py"), __file__.replace("qkernels.py", "kernels.py"),

@@ -341,7 +341,7 @@ class Backend(BackendBase):
 
     ffn_activations = ("silu", "swiglu_oai", "gelu_tanh")
 
-    def grouped_ffn(self, out, x, experts, plan, scratch, act=None):
+    def grouped_ffn(self, out, x, experts, plan, scratch, act=None, pre=None):
         k = plan.top_k
         for e in plan.experts_to_run():
             a = plan.offsets[e]
@@ -352,7 +352,13 @@ class Backend(BackendBase):
             g, u = np.empty((b - a, ffn.gate.shape[0]), np.float32), np.empty((b - a, ffn.up.shape[0]), np.float32)
             _rows_matmul(g, xs, _f32(ffn.gate))
             _rows_matmul(u, xs, _f32(ffn.up))
+            if pre is not None:                   # a LoRA update of gate and up (base.grouped_ffn)
+                g += pre[a:b, :g.shape[1]]
+                u += pre[a:b, g.shape[1]:]
             a_ = activation(g, u, act, e)
+            if scratch is not None:               # the activations kept as base.grouped_ffn lays them out
+                width = scratch.shape[1]
+                scratch.reshape(-1)[a * width:a * width + a_.size] = a_.reshape(-1)
             _rows_matmul(out[a:b], a_, _f32(ffn.down))
             if act is not None and act.down_bias is not None:
                 out[a:b] += _f32(act.down_bias)[e]

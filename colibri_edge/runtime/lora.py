@@ -9,25 +9,27 @@ each projection runs once for every token and each adapter's update is one more 
     out[t0:t1] += (x[t0:t1] A_a^T) (s B_a)^T               (Backend.lora_update, row by row)
 
 An FFN (routed experts, a shared expert, a dense MLP) fuses gate/up, the activation and down in one
-op (grouped_ffn), so an update of gate or up cannot be added after it. Its rows are split instead:
-in each expert's run of the plan, the rows of tokens whose adapter changes this FFN move behind the
-others (a stable partition; combine reads rows through plan.inverse, updated to match), the fused op
-runs the front rows (plan counts narrowed), and the back rows run split, expert by expert:
+op (grouped_ffn), so the updates go in around it: before it, each adapter row's gate and up updates
+are written into `pre` [rows, 2I] (zero for the other rows), which grouped_ffn adds before the
+activation; after it, each adapter row's down update reads the row's activation from grouped_ffn's
+scratch:
 
-    g = X W_gate^T,  u = X W_up^T       (the backend's matmul over the expert's adapter rows at once)
-    g += updates,    u += updates       (per adapter, rows of one adapter contiguous)
-    a = act(g, u);   y = a W_down^T (+ bias);  y += updates of a
+    pre[p] = [(x[t] A_gate,e^T)(s B_gate,e)^T | (x[t] A_up,e^T)(s B_up,e)^T]      (Backend.lora_pre)
+    a[p]   = act(x[t] W_gate,e^T + pre[p, :I], x[t] W_up,e^T + pre[p, I:])         (grouped_ffn)
+    y[p]   = a[p] W_down,e^T + (a[p] A_down,e^T)(s B_down,e)^T                      (grouped_ffn, lora_down)
 
-so every expert's weights are still read once per step. A row's arithmetic depends only on its own
-adapter (fused when its adapter does not change this FFN, split when it does), never on its
-neighbours: a request's logits are the same alone and in any mix (cpu: bit for bit).
+for plan row p of token t and expert e. Every expert's weights are read once per step for all its
+rows, base and adapter alike; a row's arithmetic depends on its own adapter only (a base row's pre is
+0), never on its neighbours: a request's logits are the same alone and in any mix (cpu: bit for bit).
+An adapter's expert factors are stacked per layer ([E, H, r] and [E, r, I]; experts it leaves alone
+hold zeros) so that one call covers all of a layer's rows of that adapter.
 
 Backends: those whose buffers are host memory (reference, cpu: runs_lora) run adapters; on the GPU
 backends an adapter is merged at conversion instead (colibri convert --lora)."""
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -52,6 +54,41 @@ class Factors:
 
 
 @dataclass
+class FFNFactors:
+    """An adapter's updates of one FFN list (a layer's routed experts, or a shared / dense MLP as a
+    1-expert list), stacked by expert, scales folded in:
+        ag, au [E, H, r]   bg, bu [E, r, I]   ad [E, I, r]   bd [E, r, H]   (zeros where it changes nothing)"""
+    ag: np.ndarray
+    bg: np.ndarray
+    au: np.ndarray
+    bu: np.ndarray
+    ad: np.ndarray
+    bd: np.ndarray
+
+    @classmethod
+    def stack(cls, parts: dict, E: int, H: int, I: int) -> "FFNFactors":
+        """parts: {expert: {"gate" | "up" | "down": (A [r, in], sB [out, r])}}."""
+        R = max(a.shape[0] for d in parts.values() for a, _ in d.values())
+        z = lambda *shape: np.zeros(shape, np.float32)                # noqa: E731
+        f = cls(z(E, H, R), z(E, R, I), z(E, H, R), z(E, R, I), z(E, I, R), z(E, R, H))
+        for e, d in parts.items():
+            for part, (a_t, b_t) in (("gate", (f.ag, f.bg)), ("up", (f.au, f.bu)), ("down", (f.ad, f.bd))):
+                if part in d:
+                    a, b = d[part]
+                    a_t[e, :, :a.shape[0]] = a.T
+                    b_t[e, :a.shape[0], :] = b.T
+        return f
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in (self.ag, self.bg, self.au, self.bu, self.ad, self.bd))
+
+    @property
+    def rank(self) -> int:
+        return self.ag.shape[2]
+
+
+@dataclass
 class Loaded:
     """An adapter held by the engine: its updates keyed by the program's objects."""
     name: str
@@ -60,7 +97,7 @@ class Loaded:
     rank: int
     nbytes: int
     linear: dict                # id(Weight) -> Factors
-    ffns: dict                  # id(FFN list) -> {expert index: {"gate"|"up"|"down": Factors}}
+    ffns: dict                  # id(FFN list) -> FFNFactors
     names: list                 # the model tensors it changes (inspection)
 
     @property
@@ -91,16 +128,16 @@ class Adapters:
                                "open the engine with backend='cpu'")
         res = resolve(adapter, cfg, family, scale)
         linear, experts = colibri_factors(res, cfg, family)
-        lin, ffns, names = {}, {}, []
+        lin, parts, names = {}, {}, []          # parts: FFN list name -> {expert: {part: (A, sB)}}
         for ours, (a, b, src) in linear.items():
-            parts = ours.split(".")
-            if len(parts) == 4 and parts[2] in ("shared", "mlp") and parts[3] in ("gate", "up", "down"):
-                lst = prog.ffn_lists.get(f"layers.{parts[1]}.{parts[2]}")
+            bits = ours.split(".")
+            if len(bits) == 4 and bits[2] in ("shared", "mlp") and bits[3] in ("gate", "up", "down"):
+                lst = prog.ffn_lists.get(f"layers.{bits[1]}.{bits[2]}")
                 if lst is None:
                     raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"adapter {name!r} changes {ours}, which this "
                                        "model does not run")
-                ffns.setdefault(id(lst), {}).setdefault(0, {})[parts[3]] = self._check(f"{src} ({ours})", a, b,
-                                                                                      getattr(lst[0], parts[3]))
+                self._check(f"{src} ({ours})", a, b, getattr(lst[0], bits[3]))
+                parts.setdefault(f"layers.{bits[1]}.{bits[2]}", {}).setdefault(0, {})[bits[3]] = (a, b)
                 names.append(ours)
                 continue
             w = prog.named.get(ours)
@@ -119,13 +156,18 @@ class Adapters:
             if lst is None:
                 raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"adapter {name!r} changes experts of layer {layer}, "
                                    "which has none")
-            ffns.setdefault(id(lst), {})[j] = {p: self._check(f"layers.{layer}.experts.{j}.{p}", a, b,
-                                                              getattr(lst[j], p)) for p, (a, b) in d.items()}
+            for p, (a, b) in d.items():
+                self._check(f"layers.{layer}.experts.{j}.{p}", a, b, getattr(lst[j], p))
+            parts.setdefault(f"layers.{layer}.experts", {})[j] = d
             names.append(f"layers.{layer}.experts.{j}")
-        nbytes = sum(f.nbytes for f in lin.values()) + sum(f.nbytes for d in ffns.values() for e in d.values()
-                                                           for f in e.values())
-        rank = max([f.a_t.shape[1] for f in lin.values()] + [f.a_t.shape[1] for d in ffns.values()
-                                                              for e in d.values() for f in e.values()] + [0])
+        H = cfg["hidden_size"]
+        ffns = {}
+        for key, d in parts.items():
+            lst = prog.ffn_lists[key]
+            ffns[id(lst)] = FFNFactors.stack(d, len(lst), H, lst[0].gate.shape[0] if lst[0] is not None
+                                             else cfg["moe_intermediate_size"])
+        nbytes = sum(f.nbytes for f in lin.values()) + sum(f.nbytes for f in ffns.values())
+        rank = max([f.a_t.shape[1] for f in lin.values()] + [f.rank for f in ffns.values()] + [0])
         lo = Loaded(name, getattr(adapter, "path", ""), next(_uids), rank, nbytes, lin, ffns, names)
         self.loaded[name] = lo
         self._bufs = None
@@ -144,18 +186,13 @@ class Adapters:
 
     # -- a step ----------------------------------------------------------------------------------
     def buffers(self):
-        """The split FFN path's scratch, sized once for the largest step (reallocated only when the
-        adapters change): gathered rows, gate/up/activation, a 1-expert plan for dense FFNs."""
+        """A step's scratch, sized once for the largest step: the token -> adapter map and the FFNs'
+        gate/up addends (pre, [rows, 2 I] at the widest FFN)."""
         if self._bufs is None:
             r, cfg = self.runner, self.runner.cfg
             rows = r.max_rows * max(r.top_k, 1)
             inter = max(cfg["moe_intermediate_size"], cfg["intermediate_size"], cfg["shared_expert_intermediate_size"])
-            H = cfg["hidden_size"]
-            self._bufs = {"x": np.zeros((rows, H), np.float32), "g": np.zeros(rows * inter, np.float32),
-                          "u": np.zeros(rows * inter, np.float32), "e": np.zeros(rows * inter, np.float32),
-                          "y": np.zeros((r.max_rows, H), np.float32),
-                          "tok": np.zeros(r.max_rows, np.int32), "order": np.zeros(r.max_rows, np.int32),
-                          "offsets": np.zeros(2, np.int32)}
+            self._bufs = {"tok": np.zeros(r.max_rows, np.int32), "pre": np.zeros(rows * 2 * inter, np.float32)}
         return self._bufs
 
     def step(self, runs: list, T: int) -> "StepLora":
@@ -185,91 +222,31 @@ class StepLora:
                 self.be.lora_update(out, x, f.a_t, f.b_t, t0, t1)
 
     def ffn(self, be, out, x, experts, plan, scratch, act, dense) -> bool:
-        """grouped_ffn with the rows of adapters that change these experts split off (module
-        docstring). False: no such row in the step (the caller runs grouped_ffn as it is)."""
+        """grouped_ffn with the updates of the adapters that change these experts around it (module
+        docstring). False: no row of such an adapter in the step (the caller runs grouped_ffn alone)."""
         key = id(experts)
-        which = [i for i, a in enumerate(self.adapters) if key in a.ffns]
+        which = [(i, a.ffns[key]) for i, a in enumerate(self.adapters) if key in a.ffns]
         if not which:
             return False
-        T = len(self.tok)
-        unf_tok = np.isin(self.tok, which)
-        if not unf_tok.any():
-            return False
-        b = self.b
-        if dense:                                   # a 1-expert plan of our own: the step's shared plan stays
-            order = b["order"][:T]
-            order[:] = np.arange(T, dtype=np.int32)
-            b["offsets"][:] = (0, T)
-            plan = replace(plan, offsets=b["offsets"], order=order, inverse=None, counts=np.array([T], np.int32),
-                           active=None, num_tokens=T, top_k=1)
-            y = b["y"][:T]
-        else:
-            y = out
         k = plan.top_k
         A = plan.num_tokens * k
-        order = plan.order[:A]
-        counts = np.asarray(plan.counts if plan.counts is not None else plan.fetch_counts())
-        E = len(counts)
-        seg = np.repeat(np.arange(E, dtype=np.int32), counts)
-        unf = unf_tok[order // k]
-        perm = np.argsort(seg * 2 + unf, kind="stable")
-        order[:] = order[perm]
-        unf = unf[perm]
-        if plan.inverse is not None:
-            plan.inverse[order] = np.arange(A, dtype=np.int32)
-        fused = np.bincount(seg[~unf], minlength=E).astype(np.int32)
-        if fused.any():
-            be.grouped_ffn(y, x, experts, replace(plan, counts=fused, active=None), scratch, act)
+        tok = plan.order[:A] // k                       # each plan row's token
+        ad = self.tok[tok]
+        rows = [(f, p) for i, f in which for p in (np.flatnonzero(ad == i),) if p.size]
+        if not rows:
+            return False
+        I = rows[0][0].bg.shape[2]
+        pre = self.b["pre"][:A * 2 * I].reshape(A, 2 * I)
+        pre.fill(0.0)
         offsets = np.asarray(plan.offsets)
-        tok_ad = self.tok
-        for e in np.flatnonzero(counts - fused):
-            e = int(e)
-            p0, p1 = int(offsets[e]) + int(fused[e]), int(offsets[e]) + int(counts[e])
-            self._split(be, y, x, experts[e], e, order[p0:p1] // k, p0, act, tok_ad, key)
-        if dense:
-            out[order] = y                          # rows back in token order
+        runs = []
+        for f, p in rows:
+            eid = np.searchsorted(offsets, p, side="right") - 1      # each row's expert
+            be.lora_pre(pre, x, p, tok[p], eid, f.ag, f.bg, f.au, f.bu)
+            runs.append((f, p, eid))
+        be.grouped_ffn(out, x, experts, plan, scratch, act, pre=pre)
+        width, flat = scratch.shape[1], scratch.reshape(-1)
+        for f, p, eid in runs:
+            start = offsets[eid]
+            be.lora_down(out, flat, p, start * width + (p - start) * I, eid, f.ad, f.bd)
         return True
-
-    def _split(self, be, out, x, ffn, e, tokens, p0, act, tok_ad, key):
-        """The rows p0.. of expert e (its adapter rows, tokens in step order) computed split."""
-        b = self.b
-        n = len(tokens)
-        inter = ffn.gate.shape[0]
-        X = b["x"][:n]
-        np.take(x, tokens, axis=0, out=X)
-        g, u = (b[k][:n * inter].reshape(n, inter) for k in "gu")        # contiguous [n, inter]
-        be.matmul(g, X, ffn.gate)
-        be.matmul(u, X, ffn.up)
-        ad = tok_ad[tokens]
-        bounds = np.flatnonzero(np.diff(ad)) + 1
-        runs = [(int(ad[r0]), int(r0), int(r1)) for r0, r1 in zip(np.r_[0, bounds], np.r_[bounds, n])]
-        ups = [(self.adapters[i].ffns.get(key, {}).get(e), r0, r1) for i, r0, r1 in runs]
-        for f, r0, r1 in ups:
-            if f is not None:
-                if "gate" in f:
-                    be.lora_update(g, X, f["gate"].a_t, f["gate"].b_t, r0, r1)
-                if "up" in f:
-                    be.lora_update(u, X, f["up"].a_t, f["up"].b_t, r0, r1)
-        if act is None:                             # SwiGLU: a = silu(g) * u, in place in g
-            a = _swiglu(g, u, b["e"][:n * inter].reshape(n, inter))
-        else:
-            from ..backends.reference.backend import activation
-            a = np.ascontiguousarray(activation(g, u, act, e), np.float32)
-        y = out[p0:p0 + n]
-        be.matmul(y, a, ffn.down)
-        if act is not None and act.down_bias is not None:
-            y += np.asarray(act.down_bias.data[e], np.float32)
-        for f, r0, r1 in ups:
-            if f is not None and "down" in f:
-                be.lora_update(y, a, f["down"].a_t, f["down"].b_t, r0, r1)
-
-
-def _swiglu(g, u, e):
-    """g <- silu(g) * u = g / (1 + e^-g) * u, in place (float32; e: scratch of g's shape)."""
-    np.negative(g, out=e)
-    with np.errstate(over="ignore"):
-        np.exp(e, out=e)
-    e += np.float32(1.0)
-    np.divide(g, e, out=g)
-    g *= u
-    return g
