@@ -513,11 +513,12 @@ class Backend:
         """Optional (runs_lora): the gate/up LoRA addends of grouped_ffn's rows (pre, plan order),
             pre[p, :I] += (x[t] @ ag[e]) @ bg[e],   pre[p, I:] += (x[t] @ au[e]) @ bu[e]
         for p, t, e = pos[j], tok[j], eid[j] (the row, its token, its expert); ag, au [E, H, r] and
-        bg, bu [E, r, I] float32, the scale folded into bg / bu. Each row on its own. Default: NumPy."""
+        bg, bu [E, r, I] float32, the scale folded into bg / bu; au may be empty [0, 0, r]: up uses ag
+        (one A for both, as PEFT's fused gate_up has). Each row on its own. Default: NumPy."""
         I = bg.shape[2]
         for p, t, e in zip(pos, tok, eid):
             pre[p, :I] += (x[t] @ ag[e]) @ bg[e]
-            pre[p, I:] += (x[t] @ au[e]) @ bu[e]
+            pre[p, I:] += (x[t] @ (au[e] if au.shape[0] else ag[e])) @ bu[e]
 
     def lora_down(self, out, flat, pos, off, eid, ad, bd):
         """Optional (runs_lora): the down projection's LoRA update of grouped_ffn's rows,

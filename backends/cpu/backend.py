@@ -48,6 +48,10 @@ KERNEL_VIEW = {"float32": np.dtype(np.float32), "float16": np.dtype(np.uint16), 
                **{f: np.dtype([(f, "u1", (nb,))]) for f, (_, nb) in BLOCK.items()}}
 
 _thread_state = threading.local()     # the thread count set on this thread, if any
+# rows from which a LoRA update runs on the pool (one row per thread, or column chunks): one row (an
+# attention update at batch 1) ran no faster there; an MoE layer's two (top-2) did (lora_pre 1.0 ->
+# 0.8 ms a token on the benchmark model)
+PARALLEL_LORA_ROWS = 2
 SPINCOUNT = 2000                      # libgomp's spins before an idle thread sleeps (see above)
 
 
@@ -160,6 +164,21 @@ class Backend(BackendBase):
         return self._qx
 
     def _warm_up(self, formats, common=False):
+        """_warm_ops on one thread. The warm-up runs on the thread that opens the engine, and the steps
+        on the engine's core thread: an OpenMP region run here with 2 threads would give this thread a
+        pool of its own, and with more OpenMP threads than cores libgomp stops spinning and every
+        region of the core thread then waits for a sleeping worker (measured on the 2-core CI host: a
+        tiny parallel region from a second thread 63 us instead of 7; int8 decode of the benchmark
+        model 77 tok/s instead of 100). One thread here creates no pool."""
+        threads, self.threads = self.threads, 1
+        self.numba.set_num_threads(1)            # for the kernels that do not go through _use_threads
+        _thread_state.n = 1
+        try:
+            self._warm_ops(formats, common)
+        finally:
+            self.threads = threads               # _use_threads sets it again on the next op of this thread
+
+    def _warm_ops(self, formats, common=False):
         """Run every op once on tiny buffers of the types the scheduler passes, in the given weight
         formats: Numba compiles lazily (or loads its disk cache lazily), and this puts that time and
         memory at backend creation (the common ops) and model open (the model's formats), never
@@ -539,7 +558,7 @@ class Backend(BackendBase):
         """A LoRA kernel (lora_kernels) over `rows` rows, each cut into C column chunks so that even a
         decode step's one row keeps every thread reading (C = threads / rows; each chunk recomputes
         its row's rank-r projection, a fraction of the row's bytes)."""
-        n = self.threads
+        n = self.threads if rows >= PARALLEL_LORA_ROWS else 1
         C = max(1, n // max(rows, 1))
         z = self._lora_scratch(rows * C, rank)
         if n > 1:

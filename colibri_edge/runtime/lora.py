@@ -57,7 +57,8 @@ class Factors:
 class FFNFactors:
     """An adapter's updates of one FFN list (a layer's routed experts, or a shared / dense MLP as a
     1-expert list), stacked by expert, scales folded in:
-        ag, au [E, H, r]   bg, bu [E, r, I]   ad [E, I, r]   bd [E, r, H]   (zeros where it changes nothing)"""
+        ag, au [E, H, r]   bg, bu [E, r, I]   ad [E, I, r]   bd [E, r, H]   (zeros where it changes nothing;
+        au [0, 0, r] when up shares gate's A, as PEFT's fused gate_up does)"""
     ag: np.ndarray
     bg: np.ndarray
     au: np.ndarray
@@ -70,10 +71,16 @@ class FFNFactors:
         """parts: {expert: {"gate" | "up" | "down": (A [r, in], sB [out, r])}}."""
         R = max(a.shape[0] for d in parts.values() for a, _ in d.values())
         z = lambda *shape: np.zeros(shape, np.float32)                # noqa: E731
-        f = cls(z(E, H, R), z(E, R, I), z(E, H, R), z(E, R, I), z(E, I, R), z(E, R, H))
+        # PEFT's fused gate_up pair gives gate and up one A (model/lora.py): kept once (au empty), and
+        # lora_pre projects x on it once
+        shared = all("gate" in d and "up" in d and d["gate"][0] is d["up"][0] for d in parts.values())
+        f = cls(z(E, H, R), z(E, R, I), z(0, 0, R) if shared else z(E, H, R), z(E, R, I), z(E, I, R), z(E, R, H))
         for e, d in parts.items():
-            for part, (a_t, b_t) in (("gate", (f.ag, f.bg)), ("up", (f.au, f.bu)), ("down", (f.ad, f.bd))):
-                if part in d:
+            for part, (a_t, b_t) in (("gate", (f.ag, f.bg)), ("up", (None if shared else f.au, f.bu)),
+                                     ("down", (f.ad, f.bd))):
+                if part in d and a_t is None:
+                    b_t[e, :d[part][0].shape[0], :] = d[part][1].T
+                elif part in d:
                     a, b = d[part]
                     a_t[e, :, :a.shape[0]] = a.T
                     b_t[e, :a.shape[0], :] = b.T
