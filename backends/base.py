@@ -509,24 +509,34 @@ class Backend:
         invariance the request core relies on). Default: NumPy, on host buffers."""
         out[r0:r1] += (x[r0:r1] @ a_t) @ b_t
 
-    def lora_pre(self, pre, x, pos, tok, eid, ag, bg, au, bu):
-        """Optional (runs_lora): the gate/up LoRA addends of grouped_ffn's rows (pre, plan order),
+    @staticmethod
+    def _lora_rows(order, k, tokad, idx, offsets):
+        """The plan rows (p, token, expert) whose token's adapter index tokad[token] is idx."""
+        order = np.asarray(order)
+        p = np.flatnonzero(np.asarray(tokad)[order // k] == idx)
+        return p, order[p] // k, np.searchsorted(np.asarray(offsets), p, side="right") - 1
+
+    def lora_pre(self, pre, x, order, k, tokad, idx, offsets, ag, bg, au, bu):
+        """Optional (runs_lora): the gate/up LoRA addends of grouped_ffn's rows (pre, plan order) for the
+        rows of adapter idx (plan row p of token t = order[p] // k, when tokad[t] == idx; its expert e
+        the one whose rows offsets[e] .. offsets[e+1]-1 hold p):
             pre[p, :I] += (x[t] @ ag[e]) @ bg[e],   pre[p, I:] += (x[t] @ au[e]) @ bu[e]
-        for p, t, e = pos[j], tok[j], eid[j] (the row, its token, its expert); ag, au [E, H, r] and
-        bg, bu [E, r, I] float32, the scale folded into bg / bu; au may be empty [0, 0, r]: up uses ag
-        (one A for both, as PEFT's fused gate_up has). Each row on its own. Default: NumPy."""
+        ag, au [E, H, r] and bg, bu [E, r, I] float32, the scale folded into bg / bu; au may be empty
+        [0, 0, r]: up uses ag (one A for both, as PEFT's fused gate_up has). Each row on its own.
+        Default: NumPy."""
         I = bg.shape[2]
-        for p, t, e in zip(pos, tok, eid):
+        for p, t, e in zip(*self._lora_rows(order, k, tokad, idx, offsets)):
             pre[p, :I] += (x[t] @ ag[e]) @ bg[e]
             pre[p, I:] += (x[t] @ (au[e] if au.shape[0] else ag[e])) @ bu[e]
 
-    def lora_down(self, out, flat, pos, off, eid, ad, bd):
-        """Optional (runs_lora): the down projection's LoRA update of grouped_ffn's rows,
-            out[p] += (flat[o:o + I] @ ad[e]) @ bd[e]     for p, o, e = pos[j], off[j], eid[j]
-        flat: grouped_ffn's scratch, flat, o: the row's activation there; ad [E, I, r], bd [E, r, H]
-        float32. Each row on its own. Default: NumPy."""
+    def lora_down(self, out, flat, order, k, tokad, idx, offsets, width, ad, bd):
+        """Optional (runs_lora): the down projection's LoRA update of adapter idx's rows (as lora_pre),
+            out[p] += (a @ ad[e]) @ bd[e]
+        a: the row's activation in grouped_ffn's scratch, flat (expert e's rows packed [n, I] from
+        offsets[e] * width); ad [E, I, r], bd [E, r, H] float32. Each row on its own. Default: NumPy."""
         I = ad.shape[1]
-        for p, o, e in zip(pos, off, eid):
+        for p, _, e in zip(*self._lora_rows(order, k, tokad, idx, offsets)):
+            o = offsets[e] * width + (p - offsets[e]) * I
             out[p] += (flat[o:o + I] @ ad[e]) @ bd[e]
 
     # -- optional capabilities ---------------------------------------------------------------

@@ -1,7 +1,9 @@
 """LoRA adapters' cost at run time (part of `make bench`; results/lora.md): the benchmark model
-(benchmarks/models.py FULL, Mixtral-shaped) with rank-16 PEFT adapters on every expert (gate_up and
-down, PEFT's target_parameters) and on attention's q/k/v/o, against the base model, cpu backend,
-2 threads, in one process, rounds interleaved (best of each):
+(benchmarks/models.py FULL, Mixtral-shaped) with rank-16 PEFT adapters of two kinds, against the base
+model, cpu backend, 2 threads, in one process, rounds interleaved (best of each):
+
+  experts             on every expert (gate_up and down: PEFT's target_parameters), the issue's case
+  experts+attention   the same and attention's q/k/v/o (target_modules)
 
   * prefill tok/s (one 128-token prompt's logits) and decode tok/s at batch 1 (64 greedy tokens after
     a 16-token prompt), base against one adapter;
@@ -28,21 +30,24 @@ RANK, ALPHA, STD = 16, 32, 0.02
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
-def adapters(hf: str, n: int) -> list:
-    """n rank-16 adapters of the benchmark checkpoint (random non-zero factors), built once."""
+KINDS = {"experts": [], "experts+attention": TARGETS}
+
+
+def adapters(hf: str, n: int, kind: str) -> list:
+    """n rank-16 adapters of the benchmark checkpoint (random non-zero factors) of a kind, built once."""
     import models
     out = []
     for k in range(n):
-        d = os.path.join(os.path.dirname(hf), f"lora-r{RANK}-{k}")
+        d = os.path.join(os.path.dirname(hf), f"lora-r{RANK}-{k}" + ("-experts" if kind == "experts" else ""))
         stamp = models._stamp({"hf": json.load(open(os.path.join(hf, ".bench-stamp.json")))["stamp"], "k": k,
-                               "r": RANK, "std": STD})
+                               "r": RANK, "std": STD, "kind": kind})
         if not models._fresh(d, stamp):
             import torch
             from peft import LoraConfig, get_peft_model
             from transformers import MixtralForCausalLM
             print(f"building adapter {d} ...", flush=True)
             m = MixtralForCausalLM.from_pretrained(hf, dtype=torch.float32)
-            pm = get_peft_model(m, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS,
+            pm = get_peft_model(m, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=KINDS[kind] or None,
                                               target_parameters=["experts.gate_up_proj", "experts.down_proj"],
                                               init_lora_weights=False))
             torch.manual_seed(100 + k)
@@ -113,16 +118,29 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtypes", default="int8,float16")
+    ap.add_argument("--build-adapters", action="store_true", help="only build the adapters (a subprocess of "
+                    "the run: torch's OpenMP threads in the measuring process would slow every engine's core "
+                    "thread, see docs/backends.md)")
     a = ap.parse_args(argv)
     import models
     s = models.spec(False)
+    if not a.build_adapters:                # the checkpoint and the adapters (torch) in a process of their own
+        import subprocess
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--build-adapters"], check=True)
     hf = models.build_hf(os.path.join(models.cache_dir(False), "hf"), s)
-    ads = adapters(hf, 4)
-    out = {"isa": isa(), "rank": RANK, "targets": TARGETS + ["experts (gate_up, down)"], "by_dtype": {}}
+    if a.build_adapters:
+        for kind in KINDS:
+            adapters(hf, 4, kind)
+        return
+    ads = {kind: adapters(hf, 4, kind) for kind in KINDS}
+    out = {"isa": isa(), "rank": RANK, "kinds": {k: v + ["experts (gate_up, down)"] for k, v in KINDS.items()},
+           "runs": []}
     for dt in a.dtypes.split(","):
         col = models.build_colibri(hf, os.path.join(models.cache_dir(False), f"colibri-{dt}"), dt)
-        out["by_dtype"][dt] = r = measure(col, ads, a.rounds, s["vocab_size"])
-        print(dt, json.dumps(r), flush=True)
+        for kind in KINDS:
+            r = measure(col, ads[kind], a.rounds, s["vocab_size"])
+            out["runs"].append({"dtype": dt, "kind": kind, **r})
+            print(dt, kind, json.dumps(r), flush=True)
     res = os.path.join(HERE, "results")
     with open(os.path.join(res, "lora.json"), "w") as f:
         json.dump(out, f, indent=1)
@@ -131,14 +149,14 @@ def main(argv=None):
              f"{out['isa']}; cpu backend, 2 threads, one process, rounds interleaved, best of each.", "",
              f"Model: the benchmark model (Mixtral-shaped, hidden {s['hidden_size']}, {s['num_hidden_layers']} "
              f"layers, {s['num_local_experts']} experts top-{s['num_experts_per_tok']}, expert width "
-             f"{s['intermediate_size']}). Adapters: PEFT LoRA, rank {RANK}, on q/k/v/o and on every expert's "
-             "gate_up and down (target_parameters), random non-zero factors.", "",
-             "| weights | prefill 128 tok/s base | with adapter | ratio | decode b1 tok/s base | with adapter | ratio "
-             "| decode b8 tok/s base | 4 adapters mixed | ratio | adapter memory |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for dt, r in out["by_dtype"].items():
+             f"{s['intermediate_size']}). Adapters: PEFT LoRA, rank {RANK}, random non-zero factors; `experts`: on "
+             "every expert's gate_up and down (target_parameters); `experts+attention`: and on q/k/v/o.", "",
+             "| weights | adapter | prefill 128 tok/s base | with adapter | ratio | decode b1 tok/s base | with adapter "
+             "| ratio | decode b8 tok/s base | 4 adapters mixed | ratio | adapter memory |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in out["runs"]:
         b = r["rates"]
-        lines.append(f"| {dt} | {b['prefill_base']:.1f} | {b['prefill_lora']:.1f} | "
+        lines.append(f"| {r['dtype']} | {r['kind']} | {b['prefill_base']:.1f} | {b['prefill_lora']:.1f} | "
                      f"{b['prefill_lora'] / b['prefill_base']:.3f} | {b['b1_base']:.1f} | {b['b1_lora']:.1f} | "
                      f"{b['b1_lora'] / b['b1_base']:.3f} | {b['b8_base']:.1f} | {b['b8_mixed']:.1f} | "
                      f"{b['b8_mixed'] / b['b8_base']:.3f} | {r['adapter_bytes'] / 2**20:.1f} MiB |")

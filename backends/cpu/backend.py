@@ -48,10 +48,10 @@ KERNEL_VIEW = {"float32": np.dtype(np.float32), "float16": np.dtype(np.uint16), 
                **{f: np.dtype([(f, "u1", (nb,))]) for f, (_, nb) in BLOCK.items()}}
 
 _thread_state = threading.local()     # the thread count set on this thread, if any
-# rows from which a LoRA update runs on the pool (one row per thread, or column chunks): one row (an
-# attention update at batch 1) ran no faster there; an MoE layer's two (top-2) did (lora_pre 1.0 ->
-# 0.8 ms a token on the benchmark model)
-PARALLEL_LORA_ROWS = 2
+# rows from which a LoRA update runs on the pool (one row per thread, or a row cut in column chunks):
+# every update, measured on the benchmark model (int8, batch 1: attention's one-row updates 0.62 ->
+# 0.55 ms a token, an MoE layer's two rows 1.0 -> 0.8 ms)
+PARALLEL_LORA_ROWS = 1
 SPINCOUNT = 2000                      # libgomp's spins before an idle thread sleeps (see above)
 
 
@@ -104,7 +104,8 @@ class Backend(BackendBase):
         import numba
         from . import kernels, moe_kernels, qkernels, recurrent
         self.numba, self.k, self.m, self.q, self.r = numba, kernels, moe_kernels, qkernels, recurrent
-        self._lora_z = None               # lora_update's per-row scratch (grown on first use)
+        self._lora_z = None               # the LoRA kernels' per-item scratch (grown on first use)
+        self._lora_rowbuf = None          # their plan rows (lora_kernels.plan_rows)
         _threading_defaults()
         pool = numba.config.NUMBA_NUM_THREADS
         num_threads = int(num_threads or 0)
@@ -572,10 +573,22 @@ class Backend(BackendBase):
         self._lora_run(lk.lora_update, lk.lora_update_par, r1 - r0, a_t.shape[1], out, x,
                        a_t.reshape(1, *a_t.shape), b_t.reshape(1, *b_t.shape), r0, r1)
 
-    def lora_pre(self, pre, x, pos, tok, eid, ag, bg, au, bu):
+    def _lora_rows(self, order, k, tokad, idx, offsets):
+        """(rows [n, 3] int64, n) of plan_rows, in a scratch grown on first use."""
         from . import lora_kernels as lk
-        self._lora_run(lk.lora_pre, lk.lora_pre_par, len(pos), 2 * ag.shape[2], pre, x, pos, tok, eid, ag, bg, au, bu)
+        A = len(order)
+        if self._lora_rowbuf is None or self._lora_rowbuf.shape[0] < A:
+            self._lora_rowbuf = np.zeros((max(A, 256), 3), np.int64)
+        return self._lora_rowbuf, lk.plan_rows(self._lora_rowbuf, order, A, k, tokad, idx, offsets)
 
-    def lora_down(self, out, flat, pos, off, eid, ad, bd):
+    def lora_pre(self, pre, x, order, k, tokad, idx, offsets, ag, bg, au, bu):
         from . import lora_kernels as lk
-        self._lora_run(lk.lora_down, lk.lora_down_par, len(pos), ad.shape[2], out, flat, pos, off, eid, ad, bd)
+        rows, n = self._lora_rows(order, k, tokad, idx, offsets)
+        if n:
+            self._lora_run(lk.lora_pre, lk.lora_pre_par, n, 2 * ag.shape[2], pre, x, rows, n, ag, bg, au, bu)
+
+    def lora_down(self, out, flat, order, k, tokad, idx, offsets, width, ad, bd):
+        from . import lora_kernels as lk
+        rows, n = self._lora_rows(order, k, tokad, idx, offsets)
+        if n:
+            self._lora_run(lk.lora_down, lk.lora_down_par, n, ad.shape[2], out, flat, rows, n, offsets, width, ad, bd)

@@ -81,9 +81,25 @@ def lora_update_par(out, x, a_t, b_t, r0, r1, z, C):
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def _pre_item(pre, x, pos, tok, eid, ag, bg, au, bu, z, w, C):
+def plan_rows(rows, order, A, k, tokad, idx, offsets):
+    """The plan rows of adapter idx: rows[n] = (row p, its token t, its expert e) for every p < A whose
+    token's adapter tokad[order[p] // k] is idx, in plan order; returns n."""
+    n = 0
+    e = 0
+    for p in range(A):
+        while offsets[e + 1] <= p:
+            e += 1
+        t = order[p] // k
+        if tokad[t] == idx:
+            rows[n, 0], rows[n, 1], rows[n, 2] = p, t, e
+            n += 1
+    return n
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def _pre_item(pre, x, rows, ag, bg, au, bu, z, w, C):
     j, c = w // C, w % C
-    p, t, e = pos[j], tok[j], eid[j]
+    p, t, e = rows[j, 0], rows[j, 1], rows[j, 2]
     R, I = ag.shape[2], bg.shape[2]
     lo, hi = c * I // C, (c + 1) * I // C
     zw = z[w]
@@ -97,41 +113,43 @@ def _pre_item(pre, x, pos, tok, eid, ag, bg, au, bu, z, w, C):
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def lora_pre(pre, x, pos, tok, eid, ag, bg, au, bu, z, C):
+def lora_pre(pre, x, rows, n, ag, bg, au, bu, z, C):
     """pre[p, :I] += (x[t] @ ag[e]) @ bg[e],  pre[p, I:] += (x[t] @ au[e]) @ bu[e]  for
-    p, t, e = pos[j], tok[j], eid[j] (au empty: ag's projection for both); z [items, >= 2R] scratch"""
-    for w in range(pos.shape[0] * C):
-        _pre_item(pre, x, pos, tok, eid, ag, bg, au, bu, z, w, C)
+    (p, t, e) = rows[j], j < n (plan_rows; au empty: ag's projection for both); z [items, >= 2R] scratch"""
+    for w in range(n * C):
+        _pre_item(pre, x, rows, ag, bg, au, bu, z, w, C)
 
 
 @njit(parallel=True, nogil=True, cache=True, error_model="numpy")
-def lora_pre_par(pre, x, pos, tok, eid, ag, bg, au, bu, z, C):
+def lora_pre_par(pre, x, rows, n, ag, bg, au, bu, z, C):
     """lora_pre with the work items spread over the thread pool"""
-    for w in prange(pos.shape[0] * C):
-        _pre_item(pre, x, pos, tok, eid, ag, bg, au, bu, z, w, C)
+    for w in prange(n * C):
+        _pre_item(pre, x, rows, ag, bg, au, bu, z, w, C)
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def _down_item(out, flat, pos, off, eid, ad, bd, z, w, C):
+def _down_item(out, flat, rows, offsets, width, ad, bd, z, w, C):
     j, c = w // C, w % C
     I, N = ad.shape[1], bd.shape[2]
-    o = off[j]
-    _down(z[w], flat[o:o + I], ad, eid[j])
-    _up(out[pos[j]], 0, z[w], bd, eid[j], c * N // C, (c + 1) * N // C)
+    p, e = rows[j, 0], rows[j, 2]
+    o = offsets[e] * width + (p - offsets[e]) * I          # the row's activation in grouped_ffn's scratch
+    _down(z[w], flat[o:o + I], ad, e)
+    _up(out[p], 0, z[w], bd, e, c * N // C, (c + 1) * N // C)
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def lora_down(out, flat, pos, off, eid, ad, bd, z, C):
-    """out[p] += (flat[o:o + I] @ ad[e]) @ bd[e]  for p, o, e = pos[j], off[j], eid[j]"""
-    for w in range(pos.shape[0] * C):
-        _down_item(out, flat, pos, off, eid, ad, bd, z, w, C)
+def lora_down(out, flat, rows, n, offsets, width, ad, bd, z, C):
+    """out[p] += (a @ ad[e]) @ bd[e]  for (p, t, e) = rows[j], j < n, a the row's activation in grouped_ffn's
+    scratch (flat from offsets[e] * width, [count_e, I])"""
+    for w in range(n * C):
+        _down_item(out, flat, rows, offsets, width, ad, bd, z, w, C)
 
 
 @njit(parallel=True, nogil=True, cache=True, error_model="numpy")
-def lora_down_par(out, flat, pos, off, eid, ad, bd, z, C):
+def lora_down_par(out, flat, rows, n, offsets, width, ad, bd, z, C):
     """lora_down with the work items spread over the thread pool"""
-    for w in prange(pos.shape[0] * C):
-        _down_item(out, flat, pos, off, eid, ad, bd, z, w, C)
+    for w in prange(n * C):
+        _down_item(out, flat, rows, offsets, width, ad, bd, z, w, C)
 
 
 drop_stale(globals(), __file__.replace("lora_kernels.py", "kernels.py"))

@@ -237,23 +237,14 @@ class StepLora:
             return False
         k = plan.top_k
         A = plan.num_tokens * k
-        tok = plan.order[:A] // k                       # each plan row's token
-        ad = self.tok[tok]
-        rows = [(f, p) for i, f in which for p in (np.flatnonzero(ad == i),) if p.size]
-        if not rows:
-            return False
-        I = rows[0][0].bg.shape[2]
+        order, offsets = plan.order[:A], plan.offsets
+        I = which[0][1].bg.shape[2]
         pre = self.b["pre"][:A * 2 * I].reshape(A, 2 * I)
         pre.fill(0.0)
-        offsets = np.asarray(plan.offsets)
-        runs = []
-        for f, p in rows:
-            eid = np.searchsorted(offsets, p, side="right") - 1      # each row's expert
-            be.lora_pre(pre, x, p, tok[p], eid, f.ag, f.bg, f.au, f.bu)
-            runs.append((f, p, eid))
+        for i, f in which:              # every adapter of the step has tokens, and every token rows here
+            be.lora_pre(pre, x, order, k, self.tok, i, offsets, f.ag, f.bg, f.au, f.bu)
         be.grouped_ffn(out, x, experts, plan, scratch, act, pre=pre)
         width, flat = scratch.shape[1], scratch.reshape(-1)
-        for f, p, eid in runs:
-            start = offsets[eid]
-            be.lora_down(out, flat, p, start * width + (p - start) * I, eid, f.ad, f.bd)
+        for i, f in which:
+            be.lora_down(out, flat, order, k, self.tok, i, offsets, width, f.ad, f.bd)
         return True
