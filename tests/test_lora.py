@@ -323,3 +323,45 @@ def test_gguf_adapter_from_llama_cpp(case, tmp_path):
     with Engine.open(col, backend="cpu", adapters={"g": str(lora)}, **fp32("cpu"), int8_activations=False) as eng:
         assert err(eng.infer(ids[0], adapter="g")[0], want) < TOL
         assert err(eng.infer(ids[0])[0], base) < TOL
+
+
+def test_adapter_fuzz_only_coded_errors(lora_models, tmp_path):
+    """300 random mutations of an adapter (config values of every JSON type, dropped and reshaped
+    factors, other dtypes, truncated files): loading either works or raises ColibriError with a code,
+    never another exception; the engine keeps serving the base model and a good adapter meanwhile."""
+    from safetensors.numpy import load_file, save_file
+    _, ad, col, _, want, base = lora_models("mixtral")
+    good = load_file(os.path.join(ad, "adapter_model.safetensors"))
+    cfg0 = json.load(open(os.path.join(ad, "adapter_config.json")))
+    rng = np.random.default_rng(7)
+    values = [None, True, 0, -1, 3, 1e9, 0.5, "x", "LORA", [], ["q_proj"], {}, {"q_proj": 2}, {"(": 1}]
+    keys = sorted(good)
+    with Engine.open(col, backend="cpu", adapters={"ok": ad}, **fp32("cpu")) as eng:
+        for n in range(300):
+            d = str(tmp_path / f"m{n}")
+            os.makedirs(d)
+            cfg, tensors = dict(cfg0), dict(good)
+            kind = n % 4
+            if kind == 0:
+                cfg[str(rng.choice(sorted(cfg0) + ["r", "lora_alpha", "peft_type"]))] = values[rng.integers(len(values))]
+            elif kind == 1:
+                k = keys[rng.integers(len(keys))]
+                t = tensors[k]
+                tensors[k] = rng.standard_normal((int(rng.integers(1, 9)), t.shape[1])).astype(
+                    [np.float32, np.float16, np.float64][rng.integers(3)])
+            elif kind == 2:
+                del tensors[keys[rng.integers(len(keys))]]
+            json.dump(cfg, open(os.path.join(d, "adapter_config.json"), "w"))
+            save_file(tensors, os.path.join(d, "adapter_model.safetensors"))
+            if kind == 3:
+                path = os.path.join(d, "adapter_model.safetensors")
+                raw = open(path, "rb").read()
+                open(path, "wb").write(raw[:int(rng.integers(0, len(raw)))])
+            try:
+                eng.load_adapter(f"m{n}", d)
+                eng.unload_adapter(f"m{n}")
+            except ColibriError as e:
+                assert e.code in (COLIBRI_ERR_INVALID_MODEL, COLIBRI_ERR_INVALID_ARGUMENT), e
+        assert set(eng.adapters()) == {"ok"}
+        assert err(eng.infer(IDS[0], adapter="ok")[0], want) < TOL
+        assert err(eng.infer(IDS[0])[0], base) < TOL
