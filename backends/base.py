@@ -502,42 +502,46 @@ class Backend:
                                    # pre (run-time adapters, runtime/lora.py); False: adapters are merged
                                    # at conversion instead
 
-    def lora_update(self, out, x, a_t, b_t, r0: int, r1: int):
+    def lora_update(self, out, x, a, b_t, r0: int, r1: int):
         """Optional (runs_lora): a LoRA update of rows r0 .. r1-1,
-            out[t] += (x[t] @ a_t) @ b_t,   a_t [in, r], b_t [r, out] float32 (the scale folded into b_t)
+            out[t] += (a @ x[t]) @ b_t,   a [r, in], b_t [r, out] float32 (the scale folded into b_t)
         each row on its own, so that a row's result never depends on the rows beside it (the batch
         invariance the request core relies on). Default: NumPy, on host buffers."""
-        out[r0:r1] += (x[r0:r1] @ a_t) @ b_t
+        out[r0:r1] += (x[r0:r1] @ a.T) @ b_t
 
-    @staticmethod
-    def _lora_rows(order, k, tokad, idx, offsets):
-        """The plan rows (p, token, expert) whose token's adapter index tokad[token] is idx."""
-        order = np.asarray(order)
-        p = np.flatnonzero(np.asarray(tokad)[order // k] == idx)
-        return p, order[p] // k, np.searchsorted(np.asarray(offsets), p, side="right") - 1
+    def lora_rows(self, order, k, tokad, offsets, n: int) -> list:
+        """Optional (runs_lora): the plan rows of each of a step's n adapters, for lora_pre / lora_down:
+        adapter i's rows are the plan rows p whose token t = order[p] // k has tokad[t] == i (-1: no
+        adapter), each with its token and its expert e (the one whose rows offsets[e] .. offsets[e+1]-1
+        hold p), in plan order. What an entry holds is the backend's own. Default: (p, t, e) arrays."""
+        order, tokad = np.asarray(order), np.asarray(tokad)
+        out = []
+        for i in range(n):
+            p = np.flatnonzero(tokad[order // k] == i)
+            out.append((p, order[p] // k, np.searchsorted(np.asarray(offsets), p, side="right") - 1))
+        return out
 
-    def lora_pre(self, pre, x, order, k, tokad, idx, offsets, ag, bg, au, bu):
-        """Optional (runs_lora): the gate/up LoRA addends of grouped_ffn's rows (pre, plan order) for the
-        rows of adapter idx (plan row p of token t = order[p] // k, when tokad[t] == idx; its expert e
-        the one whose rows offsets[e] .. offsets[e+1]-1 hold p):
-            pre[p, :I] += (x[t] @ ag[e]) @ bg[e],   pre[p, I:] += (x[t] @ au[e]) @ bu[e]
-        ag, au [E, H, r] and bg, bu [E, r, I] float32, the scale folded into bg / bu; au may be empty
-        [0, 0, r]: up uses ag (one A for both, as PEFT's fused gate_up has). Each row on its own.
+    def lora_pre(self, pre, x, rows, ag, bg, au, bu):
+        """Optional (runs_lora): the gate/up LoRA addends of grouped_ffn's rows (pre, plan order) for an
+        adapter's rows (lora_rows: plan row p of token t and expert e):
+            pre[p, :I] += (ag[e] @ x[t]) @ bg[e],   pre[p, I:] += (au[e] @ x[t]) @ bu[e]
+        ag, au [E, r, H] and bg, bu [E, r, I] float32, the scale folded into bg / bu; au may be empty
+        [0, r, 0]: up uses ag (one A for both, as PEFT's fused gate_up has). Each row on its own.
         Default: NumPy."""
         I = bg.shape[2]
-        for p, t, e in zip(*self._lora_rows(order, k, tokad, idx, offsets)):
-            pre[p, :I] += (x[t] @ ag[e]) @ bg[e]
-            pre[p, I:] += (x[t] @ (au[e] if au.shape[0] else ag[e])) @ bu[e]
+        for p, t, e in zip(*rows):
+            pre[p, :I] += (ag[e] @ x[t]) @ bg[e]
+            pre[p, I:] += ((au[e] if au.shape[0] else ag[e]) @ x[t]) @ bu[e]
 
-    def lora_down(self, out, flat, order, k, tokad, idx, offsets, width, ad, bd):
-        """Optional (runs_lora): the down projection's LoRA update of adapter idx's rows (as lora_pre),
-            out[p] += (a @ ad[e]) @ bd[e]
+    def lora_down(self, out, flat, rows, offsets, width, ad, bd):
+        """Optional (runs_lora): the down projection's LoRA update of an adapter's rows (as lora_pre),
+            out[p] += (ad[e] @ a) @ bd[e]
         a: the row's activation in grouped_ffn's scratch, flat (expert e's rows packed [n, I] from
-        offsets[e] * width); ad [E, I, r], bd [E, r, H] float32. Each row on its own. Default: NumPy."""
-        I = ad.shape[1]
-        for p, _, e in zip(*self._lora_rows(order, k, tokad, idx, offsets)):
+        offsets[e] * width); ad [E, r, I], bd [E, r, H] float32. Each row on its own. Default: NumPy."""
+        I = ad.shape[2]
+        for p, _, e in zip(*rows):
             o = offsets[e] * width + (p - offsets[e]) * I
-            out[p] += (flat[o:o + I] @ ad[e]) @ bd[e]
+            out[p] += (ad[e] @ flat[o:o + I]) @ bd[e]
 
     # -- optional capabilities ---------------------------------------------------------------
     ffn_activations = ("silu",)    # the expert activations grouped_ffn runs (Act kinds beyond SwiGLU)

@@ -117,6 +117,20 @@ def test_num_threads(model_cache):
         Engine.open(col, backend="cpu", num_threads=numba.config.NUMBA_NUM_THREADS + 1)
 
 
+def test_spin_is_a_time_not_a_count():
+    """libgomp's spin count is set for ~40 us of pauses, whatever a pause takes on the host."""
+    import platform
+    from colibri_edge.backends.cpu import backend as cb
+    assert cb.spincount(pause_ns=20.0) == 2000 and cb.spincount(pause_ns=10.0) == 4000
+    assert cb.spincount(pause_ns=1000.0) == 500 and cb.spincount(pause_ns=0.5) == 20000     # clamped
+    ns = cb.spin_pause_ns()
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        assert 0.5 < ns < 1000, ns          # one pause timed: sub-ns means it compiled to nothing
+        assert abs(cb.spincount() - cb.spincount(ns)) < 0.5 * cb.spincount(ns)      # timed again: near
+    else:
+        assert ns is None and cb.spincount() == cb.SPINCOUNT
+
+
 def test_decode_step_allocates_nothing_python(model_cache):
     _, col = convert_case(model_cache, "qwen2_moe", out_dtype="float16")   # dense, moe and shared layers
     worst = peak_step_bytes(col)

@@ -140,6 +140,39 @@ def test_mixed_batch_equals_solo_runs(lora_models, tmp_path):
             assert base != with_a
 
 
+def test_factor_precision_follows_the_weights(lora_models, tmp_path):
+    """auto: float32 factors over float32 weights (the PEFT oracle's tolerance), float16 over int8 ones
+    (half the bytes, logits within 1e-3 of float32 factors while the adapter moves them far more);
+    factors float16 cannot hold stay float32 under auto and are refused under float16."""
+    from safetensors.numpy import load_file, save_file
+    hf, ad, col, _, _, _ = lora_models("mixtral")
+    q8 = str(tmp_path / "q8")
+    convert(hf, q8, progress=False, dtype="int8")
+    with Engine.open(col, backend="cpu", adapters={"A": ad}) as eng:
+        assert eng.adapters()["A"]["dtype"] == "float32"
+    out = {}
+    for dt in ("auto", "float32"):
+        with Engine.open(q8, backend="cpu", adapters={"A": ad}, adapter_dtype=dt) as eng:
+            out[dt] = (eng.adapters()["A"], eng.infer(IDS[0], adapter="A"), eng.infer(IDS[0]))
+    (half, lh, base), (full, lf, _) = out["auto"], out["float32"]
+    assert half["dtype"] == "float16" and full["dtype"] == "float32"
+    assert half["bytes"] * 2 == full["bytes"]
+    assert err(lh, lf) <= 1e-3 < 0.01 <= err(lf, base)
+    t = load_file(os.path.join(ad, "adapter_model.safetensors"))
+    big = _copy(ad, str(tmp_path / "big"))
+    save_file({k: v * np.float32(1e7) if "lora_B" in k else v for k, v in t.items()},
+              os.path.join(big, "adapter_model.safetensors"))
+    with Engine.open(q8, backend="cpu") as eng:
+        assert eng.load_adapter("big", big)["dtype"] == "float32"
+        with pytest.raises(ColibriError) as e:
+            eng.load_adapter("big16", big, dtype="float16")
+        assert e.value.code == COLIBRI_ERR_INVALID_ARGUMENT and "float16" in e.value.message
+        with pytest.raises(ColibriError) as e:
+            eng.load_adapter("x", ad, dtype="int4")
+        assert e.value.code == COLIBRI_ERR_INVALID_ARGUMENT and "float16" in e.value.message
+        assert set(eng.adapters()) == {"big"}
+
+
 def test_prefix_cache_is_keyed_by_adapter(lora_models):
     """A prompt cached by the base model is not reused by an adapter's request (its KV differs), and an
     adapter's cached prompt is reused by that adapter only; outputs equal a fresh engine's."""

@@ -22,9 +22,10 @@ sleeping thread: the 4-layer demo model's step 650-750 -> 1100 us; GOMP_SPINCOUN
 pauses, about the gap between two regions of a step) keeps the demo step at 680-830 us; workqueue
 29 / 23 (its calling thread only waits); TBB 44 / 29 (no aarch64 wheel). With the governor on top
 (cores.py), spin 2000: 53 / 34 tok/s, p99 45 ms, and 36 tok/s with a loop taking half a core. So:
-OpenMP first, GOMP_SPINCOUNT=2000, both set before Numba starts its threads unless the environment
-sets NUMBA_THREADING_LAYER(_PRIORITY), OMP_WAIT_POLICY or GOMP_SPINCOUNT. On ARM64, libgomp's
-spin has no pause instruction, so the same count is a shorter spin (closer to passive).
+OpenMP first, ~40 us of spin (GOMP_SPINCOUNT from the host's timed pause: spincount), both set
+before Numba starts its threads unless the environment sets NUMBA_THREADING_LAYER(_PRIORITY),
+OMP_WAIT_POLICY or GOMP_SPINCOUNT. On ARM64, libgomp's spin has no pause instruction, so 2000 is a
+shorter spin (closer to passive).
 """
 from __future__ import annotations
 
@@ -52,7 +53,27 @@ _thread_state = threading.local()     # the thread count set on this thread, if 
 # every update, measured on the benchmark model (int8, batch 1: attention's one-row updates 0.62 ->
 # 0.55 ms a token, an MoE layer's two rows 1.0 -> 0.8 ms)
 PARALLEL_LORA_ROWS = 1
-SPINCOUNT = 2000                      # libgomp's spins before an idle thread sleeps (see above)
+SPIN_US = 40.0                        # how long an idle thread spins before it sleeps (see above)
+SPINCOUNT = 2000                      # libgomp's spins for SPIN_US where a pause is not timed (ARM64)
+
+
+def spincount(pause_ns: float | None = None) -> int:
+    """libgomp's GOMP_SPINCOUNT for SPIN_US of spinning on this host. libgomp counts spins, each a
+    `pause` on x86-64, whose length differs by an order between cores: ~20 ns on Zen 3 (where 2000
+    spins were measured as ~40 us), 10.4 ns on the AVX-512 CI host, where 2000 spins slept the pool
+    between a step's LoRA regions (an MoE layer's two LoRA updates of one decode row 106 / 76 us ->
+    55 / 30 us at 4000 spins; the base model's int8 decode 105 -> 110 tok/s; decode beside a busy
+    loop unchanged, 56 -> 57 tok/s). So the pause is timed (spin_pause_ns) and the count follows."""
+    if pause_ns is None:
+        pause_ns = spin_pause_ns()
+    if not pause_ns:
+        return SPINCOUNT
+    return int(min(max(SPIN_US * 1000.0 / pause_ns, 500), 20000))
+
+
+def _bits(a):
+    """A float32 or float16 array as the kernels read it (float16 as its bits, uint16: KERNEL_VIEW)."""
+    return a.view(np.uint16) if a.dtype == np.float16 else a
 
 
 def _threading_defaults():
@@ -65,7 +86,24 @@ def _threading_defaults():
     if "NUMBA_THREADING_LAYER_PRIORITY" not in os.environ and "NUMBA_THREADING_LAYER" not in os.environ:
         numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
     if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-        os.environ["GOMP_SPINCOUNT"] = str(SPINCOUNT)   # read by libgomp when Numba loads it
+        os.environ["GOMP_SPINCOUNT"] = str(spincount())   # read by libgomp when Numba loads it
+
+
+def spin_pause_ns() -> float | None:
+    """The length of one `pause` on this x86-64 host in ns (the best of three runs of 20,000), or None
+    elsewhere (libgomp's ARM64 spin has no pause instruction)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    import time
+    from .kernels import pause_loop
+    pause_loop(100)
+    best = None
+    for _ in range(3):
+        t = time.perf_counter_ns()
+        pause_loop(20000)
+        d = (time.perf_counter_ns() - t) / 20000
+        best = d if best is None else min(best, d)
+    return best
 
 
 def _cpu_name() -> str:
@@ -106,6 +144,8 @@ class Backend(BackendBase):
         self.numba, self.k, self.m, self.q, self.r = numba, kernels, moe_kernels, qkernels, recurrent
         self._lora_z = None               # the LoRA kernels' per-item scratch (grown on first use)
         self._lora_rowbuf = None          # their plan rows (lora_kernels.plan_rows)
+        self._lora_starts = None
+        self._lora_tiles = None
         _threading_defaults()
         pool = numba.config.NUMBA_NUM_THREADS
         num_threads = int(num_threads or 0)
@@ -548,47 +588,58 @@ class Backend(BackendBase):
 
     runs_lora = True
 
-    def _lora_scratch(self, rows, rank):
-        z = self._lora_z
-        if z is None or z.shape[0] < rows or z.shape[1] < rank:      # grown on first use, then reused
-            z = self._lora_z = np.zeros((max(rows, 64, 0 if z is None else z.shape[0]),
-                                         max(rank, 32, 0 if z is None else z.shape[1])), np.float32)
-        return z
+    def _lora_scratch(self, rows, width):
+        """(z [>= max(rows, threads), TILE, >= width], tiles [>= rows + 1]): the LoRA kernels' scratch,
+        grown on first use, then reused."""
+        from .lora_kernels import TILE
+        z, items = self._lora_z, max(rows, self.threads)
+        if z is None or z.shape[0] < items or z.shape[2] < width:
+            z = self._lora_z = np.zeros((max(items, 64, 0 if z is None else z.shape[0]), TILE,
+                                         max(width, 32, 0 if z is None else z.shape[2])), np.float32)
+            self._lora_tiles = np.zeros(z.shape[0] + 1, np.int64)
+        return z, self._lora_tiles
 
-    def _lora_run(self, serial, parallel, rows, rank, *args):
-        """A LoRA kernel (lora_kernels) over `rows` rows, each cut into C column chunks so that even a
-        decode step's one row keeps every thread reading (C = threads / rows; each chunk recomputes
-        its row's rank-r projection, a fraction of the row's bytes)."""
+    def _lora_run(self, serial, parallel, rows, *args):
+        """A LoRA kernel (lora_kernels) over `rows` rows, on the pool (its tiles of rows each cut into
+        threads / tiles column chunks, so that even a decode step's one row keeps every thread
+        reading), or on the calling thread below PARALLEL_LORA_ROWS rows."""
         n = self.threads if rows >= PARALLEL_LORA_ROWS else 1
-        C = max(1, n // max(rows, 1))
-        z = self._lora_scratch(rows * C, rank)
         if n > 1:
             self._use_threads()
-            parallel(*args, z, C)
+            parallel(*args, n)
         else:
-            serial(*args, z, C)
+            serial(*args, 1)
 
-    def lora_update(self, out, x, a_t, b_t, r0, r1):
+    def lora_update(self, out, x, a, b_t, r0, r1):
         from . import lora_kernels as lk
-        self._lora_run(lk.lora_update, lk.lora_update_par, r1 - r0, a_t.shape[1], out, x,
-                       a_t.reshape(1, *a_t.shape), b_t.reshape(1, *b_t.shape), r0, r1)
+        z, _ = self._lora_scratch(r1 - r0, a.shape[0])
+        self._lora_run(lk.lora_update, lk.lora_update_par, r1 - r0, out, x,
+                       _bits(a).reshape(1, *a.shape), _bits(b_t).reshape(1, *b_t.shape), r0, r1, z)
 
-    def _lora_rows(self, order, k, tokad, idx, offsets):
-        """(rows [n, 3] int64, n) of plan_rows, in a scratch grown on first use."""
+    def lora_rows(self, order, k, tokad, offsets, n):
+        """Each adapter's plan rows, [m, 3] int64 views of one scratch grown on first use (one pass:
+        lora_kernels.plan_rows)."""
         from . import lora_kernels as lk
         A = len(order)
-        if self._lora_rowbuf is None or self._lora_rowbuf.shape[0] < A:
+        if self._lora_rowbuf is None or self._lora_rowbuf.shape[0] < A or self._lora_starts.shape[0] < n + 1:
             self._lora_rowbuf = np.zeros((max(A, 256), 3), np.int64)
-        return self._lora_rowbuf, lk.plan_rows(self._lora_rowbuf, order, A, k, tokad, idx, offsets)
+            self._lora_starts = np.zeros(max(n + 1, 8), np.int64)
+        starts = self._lora_starts[:n + 1]
+        lk.plan_rows(self._lora_rowbuf, starts, order, A, k, tokad, offsets)
+        return [self._lora_rowbuf[starts[i]:starts[i + 1]] for i in range(n)]
 
-    def lora_pre(self, pre, x, order, k, tokad, idx, offsets, ag, bg, au, bu):
+    def lora_pre(self, pre, x, rows, ag, bg, au, bu):
         from . import lora_kernels as lk
-        rows, n = self._lora_rows(order, k, tokad, idx, offsets)
+        n = rows.shape[0]
         if n:
-            self._lora_run(lk.lora_pre, lk.lora_pre_par, n, 2 * ag.shape[2], pre, x, rows, n, ag, bg, au, bu)
+            z, tiles = self._lora_scratch(n, 2 * ag.shape[1])
+            self._lora_run(lk.lora_pre, lk.lora_pre_par, n, pre, x, rows, n, tiles, _bits(ag), _bits(bg), _bits(au),
+                           _bits(bu), z)
 
-    def lora_down(self, out, flat, order, k, tokad, idx, offsets, width, ad, bd):
+    def lora_down(self, out, flat, rows, offsets, width, ad, bd):
         from . import lora_kernels as lk
-        rows, n = self._lora_rows(order, k, tokad, idx, offsets)
+        n = rows.shape[0]
         if n:
-            self._lora_run(lk.lora_down, lk.lora_down_par, n, ad.shape[2], out, flat, rows, n, offsets, width, ad, bd)
+            z, tiles = self._lora_scratch(n, ad.shape[1])
+            self._lora_run(lk.lora_down, lk.lora_down_par, n, out, flat, rows, n, tiles, offsets, width, _bits(ad),
+                           _bits(bd), z)

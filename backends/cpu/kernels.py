@@ -73,6 +73,23 @@ def f32_bits(typingctx, x):
     return types.uint32(types.float32), codegen
 
 
+@intrinsic
+def cpu_pause(typingctx):
+    """The x86-64 spin-wait hint (`pause`), as libgomp spins (backend.spincount times it)."""
+    def codegen(context, builder, sig, args):
+        fn = builder.module.declare_intrinsic("llvm.x86.sse2.pause", fnty=ir.FunctionType(ir.VoidType(), []))
+        builder.call(fn, [])
+        return context.get_dummy_value()
+    return types.void(), codegen
+
+
+@njit(cache=True)
+def pause_loop(n):
+    """n pauses (x86-64 only)."""
+    for _ in range(n):
+        cpu_pause()
+
+
 @njit(inline="always")
 def f32_to_half_bits(x):
     """float32 -> IEEE half bits (uint16), rounded to nearest even, overflow to inf, subnormals kept:

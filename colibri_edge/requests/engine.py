@@ -146,7 +146,7 @@ class Engine:
                  int8_activations=None,
                  device=None, max_queue=1024, interleave=2.0, core_thread=None, memory_budget=None, top_k=None,
                  chat_template=None, prefix_cache=True, kv_dtype=None, state_snapshots=None, snapshot_every=1024,
-                 settle_replies=False, profile=False, adapters=None):
+                 settle_replies=False, profile=False, adapters=None, adapter_dtype="auto"):
         # chat_template: a Jinja file's path or the template text, over the model's own (textio.load_chat_template);
         # a model with neither renders chats as ChatML, with a warning (textio.FALLBACK_CHAT_TEMPLATE)
         from .textio import load_chat_template
@@ -240,7 +240,9 @@ class Engine:
         if sampling.flag("profile", profile):
             from ..runtime.profiler import StepProfiler
             self.profiler = StepProfiler(self.runner)
-        # adapters: {name: PEFT adapter directory (or llama.cpp LoRA .gguf)}, loaded now (load_adapter)
+        # adapters: {name: PEFT adapter directory (or llama.cpp LoRA .gguf)}, loaded now (load_adapter);
+        # adapter_dtype: the precision their factors are held at (load_adapter's dtype)
+        self.adapter_dtype = adapter_dtype
         if adapters is not None:
             if not isinstance(adapters, dict):
                 raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"adapters={adapters!r:.80}: expected a dict of "
@@ -249,10 +251,12 @@ class Engine:
                 self.load_adapter(name, where)
 
     # -- LoRA adapters (runtime/lora.py, docs/lora.md) ----------------------------------------
-    def load_adapter(self, name: str, path, scale: float = 1.0) -> dict:
+    def load_adapter(self, name: str, path, scale: float = 1.0, dtype: str | None = None) -> dict:
         """Load a LoRA adapter (PEFT's adapter_config.json + adapter_model.safetensors, or llama.cpp's LoRA
         .gguf) under `name`, while the engine runs; requests then name it (adapter=name). Its factors
-        count against the engine's memory_budget. Returns adapters()[name]."""
+        count against the engine's memory_budget. dtype (default: the engine's adapter_dtype, "auto"):
+        "float32", "float16", or "auto" = float32 where the matrix updated is float32, else float16
+        where it holds the factors to 1e-3 (runtime/lora.py hold). Returns adapters()[name]."""
         self._check_open()
         if not isinstance(name, str) or not name or len(name) > 256 or name.strip() != name:
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"adapter name {name!r:.80}: expected a non-empty "
@@ -273,7 +277,7 @@ class Engine:
             if name in r.adapters.loaded:
                 raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"an adapter named {name!r} is loaded already; "
                                    "unload_adapter it first, or pick another name")
-            lo = r.adapters.load(name, adapter, family, scale)
+            lo = r.adapters.load(name, adapter, family, scale, self.adapter_dtype if dtype is None else dtype)
             if self.memory_budget is not None and r.memory_need + r.adapters.nbytes > self.memory_budget:
                 r.adapters.unload(name)
                 from ..errors import COLIBRI_ERR_OUT_OF_MEMORY
@@ -300,10 +304,10 @@ class Engine:
         self._core.call(unload)
 
     def adapters(self) -> dict:
-        """name -> {"path", "rank", "bytes", "matrices"} of every loaded adapter."""
+        """name -> {"path", "rank", "bytes", "matrices", "dtype"} of every loaded adapter."""
         ad = self.runner.adapters if self.runner is not None else None
-        return {} if ad is None else {n: {"path": a.path, "rank": a.rank, "bytes": a.nbytes, "matrices": len(a.names)}
-                                      for n, a in ad.loaded.items()}
+        return {} if ad is None else {n: {"path": a.path, "rank": a.rank, "bytes": a.nbytes, "matrices": len(a.names),
+                                          "dtype": a.dtype} for n, a in ad.loaded.items()}
 
     def _adapter(self, name):
         """The loaded adapter a request names (None: the base model); unknown names refused."""

@@ -37,28 +37,78 @@ from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_UNA
 
 _uids = itertools.count(1)
 
+FACTOR_DTYPES = ("auto", "float32", "float16")
+HALF_TOLERANCE = 1e-3       # the largest relative error (per expert and matrix, Frobenius) float16 may add
+
+
+def hold(arrays: list, weight_dtype: str, want: str, what: str) -> list:
+    """The factors of one update (or one FFN list's stack) in the precision they are held at:
+
+        float32   as read (PEFT's float32 arithmetic: the oracle's logits to float32 tolerance);
+        float16   half the bytes: decode is bound by the bytes it reads, and a rank-16 adapter on every
+                  expert adds 10.7 MB a token to the benchmark model's 138 MB of int8 experts;
+        auto      float32 where the matrix it updates is stored in float32, else float16 (a float16,
+                  bfloat16, int8 or block-format weight rounds coarser than float16's 2^-11 itself:
+                  llama.cpp's LoRA GGUF files hold f16 factors too).
+
+    float16 is used only where it holds every expert's factors within HALF_TOLERANCE (relative,
+    Frobenius; zero factors exact) and finite: an update that does not fit stays float32 under "auto",
+    and is refused under "float16"."""
+    if want == "float32" or (want == "auto" and weight_dtype == "float32"):
+        return arrays
+    half = []
+    for a in arrays:
+        h = a.astype(np.float16)
+        if a.size:
+            ax = tuple(range(1, a.ndim)) if a.ndim == 3 else None
+            err = np.sqrt(np.sum((h.astype(np.float32) - a) ** 2, axis=ax, dtype=np.float64))
+            ref = np.sqrt(np.sum(a.astype(np.float64) ** 2, axis=ax))
+            if not np.isfinite(h).all() or np.any(err > HALF_TOLERANCE * ref):
+                if want == "float16":
+                    raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"the adapter's factors of {what} do not fit "
+                                       f"float16 (values out of its range, or rounded by more than "
+                                       f"{HALF_TOLERANCE:g}); load it with dtype='float32' (or 'auto')")
+                return arrays
+        half.append(h)
+    return half
+
+
+def padded_rank(r: int) -> int:
+    """The rank the factors are held at: a multiple of 4 (the cpu kernels' dot products take four rows
+    of A at a time; the padding is zeros, which add exact zeros)."""
+    return -(-r // 4) * 4
+
 
 @dataclass
 class Factors:
-    """One matrix's update in the kernels' layout: a_t [in, r], b_t [r, out] (the scale folded in)."""
-    a_t: np.ndarray
+    """One matrix's update in the kernels' layout: a [R, in] (PEFT's lora_A), b_t [R, out] (lora_B
+    transposed, the scale folded in); R the rank padded with zero rows (padded_rank)."""
+    a: np.ndarray
     b_t: np.ndarray
 
     @classmethod
-    def of(cls, a, b):
-        return cls(np.ascontiguousarray(np.asarray(a, np.float32).T), np.ascontiguousarray(np.asarray(b, np.float32).T))
+    def of(cls, a, b, weight_dtype="float32", want="float32", what=""):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        R = padded_rank(a.shape[0])
+        fa, fb = np.zeros((R, a.shape[1]), np.float32), np.zeros((R, b.shape[0]), np.float32)
+        fa[:a.shape[0]], fb[:a.shape[0]] = a, b.T
+        return cls(*hold([fa, fb], weight_dtype, want, what))
+
+    @property
+    def dtype(self) -> str:
+        return self.a.dtype.name
 
     @property
     def nbytes(self) -> int:
-        return self.a_t.nbytes + self.b_t.nbytes
+        return self.a.nbytes + self.b_t.nbytes
 
 
 @dataclass
 class FFNFactors:
     """An adapter's updates of one FFN list (a layer's routed experts, or a shared / dense MLP as a
-    1-expert list), stacked by expert, scales folded in:
-        ag, au [E, H, r]   bg, bu [E, r, I]   ad [E, I, r]   bd [E, r, H]   (zeros where it changes nothing;
-        au [0, 0, r] when up shares gate's A, as PEFT's fused gate_up does)"""
+    1-expert list), stacked by expert, scales folded in, R the largest rank padded (padded_rank):
+        ag, au [E, R, H]   bg, bu [E, R, I]   ad [E, R, I]   bd [E, R, H]   (zeros where it changes nothing;
+        au [0, R, 0] when up shares gate's A, as PEFT's fused gate_up does)"""
     ag: np.ndarray
     bg: np.ndarray
     au: np.ndarray
@@ -69,21 +119,21 @@ class FFNFactors:
     @classmethod
     def stack(cls, parts: dict, E: int, H: int, I: int) -> "FFNFactors":
         """parts: {expert: {"gate" | "up" | "down": (A [r, in], sB [out, r])}}."""
-        R = max(a.shape[0] for d in parts.values() for a, _ in d.values())
+        R = padded_rank(max(a.shape[0] for d in parts.values() for a, _ in d.values()))
         z = lambda *shape: np.zeros(shape, np.float32)                # noqa: E731
         # PEFT's fused gate_up pair gives gate and up one A (model/lora.py): kept once (au empty), and
         # lora_pre projects x on it once
         shared = all("gate" in d and "up" in d and d["gate"][0] is d["up"][0] for d in parts.values())
-        f = cls(z(E, H, R), z(E, R, I), z(0, 0, R) if shared else z(E, H, R), z(E, R, I), z(E, I, R), z(E, R, H))
+        f = cls(z(E, R, H), z(E, R, I), z(0, R, 0) if shared else z(E, R, H), z(E, R, I), z(E, R, I), z(E, R, H))
         for e, d in parts.items():
-            for part, (a_t, b_t) in (("gate", (f.ag, f.bg)), ("up", (None if shared else f.au, f.bu)),
-                                     ("down", (f.ad, f.bd))):
-                if part in d and a_t is None:
-                    b_t[e, :d[part][0].shape[0], :] = d[part][1].T
+            for part, (fa, fb) in (("gate", (f.ag, f.bg)), ("up", (None if shared else f.au, f.bu)),
+                                   ("down", (f.ad, f.bd))):
+                if part in d and fa is None:
+                    fb[e, :d[part][0].shape[0], :] = d[part][1].T
                 elif part in d:
                     a, b = d[part]
-                    a_t[e, :, :a.shape[0]] = a.T
-                    b_t[e, :a.shape[0], :] = b.T
+                    fa[e, :a.shape[0], :] = a
+                    fb[e, :a.shape[0], :] = b.T
         return f
 
     @property
@@ -92,7 +142,15 @@ class FFNFactors:
 
     @property
     def rank(self) -> int:
-        return self.ag.shape[2]
+        return self.ag.shape[1]
+
+    @property
+    def dtype(self) -> str:
+        return self.ag.dtype.name
+
+    def held(self, weight_dtype: str, want: str, what: str) -> "FFNFactors":
+        """These factors in the precision hold() picks (all six arrays alike)."""
+        return FFNFactors(*hold([self.ag, self.bg, self.au, self.bu, self.ad, self.bd], weight_dtype, want, what))
 
 
 @dataclass
@@ -106,6 +164,7 @@ class Loaded:
     linear: dict                # id(Weight) -> Factors
     ffns: dict                  # id(FFN list) -> FFNFactors
     names: list                 # the model tensors it changes (inspection)
+    dtype: str = "float32"      # the factors' precision: float32, float16, or "mixed" (hold)
 
     @property
     def hash_seed(self) -> bytes:
@@ -124,8 +183,12 @@ class Adapters:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.loaded.values())
 
-    def load(self, name: str, adapter, family, scale: float = 1.0) -> Loaded:
-        """Map an Adapter (model/lora.py) onto the runner's program; refuses what cannot run here."""
+    def load(self, name: str, adapter, family, scale: float = 1.0, dtype: str = "auto") -> Loaded:
+        """Map an Adapter (model/lora.py) onto the runner's program, its factors held in dtype (hold);
+        refuses what cannot run here."""
+        if dtype not in FACTOR_DTYPES:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"adapter dtype {dtype!r:.40}: expected one of "
+                               f"{', '.join(FACTOR_DTYPES)}")
         from ..model.lora import colibri_factors, resolve
         r = self.runner
         be, prog, cfg = r.be, r.program, r.cfg
@@ -152,7 +215,7 @@ class Adapters:
                 raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"adapter {name!r} changes {ours}, which takes no "
                                    "run-time update (embeddings, the output head); merge the adapter at conversion "
                                    "(colibri convert HF OUT --lora ADAPTER)")
-            lin[id(w)] = self._check(f"{src} ({ours})", a, b, w)
+            lin[id(w)] = self._check(f"{src} ({ours})", a, b, w, dtype)
             names.append(ours)
         if experts and r.slot_pool is not None:
             raise ColibriError(COLIBRI_ERR_UNAVAILABLE, f"adapter {name!r} changes routed experts, and this engine "
@@ -171,21 +234,25 @@ class Adapters:
         ffns = {}
         for key, d in parts.items():
             lst = prog.ffn_lists[key]
-            ffns[id(lst)] = FFNFactors.stack(d, len(lst), H, lst[0].gate.shape[0] if lst[0] is not None
-                                             else cfg["moe_intermediate_size"])
+            one = next((f for f in lst if f is not None), None)
+            ffns[id(lst)] = FFNFactors.stack(d, len(lst), H, one.gate.shape[0] if one is not None
+                                             else cfg["moe_intermediate_size"]).held(
+                one.gate.dtype if one is not None else "float16", dtype, key)
         nbytes = sum(f.nbytes for f in lin.values()) + sum(f.nbytes for f in ffns.values())
-        rank = max([f.a_t.shape[1] for f in lin.values()] + [f.rank for f in ffns.values()] + [0])
-        lo = Loaded(name, getattr(adapter, "path", ""), next(_uids), rank, nbytes, lin, ffns, names)
+        rank = max([f.a.shape[0] for f in lin.values()] + [f.rank for f in ffns.values()] + [0])
+        held = {f.dtype for f in list(lin.values()) + list(ffns.values())}
+        lo = Loaded(name, getattr(adapter, "path", ""), next(_uids), rank, nbytes, lin, ffns, names,
+                    held.pop() if len(held) == 1 else "mixed")
         self.loaded[name] = lo
         self._bufs = None
         return lo
 
     @staticmethod
-    def _check(what, a, b, w) -> Factors:
+    def _check(what, a, b, w, dtype="float32") -> Factors:
         if (b.shape[0], a.shape[1]) != (w.shape[0], w.shape[-1]):       # Weight.shape: logical [out, in]
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"the adapter's update of {what} is [{b.shape[0]}, "
                                f"{a.shape[1]}]; the model's matrix is {list(w.shape)}")
-        return Factors.of(a, b)
+        return Factors.of(a, b, w.dtype, dtype, what)
 
     def unload(self, name: str):
         self.loaded.pop(name)
@@ -226,7 +293,7 @@ class StepLora:
         for i, t0, t1 in self.runs:
             f = self.adapters[i].linear.get(key)
             if f is not None:
-                self.be.lora_update(out, x, f.a_t, f.b_t, t0, t1)
+                self.be.lora_update(out, x, f.a, f.b_t, t0, t1)
 
     def ffn(self, be, out, x, experts, plan, scratch, act, dense) -> bool:
         """grouped_ffn with the updates of the adapters that change these experts around it (module
@@ -241,10 +308,11 @@ class StepLora:
         I = which[0][1].bg.shape[2]
         pre = self.b["pre"][:A * 2 * I].reshape(A, 2 * I)
         pre.fill(0.0)
+        rows = be.lora_rows(order, k, self.tok, offsets, len(self.adapters))
         for i, f in which:              # every adapter of the step has tokens, and every token rows here
-            be.lora_pre(pre, x, order, k, self.tok, i, offsets, f.ag, f.bg, f.au, f.bu)
+            be.lora_pre(pre, x, rows[i], f.ag, f.bg, f.au, f.bu)
         be.grouped_ffn(out, x, experts, plan, scratch, act, pre=pre)
         width, flat = scratch.shape[1], scratch.reshape(-1)
         for i, f in which:
-            be.lora_down(out, flat, order, k, self.tok, i, offsets, width, f.ad, f.bd)
+            be.lora_down(out, flat, rows[i], offsets, width, f.ad, f.bd)
         return True
