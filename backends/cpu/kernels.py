@@ -264,6 +264,75 @@ def fdot4x4(typingctx, r0, r1, r2, r3, xa, xb, xc, xd):
     return types.UniTuple(types.float32, 16)(r0, r1, r2, r3, xa, xb, xc, xd), _fdot_codegen(4)
 
 
+# -- eight scaled rows added to one or two outputs, in explicit vectors (LoRA's up projection) -------
+# out[o] = fma(b7[o], z7, ... fma(b1[o], z1, fma(b0[o], z0, out[o])))  for o in lo..hi-1: one fused
+# chain per element in row order, in <VW x float> vectors and a scalar tail alike, so an element's
+# result is the same in a vector lane or the tail (a chunk's bounds never change it), and the same
+# for a row alone (faxpy8) or beside another (faxpy8x2, the b rows loaded once for both). Written as
+# Numba loops the vectoriser gave up (eight rows and an output row whose overlap it cannot rule out):
+# scalar code at 4.7 GFMA/s a core where this runs at the load rate.
+def _faxpy_codegen(nout):
+    """args: nout (out, c0) pairs, nout (z, zo) pairs, eight rows, lo, hi"""
+    def codegen(context, builder, sig, args):
+        from .qir import _fn, c64, data_ptr, load
+        W = VW
+        f32, vw = ir.FloatType(), ir.VectorType(ir.FloatType(), W)
+        i64 = lambda i: context.cast(builder, args[i], sig.args[i], types.int64)     # noqa: E731
+        b0 = 4 * nout
+        dt = sig.args[b0].dtype
+        ety, esz = _STORED[dt]
+        outs = [builder.add(data_ptr(context, builder, sig.args[2 * q], args[2 * q]), builder.mul(i64(2 * q + 1), c64(4)))
+                for q in range(nout)]
+        zs = [builder.add(data_ptr(context, builder, sig.args[2 * nout + 2 * q], args[2 * nout + 2 * q]),
+                          builder.mul(i64(2 * nout + 2 * q + 1), c64(4))) for q in range(nout)]
+        rows = [data_ptr(context, builder, sig.args[b0 + j], args[b0 + j]) for j in range(8)]
+        lo, hi = i64(b0 + 8), i64(b0 + 9)
+        zval = [[load(builder, builder.add(zs[q], c64(4 * j)), f32, align=4) for j in range(8)] for q in range(nout)]
+        mask = ir.Constant(ir.VectorType(ir.IntType(32), W), [0] * W)
+        zvec = [[builder.shuffle_vector(builder.insert_element(ir.Constant(vw, ir.Undefined), zval[q][j],
+                                                               ir.Constant(ir.IntType(32), 0)),
+                                        ir.Constant(vw, ir.Undefined), mask) for j in range(8)] for q in range(nout)]
+        fmaw = _fn(builder, f"llvm.fma.v{W}f32", vw, [vw, vw, vw])
+        fma1 = _fn(builder, "llvm.fma.f32", f32, [f32, f32, f32])
+        nv = builder.add(lo, builder.and_(builder.sub(hi, lo), c64(-W)))
+        for vector, step, ty, fma in ((True, W, vw, fmaw), (False, 1, f32, fma1)):
+            with cgutils.for_range_slice(builder, lo if vector else nv, nv if vector else hi, c64(step)) as (k, _):
+                w = [_widen_ir(builder, load(builder, builder.add(rows[j], builder.mul(k, c64(esz))),
+                                             ir.VectorType(ety, W) if vector else ety, align=esz), dt, W if vector else 0)
+                     for j in range(8)]
+                for q in range(nout):
+                    ptr = builder.inttoptr(builder.add(outs[q], builder.mul(k, c64(4))), ty.as_pointer())
+                    acc = builder.load(ptr, align=4)
+                    for j in range(8):
+                        acc = builder.call(fma, [w[j], zvec[q][j] if vector else zval[q][j], acc])
+                    builder.store(acc, ptr, align=4)
+        return context.get_dummy_value()
+    return codegen
+
+
+def _faxpy_types(outs, zs, rows, ints):
+    return _fdot_types(rows, outs + zs) and all(isinstance(i, types.Integer) for i in ints)
+
+
+@intrinsic
+def faxpy8(typingctx, out, c0, z, zo, b0, b1, b2, b3, b4, b5, b6, b7, lo, hi):
+    """out[c0 + o] += sum_j z[zo + j] b_j[o] for o in lo..hi-1, j < 8, one fma chain per element in j
+    order (out, z: 1-D float32; b_j: 1-D rows of one stored type; the caller keeps indices in range)."""
+    if not _faxpy_types([out], [z], [b0, b1, b2, b3, b4, b5, b6, b7], [c0, zo, lo, hi]):
+        return None
+    return types.void(out, c0, z, zo, b0, b1, b2, b3, b4, b5, b6, b7, lo, hi), _faxpy_codegen(1)
+
+
+@intrinsic
+def faxpy8x2(typingctx, oa, ca, ob, cb, za, zoa, zb, zob, b0, b1, b2, b3, b4, b5, b6, b7, lo, hi):
+    """faxpy8 for two outputs (oa from ca with za from zoa, ob from cb with zb from zob), each widened b
+    vector used twice; each output's elements bit for bit faxpy8's."""
+    if not _faxpy_types([oa, ob], [za, zb], [b0, b1, b2, b3, b4, b5, b6, b7], [ca, cb, zoa, zob, lo, hi]):
+        return None
+    return (types.void(oa, ca, ob, cb, za, zoa, zb, zob, b0, b1, b2, b3, b4, b5, b6, b7, lo, hi),
+            _faxpy_codegen(2))
+
+
 @njit(inline="always")
 def thread_rows(c, threads, N):
     """Rows [lo, hi) of N that part c of `threads` equal parts holds: one contiguous range each."""

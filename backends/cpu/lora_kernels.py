@@ -4,11 +4,11 @@ Conventions as kernels.py: output first, the math quoted, float32 throughout. Ev
 
     z = A x        (A [R, K], the rank-R projection: R dot products, kernels.fdot4 and its 2- and 4-token
                     forms, explicit vectors whose per-token sums do not depend on the tokens beside it)
-    out += z B     (B as b_t [R, N], the scale folded in: an axpy over N per eight z's, vectorised across
-                    the columns, in the same order for every row)
+    out += z B     (B as b_t [R, N], the scale folded in: kernels.faxpy8, an fma chain per element over
+                    eight rows of b_t at a time, in explicit vectors, in the same order for every row)
 
 so a row's arithmetic is the same whatever rows run beside it (batch invariance: a request's logits
-do not depend on its neighbours'). R is a multiple of 4 (runtime/lora.py pads the factors with zeros).
+do not depend on its neighbours'). R is a multiple of 8 (runtime/lora.py pads the factors with zeros).
 Factors are float32 or float16 (as half bits, uint16: widen / fdot's widening), runtime/lora.py hold.
 
 Work items: (tile, column chunk) pairs. A tile is up to TILE rows of one expert side by side (plan
@@ -21,7 +21,7 @@ each chunk recomputes its tile's z (R dot products, a fraction of the row's byte
 from numba import njit, prange
 
 from .jitcache import drop_stale
-from .kernels import TILE4, fdot4, fdot4x2, fdot4x4, widen
+from .kernels import TILE4, faxpy8, faxpy8x2, fdot4, fdot4x2, fdot4x4
 
 TILE = 4 if TILE4 else 2          # rows per tile: fdot4x4's four tokens where 16 accumulators fit
 
@@ -67,62 +67,33 @@ def _proj(z, off, A, e, xa, xb, xc, xd, nt):
                     s[4 * q], s[4 * q + 1], s[4 * q + 2], s[4 * q + 3]
 
 
-@njit(nogil=True, cache=True, error_model="numpy")
-def _up(out, c0, z, b_t, e, lo, hi):
-    """out[c0 + o] += sum_j z[j] b_t[e, j, o] for o in lo..hi-1   (b_t [E, R, N]): eight rows of b_t at
-    a time (eight streams: a cold 0.5 MB read 120 -> 100 us on the CI host), vectorised across the
-    columns"""
-    R = b_t.shape[1]
-    for j in range(0, R, 8):
-        if j + 8 <= R:
-            z0, z1, z2, z3 = z[j], z[j + 1], z[j + 2], z[j + 3]
-            z4, z5, z6, z7 = z[j + 4], z[j + 5], z[j + 6], z[j + 7]
-            for o in range(lo, hi):
-                out[c0 + o] += ((z0 * widen(b_t[e, j, o]) + z1 * widen(b_t[e, j + 1, o]))
-                                + (z2 * widen(b_t[e, j + 2, o]) + z3 * widen(b_t[e, j + 3, o]))
-                                + ((z4 * widen(b_t[e, j + 4, o]) + z5 * widen(b_t[e, j + 5, o]))
-                                   + (z6 * widen(b_t[e, j + 6, o]) + z7 * widen(b_t[e, j + 7, o]))))
-        else:
-            z0, z1, z2, z3 = z[j], z[j + 1], z[j + 2], z[j + 3]
-            for o in range(lo, hi):
-                out[c0 + o] += ((z0 * widen(b_t[e, j, o]) + z1 * widen(b_t[e, j + 1, o]))
-                                + (z2 * widen(b_t[e, j + 2, o]) + z3 * widen(b_t[e, j + 3, o])))
+@njit(inline="always")
+def _up(out, c0, z, zo, b_t, e, lo, hi):
+    """out[c0 + o] += sum_j z[zo + j] b_t[e, j, o] for o in lo..hi-1   (b_t [E, R, N]): eight rows of b_t at
+    a time (eight streams: a cold 0.5 MB read 120 -> 100 us on the CI host), kernels.faxpy8"""
+    for j in range(0, b_t.shape[1], 8):
+        faxpy8(out, c0, z, zo + j, b_t[e, j], b_t[e, j + 1], b_t[e, j + 2], b_t[e, j + 3], b_t[e, j + 4], b_t[e, j + 5],
+               b_t[e, j + 6], b_t[e, j + 7], lo, hi)
 
 
-@njit(nogil=True, cache=True, error_model="numpy")
-def _up2(oa, ob, c0, za, zb, b_t, e, lo, hi):
+@njit(inline="always")
+def _up2(oa, ob, c0, za, zb, zo, b_t, e, lo, hi):
     """_up for two rows at once (oa with za, ob with zb), each element of b_t loaded once for both;
-    each row's arithmetic is _up's"""
-    R = b_t.shape[1]
-    for j in range(0, R, 8):
-        if j + 8 <= R:
-            a0, a1, a2, a3, a4, a5, a6, a7 = za[j], za[j + 1], za[j + 2], za[j + 3], za[j + 4], za[j + 5], za[j + 6], za[j + 7]
-            b0, b1, b2, b3, b4, b5, b6, b7 = zb[j], zb[j + 1], zb[j + 2], zb[j + 3], zb[j + 4], zb[j + 5], zb[j + 6], zb[j + 7]
-            for o in range(lo, hi):
-                w0, w1, w2, w3 = widen(b_t[e, j, o]), widen(b_t[e, j + 1, o]), widen(b_t[e, j + 2, o]), widen(b_t[e, j + 3, o])
-                w4, w5, w6, w7 = widen(b_t[e, j + 4, o]), widen(b_t[e, j + 5, o]), widen(b_t[e, j + 6, o]), widen(b_t[e, j + 7, o])
-                oa[c0 + o] += ((a0 * w0 + a1 * w1) + (a2 * w2 + a3 * w3) + ((a4 * w4 + a5 * w5) + (a6 * w6 + a7 * w7)))
-                ob[c0 + o] += ((b0 * w0 + b1 * w1) + (b2 * w2 + b3 * w3) + ((b4 * w4 + b5 * w5) + (b6 * w6 + b7 * w7)))
-        else:
-            a0, a1, a2, a3 = za[j], za[j + 1], za[j + 2], za[j + 3]
-            b0, b1, b2, b3 = zb[j], zb[j + 1], zb[j + 2], zb[j + 3]
-            for o in range(lo, hi):
-                w0, w1, w2, w3 = widen(b_t[e, j, o]), widen(b_t[e, j + 1, o]), widen(b_t[e, j + 2, o]), widen(b_t[e, j + 3, o])
-                oa[c0 + o] += ((a0 * w0 + a1 * w1) + (a2 * w2 + a3 * w3))
-                ob[c0 + o] += ((b0 * w0 + b1 * w1) + (b2 * w2 + b3 * w3))
+    each row's arithmetic is _up's (kernels.faxpy8x2)"""
+    for j in range(0, b_t.shape[1], 8):
+        faxpy8x2(oa, c0, ob, c0, za, zo + j, zb, zo + j, b_t[e, j], b_t[e, j + 1], b_t[e, j + 2], b_t[e, j + 3], b_t[e, j + 4],
+                 b_t[e, j + 5], b_t[e, j + 6], b_t[e, j + 7], lo, hi)
 
 
 @njit(inline="always")
 def _up_tile(out, prow, j0, nt, c0, z, off, b_t, e, lo, hi):
     """out[prow(j0 + s)][c0 + o] += z[s, off:off+R] b_t[e] for the tile's rows s < nt, two at a time"""
-    R = b_t.shape[1]
     s = 0
     while s + 1 < nt:
-        _up2(out[prow[j0 + s, 0]], out[prow[j0 + s + 1, 0]], c0, z[s, off:off + R], z[s + 1, off:off + R],
-             b_t, e, lo, hi)
+        _up2(out[prow[j0 + s, 0]], out[prow[j0 + s + 1, 0]], c0, z[s], z[s + 1], off, b_t, e, lo, hi)
         s += 2
     if s < nt:
-        _up(out[prow[j0 + s, 0]], c0, z[s, off:off + R], b_t, e, lo, hi)
+        _up(out[prow[j0 + s, 0]], c0, z[s], off, b_t, e, lo, hi)
 
 
 # -- linear layers: rows r0..r1-1 of x, one adapter ------------------------------------------------
@@ -139,13 +110,12 @@ def _update_item(out, x, a, b_t, r0, r1, z, w, C):
     xd = x[t0 + 3] if nt > 3 else xa
     _proj(zw, 0, a, 0, xa, xb, xc, xd, nt)
     lo, hi = c * N // C, (c + 1) * N // C
-    R = a.shape[1]
     s = 0
     while s + 1 < nt:
-        _up2(out[t0 + s], out[t0 + s + 1], 0, zw[s, :R], zw[s + 1, :R], b_t, 0, lo, hi)
+        _up2(out[t0 + s], out[t0 + s + 1], 0, zw[s], zw[s + 1], 0, b_t, 0, lo, hi)
         s += 2
     if s < nt:
-        _up(out[t0 + s], 0, zw[s, :R], b_t, 0, lo, hi)
+        _up(out[t0 + s], 0, zw[s], 0, b_t, 0, lo, hi)
 
 
 @njit(nogil=True, cache=True, error_model="numpy")

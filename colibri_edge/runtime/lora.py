@@ -74,9 +74,9 @@ def hold(arrays: list, weight_dtype: str, want: str, what: str) -> list:
 
 
 def padded_rank(r: int) -> int:
-    """The rank the factors are held at: a multiple of 4 (the cpu kernels' dot products take four rows
-    of A at a time; the padding is zeros, which add exact zeros)."""
-    return -(-r // 4) * 4
+    """The rank the factors are held at: a multiple of 8 (the cpu kernels take four rows of A and eight
+    of B at a time; the padding is zeros, which add exact zeros)."""
+    return -(-r // 8) * 8
 
 
 @dataclass
@@ -239,7 +239,8 @@ class Adapters:
                                              else cfg["moe_intermediate_size"]).held(
                 one.gate.dtype if one is not None else "float16", dtype, key)
         nbytes = sum(f.nbytes for f in lin.values()) + sum(f.nbytes for f in ffns.values())
-        rank = max([f.a.shape[0] for f in lin.values()] + [f.rank for f in ffns.values()] + [0])
+        rank = max([a.shape[0] for a, _, _ in linear.values()] +         # as trained (the kernels' is padded)
+                   [a.shape[0] for d in experts.values() for a, _ in d.values()] + [0])
         held = {f.dtype for f in list(lin.values()) + list(ffns.values())}
         lo = Loaded(name, getattr(adapter, "path", ""), next(_uids), rank, nbytes, lin, ffns, names,
                     held.pop() if len(held) == 1 else "mixed")
