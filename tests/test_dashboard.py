@@ -161,7 +161,9 @@ def test_live_page(served, browser, tmp_path):
         assert all(_cell_red(b, "alpha", row, x) == 28 for x in range(4) if x not in PICKED)
         assert _cell_red(b, "beta", row, PICKED[0]) == 28      # the other model's map did not move
 
-    # the output-token counter rises while a client streams (four streams, one after another)
+    # the output-token counter rises while a client streams (four streams, one after another), from the
+    # first request's 20 (the page may still show a count from the middle of that request: wait for it)
+    _wait(lambda: _field(b, "alpha", "tokens_out") == "20", what="the first request's count")
     done = threading.Event()
     t = threading.Thread(target=_streams, args=(srv.url, "alpha", 4, 200, done))
     t.start()
