@@ -15,7 +15,8 @@ from helpers import activation_runs, close
 from hf_models import build_hf, dequantised_checkpoint, hf_logits
 
 TOL = 1e-4
-FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4", "q4_k", "q5_k", "q6_k", "q4_k_m")
+FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4", "q4_k", "q5_k", "q6_k", "q4_k_m", "q2_k", "q3_k", "iq4_nl",
+           "iq4_xs", "tq1_0", "tq2_0", "nvfp4")
 # K-quant sized: every row a whole number of 256-blocks
 KQ = dict(hidden_size=256, intermediate_size=256, head_dim=64, num_attention_heads=4, num_key_value_heads=2,
           vocab_size=97)
@@ -52,7 +53,11 @@ def test_block_formats_match_transformers_on_the_decoded_weights(engine_variant,
             got = eng.infer(ids)
             short = [eng.infer([ids[0][:n]])[0] for n in (1, 2)]     # one and two tokens: the decode paths
             steps = eng.generate(list(ids[1][:6]), max_new_tokens=3, ignore_eos=True)
-        for g, w in [(got, want)] + [(s, want[0, :len(s)]) for s in short]:
+        pairs = [(got, want)] + [(s, want[0, :len(s)]) for s in short]
+        if tol != TOL:            # the int8 criterion is statistical (median, argmax share): over all positions
+            pairs = [(np.concatenate([g.reshape(-1, g.shape[-1]) for g, _ in pairs]),
+                      np.concatenate([w.reshape(-1, w.shape[-1]) for _, w in pairs]))]
+        for g, w in pairs:
             assert close(g, w, tol), (o, fmt)
         if tol == TOL:            # teacher-forced greedy agreement, and generation token for token
             assert (got.argmax(-1) == want.argmax(-1)).all()

@@ -237,7 +237,7 @@ def test_bad_gguf_files_are_coded_errors_naming_the_field(tmp_path, gguf_cases):
     assert e.code == COLIBRI_ERR_INVALID_MODEL and "'magic'" in str(e)
     name, off, parts = _tensor_info_offset(path)
     type_at = off + sum(parts[:4])                      # name_len, name, n_dims, dims, | type |, offset
-    for tid, what in ((250, "not a GGML type"), (int(gguf.GGMLQuantizationType.IQ4_NL), "IQ4_NL")):
+    for tid, what in ((250, "not a GGML type"), (int(gguf.GGMLQuantizationType.IQ2_XXS), "IQ2_XXS")):
         b = bytearray(data)
         b[type_at:type_at + 4] = struct.pack("<I", tid)
         e = _bad(tmp_path, bytes(b))

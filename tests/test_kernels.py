@@ -377,15 +377,18 @@ def test_int8_activation_dots_are_exact(rng):
     from helpers import backend_available
     bes = [create("cpu")] + ([create("opencl", int8_activations=True)] if backend_available("opencl") else [])
     ref = create("reference")
-    for be, fmt in [(be, fmt) for be in bes for fmt in quant.BLOCK]:
+    for be, fmt in [(be, fmt) for be in bes for fmt in quant.BLOCK if fmt in be.weight_dtypes]:
         B, nb = quant.BLOCK[fmt]
-        for K in ((256, 512) if B == 256 else (256, 96, 544)):
+        for K in ((256, 512) if B == 256 else (256, 96, 544) if B == 32 else (256, 192, 576)):
             N = 13
             raw = rng.integers(0, 256, (N, K // B, nb), dtype=np.uint8)
-            scale_at = {"q6_k": [208], "q4_k": [0, 2], "q5_k": [0, 2], "q4_1": [0, 2], "q5_1": [0, 2]}.get(fmt, [0])
+            scale_at = {"q6_k": [208], "q4_k": [0, 2], "q5_k": [0, 2], "q4_1": [0, 2], "q5_1": [0, 2], "q2_k": [80, 82],
+                        "q3_k": [108], "tq2_0": [64], "tq1_0": [52]}.get(fmt, [0])
             for off in scale_at:
                 if fmt == "mxfp4":
                     raw[..., 0] = 125                             # 2^-3
+                elif fmt == "nvfp4":
+                    raw[..., 0:4] = 0x30                          # UE4M3 2^-1, halved: 2^-2
                 else:
                     raw[..., off:off + 2] = np.frombuffer(np.float16(2.0 ** -6).tobytes(), np.uint8)
             raw = raw.reshape(N, -1)

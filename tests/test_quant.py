@@ -12,7 +12,8 @@ from colibri_edge.model import quant  # noqa: E402
 from colibri_edge.model.dtypes import narrow, widen  # noqa: E402
 
 TYPES = {"q8_0": G.Q8_0, "q4_0": G.Q4_0, "q4_1": G.Q4_1, "q5_0": G.Q5_0, "q5_1": G.Q5_1, "mxfp4": G.MXFP4,
-         "q4_k": G.Q4_K, "q5_k": G.Q5_K, "q6_k": G.Q6_K}
+         "q4_k": G.Q4_K, "q5_k": G.Q5_K, "q6_k": G.Q6_K, "q2_k": G.Q2_K, "q3_k": G.Q3_K, "iq4_nl": G.IQ4_NL,
+         "iq4_xs": G.IQ4_XS, "tq1_0": G.TQ1_0, "tq2_0": G.TQ2_0, "nvfp4": G.NVFP4}
 
 
 def test_every_block_format_is_covered():
@@ -33,8 +34,9 @@ def test_dequantize_random_blocks_as_gguf(fmt, rng):
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4", "tq1_0", "tq2_0"])
 def test_32_block_quantisers_are_gguf_byte_for_byte(fmt, rng):
+    """The quantisers gguf-py has (the 32-blocks and the ternary types), byte for byte."""
     x = (rng.standard_normal((33, 512)) * rng.uniform(0.01, 3, (33, 1))).astype(np.float32)
     x[3] = 0                                  # an all-zero row, and a zero block in another
     x[5, :32] = 0
@@ -53,7 +55,7 @@ def test_quantised_rows_read_back_by_gguf(fmt, rng):
     np.testing.assert_array_equal(ours, gguf.quants.dequantize(raw, TYPES[fmt]))
     assert ours.shape == x.shape
     rms = np.sqrt(((ours - x) ** 2).mean() / (x ** 2).mean())
-    assert 0 < rms < 0.2, rms
+    assert 0 < rms < {"q2_k": 0.35, "tq1_0": 0.85, "tq2_0": 0.85}.get(fmt, 0.2), rms     # ternary: {-d, 0, d}
 
 
 def _rms(x, fmt):
@@ -68,6 +70,27 @@ def test_k_quants_beat_the_32_blocks_of_the_same_bits(rng):
     assert e["q4_k"] < e["q4_1"] < e["q4_0"]
     assert e["q5_k"] < e["q5_1"] < e["q5_0"]
     assert e["q4_k"] > e["q5_k"] > e["q6_k"] > e["q8_0"]
+    assert e["q2_k"] > e["q3_k"] > e["q4_k"]
+    assert e["iq4_nl"] < e["q4_0"] and e["iq4_xs"] < e["q4_0"]    # the non-linear levels fit a bell better
+    assert e["nvfp4"] < e["mxfp4"]                                  # a scale per 16, not per 32
+
+
+def test_iq4_levels_are_nearest_ties_upward():
+    """best_index_iq4nl: the nearest IQ4NL level, a midpoint going to the larger (ggml's best_index_int8)."""
+    lv = quant.IQ4NL.astype(np.float32)
+    v = np.concatenate([lv, (lv[:-1] + lv[1:]) / 2, lv[:-1] + 0.25, [-1e9, 1e9]]).astype(np.float32)
+    d = np.abs(lv.astype(np.float64)[None, :] - v.astype(np.float64)[:, None])
+    want = np.array([np.flatnonzero(r == r.min()).max() for r in d])
+    np.testing.assert_array_equal(quant.best_index_iq4nl(v), want)
+
+
+def test_ue4m3_as_gguf(rng):
+    """The NVFP4 scale byte: every byte decodes as gguf-py does, and encoding matches gguf-py's
+    fp32_to_ue4m3 (ggml's) over the whole range, subnormals and saturation included."""
+    b = np.arange(256, dtype=np.uint8)
+    np.testing.assert_array_equal(quant.ue4m3_half(b), gguf.quants.NVFP4.ue4m3_to_fp32(b).astype(np.float32))
+    v = np.concatenate([rng.uniform(0, 500, 4000), rng.uniform(0, 0.02, 1000), [0, 448, 1e6]]).astype(np.float32)
+    np.testing.assert_array_equal(quant.ue4m3(v), gguf.quants.NVFP4.fp32_to_ue4m3(v))
 
 
 @pytest.mark.parametrize("fmt", sorted(TYPES))

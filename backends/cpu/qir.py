@@ -22,7 +22,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from colibri_edge.model.quant import BLOCK
+from colibri_edge.model.quant import BLOCK, IQ4NL
 
 I8, I16, I32, I64, F32, HALF = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType(), \
     ir.HalfType()
@@ -164,6 +164,113 @@ def q6_k_scale(builder, b, h, p, j):
     return builder.sitofp(load(builder, builder.add(b, c64(192 + (128 * h + 32 * p + 16 * j) // 16)), I8), F32)
 
 
+def crumbs(builder, addr, p):
+    """<32 x i8>: the 2-bit fields (bits 2p, 2p + 1) of the 32 bytes at addr (q2_k, q3_k, tq2_0: part p
+    of a half)."""
+    return builder.and_(builder.lshr(load(builder, addr, vec(I8, 32)), cvec(I8, [2 * p] * 32)), cvec(I8, [3] * 32))
+
+
+def lookup16(builder, values, idx):
+    """<n x i8> indices 0..15 -> <n x i8> values[idx] (a 16-entry int8 table): one vpshufb on AVX2,
+    a select chain elsewhere (NEON: LLVM folds it to compares and blends)."""
+    n = idx.type.count
+    vals = [int(v) for v in values]
+    if HAS_AVX2 and n == 32:
+        table = cvec(I8, [v & 255 for v in vals] * 2)
+        return builder.call(_fn(builder, "llvm.x86.avx2.pshuf.b", vec(I8, 32), [vec(I8, 32), vec(I8, 32)]), [table, idx])
+    out = cvec(I8, [vals[0] & 255] * n)
+    for i in range(1, 16):
+        out = builder.select(builder.icmp_unsigned("==", idx, cvec(I8, [i] * n)), cvec(I8, [vals[i] & 255] * n), out)
+    return out
+
+
+IQ4NL_VALUES = tuple(int(v) for v in IQ4NL)
+E2M1X2_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def q2_k_scales(builder, b, s):
+    """q2_k block at b, sub-block s (0..15): (d (sc & 15), -dmin (sc >> 4)) as floats."""
+    sc = builder.zext(u8(builder, builder.add(b, c64(s))), I32)
+    d, dmin = f16(builder, builder.add(b, c64(80))), f16(builder, builder.add(b, c64(82)))
+    m = builder.fmul(d, builder.uitofp(builder.and_(sc, ir.Constant(I32, 15)), F32))
+    return m, builder.fneg(builder.fmul(dmin, builder.uitofp(builder.lshr(sc, ir.Constant(I32, 4)), F32)))
+
+
+def q3_k_chunk(builder, b, h, p):
+    """q3_k block at b: the signed values (q2 - 4 (1 - hb), <32 x i8>) of part p of half h."""
+    q = crumbs(builder, builder.add(b, c64(32 + 32 * h)), p)
+    hm = load(builder, b, vec(I8, 32))
+    hb = builder.and_(builder.lshr(hm, cvec(I8, [4 * h + p] * 32)), cvec(I8, [1] * 32))
+    return builder.sub(q, builder.shl(builder.xor(hb, cvec(I8, [1] * 32)), cvec(I8, [2] * 32)))
+
+
+def q3_k_scale(builder, b, s):
+    """q3_k block at b: d (sc6_s - 32) as a float, s = 0..15."""
+    lo = builder.and_(builder.lshr(builder.zext(u8(builder, builder.add(b, c64(96 + s % 8))), I32),
+                                   ir.Constant(I32, 4 * (s // 8))), ir.Constant(I32, 15))
+    hi = builder.and_(builder.lshr(builder.zext(u8(builder, builder.add(b, c64(104 + s % 4))), I32),
+                                   ir.Constant(I32, 2 * (s // 4))), ir.Constant(I32, 3))
+    sc = builder.sub(builder.or_(lo, builder.shl(hi, ir.Constant(I32, 4))), ir.Constant(I32, 32))
+    return builder.fmul(f16(builder, builder.add(b, c64(108))), builder.sitofp(sc, F32))
+
+
+def iq4_xs_scale(builder, b, s):
+    """iq4_xs block at b: d (sc6_s - 32) as a float, s = 0..7."""
+    lo = builder.and_(builder.lshr(builder.zext(u8(builder, builder.add(b, c64(4 + s // 2))), I32),
+                                   ir.Constant(I32, 4 * (s % 2))), ir.Constant(I32, 15))
+    hi = builder.and_(builder.lshr(builder.zext(load(builder, builder.add(b, c64(2)), I16), I32),
+                                   ir.Constant(I32, 2 * s)), ir.Constant(I32, 3))
+    sc = builder.sub(builder.or_(lo, builder.shl(hi, ir.Constant(I32, 4))), ir.Constant(I32, 32))
+    return builder.fmul(f16(builder, b), builder.sitofp(sc, F32))
+
+
+def trits(builder, v, pw):
+    """<n x i8> bytes v, <n x i8> powers of 3 pw -> the trits minus 1: ((v pw mod 256) 3) >> 8, - 1."""
+    n = v.type.count
+    t = builder.mul(builder.zext(builder.mul(v, pw), vec(I16, n)), cvec(I16, [3] * n))
+    return builder.sub(builder.trunc(builder.lshr(t, cvec(I16, [8] * n)), vec(I8, n)), cvec(I8, [1] * n))
+
+
+def tq1_0_chunk(builder, b, c):
+    """tq1_0 block at b: the signed values (<32 x i8>) of weights 32 c .. 32 c + 31."""
+    if c < 5:                                   # trit c of qs[0..31]
+        return trits(builder, load(builder, b, vec(I8, 32)), cvec(I8, [3 ** c] * 32))
+    lo = load(builder, builder.add(b, c64(32)), vec(I8, 16))
+    if c < 7:                                   # trits 2 (c - 5), 2 (c - 5) + 1 of qs[32..47]
+        n = 2 * (c - 5)
+        return trits(builder, concat(builder, lo, lo), cvec(I8, [3 ** n] * 16 + [3 ** (n + 1)] * 16))
+    qh = load(builder, builder.add(b, c64(48)), vec(I8, 4))  # trit 4 of qs[32..47], then trits n of qh[j]
+    qh16 = builder.shuffle_vector(qh, qh, cvec(I32, [i % 4 for i in range(16)]))
+    return trits(builder, concat(builder, lo, qh16), cvec(I8, [81] * 16 + [3 ** (i // 4) for i in range(16)]))
+
+
+def ue4m3_half_ir(builder, x):
+    """a UE4M3 byte (i8) -> its value / 2 as a float (quant.ue4m3_half): exponent e > 0 gives the float
+    with exponent field e + 119 and mantissa m << 20, e = 0 gives m 2^-10; 0x7f gives 0."""
+    x = builder.zext(x, I32)
+    e = builder.and_(builder.lshr(x, ir.Constant(I32, 3)), ir.Constant(I32, 15))
+    m = builder.and_(x, ir.Constant(I32, 7))
+    normal = builder.bitcast(builder.or_(builder.shl(builder.add(e, ir.Constant(I32, 119)), ir.Constant(I32, 23)),
+                                         builder.shl(m, ir.Constant(I32, 20))), F32)
+    sub = builder.fmul(builder.uitofp(m, F32), ir.Constant(F32, 2.0 ** -10))
+    v = builder.select(builder.icmp_unsigned("==", e, ir.Constant(I32, 0)), sub, normal)
+    return builder.select(builder.icmp_unsigned("==", x, ir.Constant(I32, 0x7F)), ir.Constant(F32, 0.0), v)
+
+
+def nvfp4_chunk(builder, b, c):
+    """nvfp4 block at b: the doubled E2M1 values (<32 x i8>) of sub-blocks 2c, 2c + 1 (each 8 bytes:
+    low nibbles the first 8 weights)."""
+    nib = nibbles(builder, builder.add(b, c64(4 + 16 * c)), 16)        # lows of 16 bytes, then highs
+    nib = builder.shuffle_vector(nib, nib, cvec(I32, list(range(0, 8)) + list(range(16, 24)) + list(range(8, 16))
+                                                + list(range(24, 32))))
+    return lookup16(builder, E2M1X2_VALUES, nib)
+
+
+def halves(builder, q):
+    """<32 x T> -> its two <16 x T> halves."""
+    return [builder.shuffle_vector(q, q, cvec(I32, range(16 * k, 16 * k + 16))) for k in range(2)]
+
+
 def decode(fmt, builder, b):
     """The chunks of the block whose bytes start at address b (i64): [(mult, add, q)], in weight order."""
     fl = lambda v: builder.uitofp(v, F32)                                           # noqa: E731
@@ -204,6 +311,38 @@ def decode(fmt, builder, b):
                 for k in range(2):                   # two scales of 16 per chunk of 32
                     sc = q6_k_scale(builder, b, h, p, k)
                     out.append((builder.fmul(d, sc), None, builder.shuffle_vector(q, q, cvec(I32, range(16 * k, 16 * k + 16)))))
+        return out
+    if fmt in ("q2_k", "q3_k"):                 # per 16: half h, part p, half-chunk k: sub-block 8h + 2p + k
+        out = []
+        for h in range(2):
+            for p in range(4):
+                if fmt == "q2_k":
+                    q = uif(builder, crumbs(builder, builder.add(b, c64(16 + 32 * h)), p))
+                else:
+                    q = sif(builder, q3_k_chunk(builder, b, h, p))
+                for k, qk in enumerate(halves(builder, q)):
+                    s = 8 * h + 2 * p + k
+                    mult, add = q2_k_scales(builder, b, s) if fmt == "q2_k" else (q3_k_scale(builder, b, s), None)
+                    out.append((mult, add, qk))
+        return out
+    if fmt == "iq4_nl":
+        return [(f16(builder, b), None, sif(builder, lookup16(builder, IQ4NL_VALUES, nibbles(builder, builder.add(b, c64(2))))))]
+    if fmt == "iq4_xs":
+        return [(iq4_xs_scale(builder, b, s), None,
+                 sif(builder, lookup16(builder, IQ4NL_VALUES, nibbles(builder, builder.add(b, c64(8 + 16 * s))))))
+                for s in range(8)]
+    if fmt == "tq2_0":
+        d = f16(builder, builder.add(b, c64(64)))
+        return [(d, None, sif(builder, builder.sub(crumbs(builder, builder.add(b, c64(32 * h)), p), cvec(I8, [1] * 32))))
+                for h in range(2) for p in range(4)]
+    if fmt == "tq1_0":
+        d = f16(builder, builder.add(b, c64(52)))
+        return [(d, None, sif(builder, tq1_0_chunk(builder, b, c))) for c in range(8)]
+    if fmt == "nvfp4":
+        out = []
+        for c in range(2):
+            for k, qk in enumerate(halves(builder, sif(builder, nvfp4_chunk(builder, b, c)))):
+                out.append((ue4m3_half_ir(builder, u8(builder, builder.add(b, c64(2 * c + k)))), None, qk))
         return out
     raise ValueError(fmt)
 
@@ -339,6 +478,33 @@ def decode_int(fmt, builder, b):
                 sc = [q6_k_scale(builder, b, h, p, j) for j in range(2)]
                 out.append((q, True, builder.fmul(d, sc[0]), builder.fmul(d, sc[1]), None))
         return out
+    if fmt in ("q2_k", "q3_k"):
+        out = []
+        for h in range(2):
+            for p in range(4):
+                s = 8 * h + 2 * p
+                if fmt == "q2_k":                # the mins per 16: add is a pair (see _rowdot_int_codegen)
+                    (m1, a1), (m2, a2) = q2_k_scales(builder, b, s), q2_k_scales(builder, b, s + 1)
+                    out.append((crumbs(builder, builder.add(b, c64(16 + 32 * h)), p), False, m1, m2, (a1, a2)))
+                else:
+                    out.append((q3_k_chunk(builder, b, h, p), True, q3_k_scale(builder, b, s),
+                                q3_k_scale(builder, b, s + 1), None))
+        return out
+    if fmt == "iq4_nl":
+        return [(lookup16(builder, IQ4NL_VALUES, nibbles(builder, builder.add(b, c64(2)))), True, f16(builder, b), None, None)]
+    if fmt == "iq4_xs":
+        return [(lookup16(builder, IQ4NL_VALUES, nibbles(builder, builder.add(b, c64(8 + 16 * s)))), True,
+                 iq4_xs_scale(builder, b, s), None, None) for s in range(8)]
+    if fmt == "tq2_0":
+        d = f16(builder, builder.add(b, c64(64)))
+        return [(builder.sub(crumbs(builder, builder.add(b, c64(32 * h)), p), cvec(I8, [1] * 32)), True, d, None, None)
+                for h in range(2) for p in range(4)]
+    if fmt == "tq1_0":
+        d = f16(builder, builder.add(b, c64(52)))
+        return [(tq1_0_chunk(builder, b, c), True, d, None, None) for c in range(8)]
+    if fmt == "nvfp4":
+        return [(nvfp4_chunk(builder, b, c), True, ue4m3_half_ir(builder, u8(builder, builder.add(b, c64(2 * c)))),
+                 ue4m3_half_ir(builder, u8(builder, builder.add(b, c64(2 * c + 1)))), None) for c in range(2)]
     raise ValueError(fmt)
 
 
@@ -388,7 +554,10 @@ def _rowdot_int_codegen(ntok):
                     s8 = dot8(builder, q, signed, load(builder, builder.add(xaddr[t], kk), vec(I8, 32)))
                     dx = load(builder, builder.add(builder.add(db, dofs[t]), j4), F32, align=4)
                     builder.store(_fma8(builder, builder.load(acc[t]), s8, m1, m2, dx), acc[t])
-                    if add is not None:
+                    if isinstance(add, tuple):         # per-16 additive terms times the activations' sums
+                        s1 = dot8(builder, cvec(I8, [1] * 32), False, load(builder, builder.add(xaddr[t], kk), vec(I8, 32)))
+                        builder.store(_fma8(builder, builder.load(acc[t]), s1, add[0], add[1], dx), acc[t])
+                    elif add is not None:
                         xs = load(builder, builder.add(builder.add(sb, dofs[t]), j4), F32, align=4)
                         builder.store(builder.fadd(builder.load(accs[t]), builder.fmul(add, xs, flags=fast), flags=fast),
                                       accs[t])
@@ -440,9 +609,11 @@ def _k4_scales(builder, base):
 
 def group_int(fmt, builder, g):
     """The group of 256 weights at address g: (chunks, mult, add): chunks 8 (q, signed); mult the
-    chunks' weight multipliers, <8 x float> (q6_k: <16 x float>, one per 16 weights); add <8 x float>
-    of the chunks' additive terms, or None."""
+    chunks' weight multipliers, <8 x float> (PER16: <16 x float>, one per 16 weights); add <8 x float>
+    of the chunks' additive terms (q2_k: <16 x float>, per 16), or None."""
     B, nb = BLOCK[fmt]
+    if fmt not in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4", "q4_k", "q5_k", "q6_k"):
+        return group_int_any(fmt, builder, g)
     if B == 32:
         chunks = [decode_int(fmt, builder, builder.add(g, c64(i * nb)))[0][:2] for i in range(8)]
         if fmt == "mxfp4":
@@ -473,6 +644,36 @@ def group_int(fmt, builder, g):
     raise ValueError(fmt)
 
 
+PER16 = ("q6_k", "q2_k", "q3_k", "nvfp4")       # formats with a multiplier per 16 weights
+
+
+def _lanes(builder, vals):
+    """floats -> <len(vals) x float>"""
+    v = ir.Constant(vec(F32, len(vals)), ir.Undefined)
+    for i, x in enumerate(vals):
+        v = builder.insert_element(v, x, ir.Constant(I32, i))
+    return v
+
+
+def group_int_any(fmt, builder, g):
+    """group_int for the formats without a hand-gathered form: the multipliers (and additive terms)
+    of decode_int's eight chunks put into lanes, per 16 where the format has them (PER16); q2_k's
+    per-16 mins as a <16 x float> add (times the activations' per-16 sums, _rowdot4_int_codegen)."""
+    B, nb = BLOCK[fmt]
+    parts = [c for i in range(256 // B) for c in decode_int(fmt, builder, builder.add(g, c64(i * nb)))]
+    chunks = [c[:2] for c in parts]
+    if fmt in PER16:
+        mult = _lanes(builder, [m for c in parts for m in (c[2], c[3])])
+    else:
+        mult = _lanes(builder, [c[2] for c in parts])
+    adds = [c[4] for c in parts]
+    if all(a is None for a in adds):
+        return chunks, mult, None
+    if isinstance(adds[0], tuple):
+        return chunks, mult, _lanes(builder, [a for pair in adds for a in pair])
+    return chunks, mult, _lanes(builder, adds)
+
+
 def _rowdot4_int_codegen(ntok):
     """args: (w, n0, n1, n2, n3, qx, dx, xs, xoff_0 .. xoff_{ntok-1}) -> 4 * ntok sums, row-major
     (row r, token t at r * ntok + t)."""
@@ -492,7 +693,8 @@ def _rowdot4_int_codegen(ntok):
         nblk = builder.extract_value(context.make_array(sig.args[0])(context, builder, w).shape, 1)
         rstart = [builder.add(wbase, builder.mul(r, builder.mul(nblk, c64(nb)))) for r in rows]
         ngroups = builder.udiv(builder.mul(nblk, c64(B)), c64(256))
-        q6 = fmt == "q6_k"
+        q6 = fmt in PER16
+        add16 = fmt == "q2_k"                                 # per-16 additive terms (the mins)
         zero = ir.Constant(vec(F32, 8), [0.0] * 8)
         acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(ntok)] for _ in range(4)]
         acca = [[cgutils.alloca_once_value(builder, zero) for _ in range(ntok)] for _ in range(4)]
@@ -505,6 +707,10 @@ def _rowdot4_int_codegen(ntok):
                   for t in range(ntok)]
             x8 = [[load(builder, builder.add(xaddr[t], builder.add(k, c64(32 * c))), vec(I8, 32)) for c in range(8)]
                   for t in range(ntok)]
+            if add16:           # each token's per-16 sums of its int8 activations, shared by the four rows
+                ones = cvec(I8, [1] * 32)
+                xsum = [[builder.sitofp(dot8(builder, ones, False, x8[t][c]), vec(F32, 8)) for c in range(8)]
+                        for t in range(ntok)]
             for r in range(4):
                 chunks, mult, add = group_int(fmt, builder, builder.add(rstart[r], builder.mul(g, c64(gb))))
                 for t in range(ntok):
@@ -518,25 +724,36 @@ def _rowdot4_int_codegen(ntok):
                         lanes = [2 * c] * 4 + [2 * c + 1] * 4 if q6 else [c] * 8
                         a = builder.fadd(a, builder.fmul(s8, builder.shuffle_vector(m, m, cvec(I32, lanes)), flags=fast),
                                          flags=fast)
+                    if add16:
+                        am = builder.fmul(add, builder.shuffle_vector(dx[t], dx[t], cvec(I32, [i // 2 for i in range(16)])))
+                        for c in range(8):
+                            a = builder.fadd(a, builder.fmul(xsum[t][c], builder.shuffle_vector(
+                                am, am, cvec(I32, [2 * c] * 4 + [2 * c + 1] * 4)), flags=fast), flags=fast)
                     builder.store(a, acc[r][t])
-                    if add is not None:
+                    if add is not None and not add16:
                         builder.store(builder.fadd(builder.load(acca[r][t]), builder.fmul(add, xs[t], flags=fast),
                                                    flags=fast), acca[r][t])
         tails = [[cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0)) for _ in range(ntok)] for _ in range(4)]
-        if B == 32:                     # the blocks past the last whole group (K-quant rows are whole groups)
-            with cgutils.for_range_slice(builder, builder.mul(ngroups, c64(8)), nblk, c64(1)) as (bi, _):
-                kk = builder.mul(bi, c64(B))
+        if B < 256:                     # the blocks past the last whole group (256-block rows are whole groups)
+            with cgutils.for_range_slice(builder, builder.mul(ngroups, c64(256 // B)), nblk, c64(1)) as (bi, _):
                 for r in range(4):
-                    (q, signed, m1, _, add), = decode_int(fmt, builder, builder.add(rstart[r], builder.mul(bi, c64(nb))))
-                    for t in range(ntok):
-                        s = builder.sitofp(_hsum_i32(builder, dot8(builder, q, signed,
-                                                                    load(builder, builder.add(xaddr[t], kk), vec(I8, 32)))), F32)
-                        dxs = load(builder, builder.add(daddr[t], builder.mul(bi, c64(4))), F32, align=4)
-                        v = builder.fmul(builder.fmul(m1, dxs), s)
-                        if add is not None:
-                            xss = load(builder, builder.add(saddr[t], builder.mul(bi, c64(4))), F32, align=4)
-                            v = builder.fadd(v, builder.fmul(add, xss))
-                        builder.store(builder.fadd(builder.load(tails[r][t]), v), tails[r][t])
+                    for ci, (q, signed, m1, m2, add) in enumerate(
+                            decode_int(fmt, builder, builder.add(rstart[r], builder.mul(bi, c64(nb))))):
+                        kk = builder.add(builder.mul(bi, c64(B)), c64(32 * ci))
+                        j4 = builder.mul(builder.lshr(kk, c64(5)), c64(4))
+                        for t in range(ntok):
+                            p = dot8(builder, q, signed, load(builder, builder.add(xaddr[t], kk), vec(I8, 32)))
+                            dxs = load(builder, builder.add(daddr[t], j4), F32, align=4)
+                            if m2 is None:
+                                v = builder.fmul(builder.fmul(m1, dxs), builder.sitofp(_hsum_i32(builder, p), F32))
+                            else:       # per-16 multipliers: lanes 0-3 the first 16 weights
+                                lo, hi = (builder.sitofp(_hsum_i32(builder, builder.shuffle_vector(
+                                    p, p, cvec(I32, range(4 * h, 4 * h + 4)))), F32) for h in range(2))
+                                v = builder.fadd(builder.fmul(builder.fmul(m1, dxs), lo), builder.fmul(builder.fmul(m2, dxs), hi))
+                            if add is not None:
+                                xss = load(builder, builder.add(saddr[t], j4), F32, align=4)
+                                v = builder.fadd(v, builder.fmul(add, xss))
+                            builder.store(builder.fadd(builder.load(tails[r][t]), v), tails[r][t])
         sums = []
         for r in range(4):
             for t in range(ntok):

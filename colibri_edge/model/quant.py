@@ -21,6 +21,24 @@ uint8 [N, K / B * nbytes]; a block of B weights:
       the 6-bit scale and min of sub-block s are get_scale_min_k4 below. q6_k: half h (128 weights),
       part p (0..3) of 32, weight j: low 4 bits from ql[64 h + 32 (p % 2) + j] >> 4 (p // 2), high 2 bits
       (qh[32 h + j] >> 2 p) & 3, scale scales[(128 h + 32 p + j) // 16].
+  q2_k    256  84     scales:u8[16] | qs:u8[64] | d:f16 | dmin:f16   d (sc_s & 15) q2 - dmin (sc_s >> 4)  (16 of 16)
+  q3_k    256  110    hmask:u8[32] | qs:u8[64] | scales:u8[12] | d:f16   d (sc6_s - 32) (q2 - 4 (1 - hb))
+      2-bit fields (q2_k, q3_k, tq2_0): half h (128 weights), part p (0..3), weight j < 32 reads
+      (qs[32 h + j] >> 2 p) & 3; q3_k's high bit of that weight is bit 4 h + p of hmask[j] (set: no -4);
+      q3_k's 6-bit scale s: low 4 bits (scales[s % 8] >> 4 (s // 8)) & 15, high 2 bits
+      (scales[8 + s % 4] >> 2 (s // 4)) & 3.
+  iq4_nl  32   18     d:f16 | qs:u8[16]                              d * IQ4NL[nib(i)]
+  iq4_xs  256  136    d:f16 | scales_h:u16 | scales_l:u8[4] | qs:u8[128]   d (sc6_s - 32) IQ4NL[nib]  (8 of 32)
+      sub-block s: 6-bit scale (scales_l[s // 2] >> 4 (s % 2)) & 15 | ((scales_h >> 2 s) & 3) << 4; its
+      weights nib(i) of qs[16 s .. 16 s + 15] (low nibbles the first 16).
+  tq2_0   256  66     qs:u8[64] | d:f16                              d * (q2 - 1)
+  tq1_0   256  54     qs:u8[48] | qh:u8[4] | d:f16                   d * (trit - 1)
+      five trits a byte, base 3, most significant first, stored as ceil(v * 256 / 243): trit n of byte b
+      is ((b * 3^n mod 256) * 3) >> 8. Weight 32 n + j: trit n of qs[j] (j < 32); 160 + 16 n + j: trit n
+      of qs[32 + j]; 240 + 4 n + j: trit n (< 4) of qh[j].
+  nvfp4   64   36     d:u8[4] (ue4m3) | qs:u8[32]                    UE4M3(d_s) / 2 * E2M1x2[nib]  (4 of 16)
+      sub-block s: its 16 weights nib(i) of qs[8 s .. 8 s + 7]; UE4M3 x: exponent (x >> 3) & 15, mantissa
+      x & 7, bias 7, subnormal below exponent 1; 0 and 0x7f decode to 0.
 """
 from __future__ import annotations
 
@@ -29,9 +47,12 @@ import numpy as np
 QK = 32
 QK_K = 256
 BLOCK = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24),
-         "mxfp4": (32, 17), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210)}
+         "mxfp4": (32, 17), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210),
+         "q2_k": (256, 84), "q3_k": (256, 110), "iq4_nl": (32, 18), "iq4_xs": (256, 136), "tq1_0": (256, 54),
+         "tq2_0": (256, 66), "nvfp4": (64, 36)}
 BLOCK_FORMATS = tuple(BLOCK)
 E2M1 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)    # doubled e2m1 values
+IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)  # kvalues_iq4nl
 
 
 def row_bytes(fmt: str, K: int) -> int:
@@ -52,6 +73,48 @@ def e8m0_half(e):
     e = np.asarray(e, np.uint32)
     bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23)).astype(np.uint32)
     return bits.view(np.float32)
+
+
+def ue4m3_half(x):
+    """UE4M3 scale bytes -> float32 value / 2 (ggml_ue4m3_to_fp32 under the doubled-E2M1 convention):
+    (1 + m / 8) 2^(e - 7) for e > 0, m 2^-9 for e = 0; 0 and 0x7f are 0. Every value is exact."""
+    x = np.asarray(x, np.uint8)
+    e = ((x >> 3) & 15).astype(np.int32)
+    m = (x & 7).astype(np.float32)
+    v = np.where(e == 0, m * np.float32(2.0 ** -9), (1 + m / 8) * np.exp2(e - 7).astype(np.float32))
+    return np.where((x == 0) | (x == 0x7F), 0, v * np.float32(0.5)).astype(np.float32)
+
+
+def _crumbs(qs):
+    """uint8 [blocks, 32 m] -> [blocks, 128 m]: the 2-bit fields of half h, part p, weight j at
+    128 h + 32 p + j (q2_k, q3_k, tq2_0)."""
+    q = qs.reshape(len(qs), -1, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[None, None, :, None]
+    return (q & 3).reshape(len(qs), -1)
+
+
+def q3_k_scales(sc):
+    """uint8 [..., 12] -> int8 [..., 16]: q3_k's 6-bit scales, minus 32."""
+    s = np.arange(16)
+    lo = (sc[..., s % 8] >> (4 * (s // 8)).astype(np.uint8)) & 15
+    hi = (sc[..., 8 + s % 4] >> (2 * (s // 4)).astype(np.uint8)) & 3
+    return ((lo | (hi << 4)).astype(np.int16) - 32).astype(np.int8)
+
+
+def iq4_xs_scales(b):
+    """iq4_xs blocks uint8 [blocks, 136] -> int8 [blocks, 8]: the 6-bit sub-block scales, minus 32."""
+    s = np.arange(8)
+    h = b[:, 2:4].copy().view("<u2")
+    lo = (b[:, 4 + s // 2] >> (4 * (s % 2)).astype(np.uint8)) & 15
+    hi = ((h >> (2 * s).astype(np.uint16)) & 3).astype(np.uint8)
+    return ((lo | (hi << 4)).astype(np.int16) - 32).astype(np.int8)
+
+
+def tq1_0_trits(b):
+    """tq1_0 blocks uint8 [blocks, 54] -> int8 [blocks, 256]: the trits minus 1, in weight order."""
+    p3 = lambda n: np.array([3 ** i for i in range(n)], np.uint8)[None, :, None]        # noqa: E731
+    parts = [b[:, None, 0:32] * p3(5), b[:, None, 32:48] * p3(5), b[:, None, 48:52] * p3(4)]
+    q = np.concatenate([p.reshape(len(b), -1) for p in parts], axis=1)                  # uint8 products wrap
+    return ((q.astype(np.uint16) * 3) >> 8).astype(np.int8) - 1
 
 
 def get_scale_min_k4(scales):
@@ -99,6 +162,26 @@ def dequantize(raw: np.ndarray, fmt: str, K: int) -> np.ndarray:
         hi = np.stack([(qh >> (2 * p)) & 3 for p in range(4)], axis=2)                 # [blocks, half, part, 32]
         q = ((lo | (hi << 4)).astype(np.float32) - 32).reshape(-1, 16, 16)
         w = (d * sc)[..., None] * q
+    elif fmt == "q2_k":
+        d, dmin = _f16(b[:, 80:82])[:, None], _f16(b[:, 82:84])[:, None]
+        dl, ml = d * (b[:, :16] & 15).astype(np.float32), dmin * (b[:, :16] >> 4).astype(np.float32)
+        w = dl[..., None] * _crumbs(b[:, 16:80]).reshape(-1, 16, 16).astype(np.float32) - ml[..., None]
+    elif fmt == "q3_k":
+        hb = (b[:, None, 0:32] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1           # [blocks, 4h + p, 32]
+        q = _crumbs(b[:, 32:96]).astype(np.int8) - ((1 - hb.reshape(len(b), -1)) << 2).astype(np.int8)
+        dl = _f16(b[:, 108:110])[:, None] * q3_k_scales(b[:, 96:108]).astype(np.float32)
+        w = dl[..., None] * q.reshape(-1, 16, 16).astype(np.float32)
+    elif fmt == "iq4_nl":
+        w = _f16(b[:, 0:2])[:, None] * IQ4NL[_nibbles(b[:, 2:])].astype(np.float32)
+    elif fmt == "iq4_xs":
+        dl = _f16(b[:, 0:2])[:, None] * iq4_xs_scales(b).astype(np.float32)
+        w = dl[..., None] * IQ4NL[_nibbles(b[:, 8:].reshape(-1, 8, 16))].astype(np.float32)
+    elif fmt == "tq2_0":
+        w = _f16(b[:, 64:66])[:, None] * (_crumbs(b[:, :64]).astype(np.float32) - 1)
+    elif fmt == "tq1_0":
+        w = _f16(b[:, 52:54])[:, None] * tq1_0_trits(b).astype(np.float32)
+    elif fmt == "nvfp4":
+        w = ue4m3_half(b[:, :4])[..., None] * E2M1[_nibbles(b[:, 4:].reshape(-1, 4, 8))]
     else:
         raise ValueError(f"unknown block format {fmt!r}")
     return w.reshape(*lead, K).astype(np.float32)
@@ -189,9 +272,11 @@ def quantize_mxfp4(x):
     return np.concatenate([e[:, None], q[:, :16] | (q[:, 16:] << 4)], axis=1)
 
 
-def make_qkx2_quants(x, w, nmax, rmin, rdelta, nstep):
+def make_qkx2_quants(x, w, nmax, rmin, rdelta, nstep, use_mad=False):
     """ggml's make_qkx2_quants over sub-blocks x [S, n] with weights w [S, n]: an affine fit
-    scale * L + min (min <= 0) searched over nstep + 1 candidate scales. -> (scale, -min, L)."""
+    scale * L + min (min <= 0) searched over nstep + 1 candidate scales, the error weighted squares
+    (or absolute values: use_mad). -> (scale, -min, L)."""
+    err = np.abs if use_mad else np.square
     f32 = np.float32
     mn = np.minimum(x.min(axis=1), 0).astype(f32)
     mx = x.max(axis=1).astype(f32)
@@ -201,7 +286,7 @@ def make_qkx2_quants(x, w, nmax, rmin, rdelta, nstep):
     iscale = (f32(nmax) / rng_).astype(f32)
     scale = (1 / iscale).astype(f32)
     L = np.clip(_nearest(iscale[:, None] * (x - mn[:, None])), 0, nmax)
-    best = (w * (scale[:, None] * L + mn[:, None] - x) ** 2).sum(axis=1)
+    best = (w * err(scale[:, None] * L + mn[:, None] - x)).sum(axis=1)
     for i in range(nstep + 1):
         isc = ((f32(rmin) + f32(rdelta) * f32(i) + f32(nmax)) / rng_).astype(f32)
         La = np.clip(_nearest(isc[:, None] * (x - mn[:, None])), 0, nmax).astype(f32)
@@ -214,7 +299,7 @@ def make_qkx2_quants(x, w, nmax, rmin, rdelta, nstep):
         pos = this_min > 0
         this_scale = np.where(pos, sxl / np.where(sl2 > 0, sl2, 1), this_scale)
         this_min = np.where(pos, 0, this_min)
-        mad = (w * (this_scale[:, None] * La + this_min[:, None] - x) ** 2).sum(axis=1)
+        mad = (w * err(this_scale[:, None] * La + this_min[:, None] - x)).sum(axis=1)
         better = ok & (mad < best) & ~flat
         L = np.where(better[:, None], La, L)
         best = np.where(better, mad, best)
@@ -313,9 +398,216 @@ def quantize_q6_k(x):
     return np.concatenate([ql.reshape(nb, 128), qh.reshape(nb, 64), sc.view(np.uint8), _pack_f16(d)], axis=1)
 
 
+def _pack_crumbs(L):
+    """uint8 [blocks, 128 m] 2-bit values -> [blocks, 32 m] bytes (_crumbs' inverse)."""
+    q = L.reshape(len(L), -1, 4, 32) << np.array([0, 2, 4, 6], np.uint8)[None, None, :, None]
+    return np.bitwise_or.reduce(q, axis=2).reshape(len(L), -1)
+
+
+def quantize_q2_k(x):
+    """quantize_row_q2_K_ref: 16 sub-blocks of 16, each an affine fit of 2-bit values (make_qkx2_quants,
+    weights |x|, absolute error), scales and mins to 4 bits against the block's largest."""
+    f32 = np.float32
+    b = np.asarray(x, f32).reshape(-1, 16, 16)
+    nb = len(b)
+    sub = b.reshape(-1, 16)
+    scales, mins, L = make_qkx2_quants(sub, np.abs(sub), 3, -0.5, 0.1, 15, use_mad=True)
+    scales, mins, L = scales.reshape(nb, 16), mins.reshape(nb, 16), L.reshape(nb, 16, 16)
+    max_scale, max_min = np.maximum(scales.max(axis=1), 0), np.maximum(mins.max(axis=1), 0)
+    inv_s = (f32(15) / np.where(max_scale > 0, max_scale, 1)).astype(f32)
+    inv_m = (f32(15) / np.where(max_min > 0, max_min, 1)).astype(f32)
+    ls = np.where(max_scale[:, None] > 0, _nearest(inv_s[:, None] * scales), 0)
+    lm = np.where(max_min[:, None] > 0, _nearest(inv_m[:, None] * mins), 0)
+    sc = ((ls & 15) | ((lm & 15) << 4)).astype(np.uint8)        # (l << 4) into a byte: ggml's truncation
+    d = np.where(max_scale > 0, max_scale / f32(15), 0).astype(np.float16)
+    dmin = np.where(max_min > 0, max_min / f32(15), 0).astype(np.float16)
+    dl = d.astype(f32)[:, None] * (sc & 15).astype(f32)
+    dm = dmin.astype(f32)[:, None] * (sc >> 4).astype(f32)
+    q = _nearest((b + dm[..., None]) / np.where(dl != 0, dl, 1)[..., None])
+    L = np.where(dl[..., None] != 0, np.clip(q, 0, 3), L).astype(np.uint8)      # a zero scale keeps the fit's
+    return np.concatenate([sc, _pack_crumbs(L.reshape(nb, 256)), _pack_f16(d), _pack_f16(dmin)], axis=1)
+
+
+def make_q3_quants(x, nmax):
+    """ggml's make_q3_quants with do_rmse over sub-blocks x [S, n]: L in [-nmax, nmax - 1] from
+    -nmax / max, then five passes moving single values while the weighted (x^2) fit improves.
+    -> (scale [S], L int [S, n] + nmax)."""
+    f32 = np.float32
+    S, n = x.shape
+    ax = np.abs(x)
+    mx = x[np.arange(S), ax.argmax(axis=1)]
+    zero = ax.max(axis=1) < f32(1e-15)
+    iscale = (-f32(nmax) / np.where(zero, 1, mx)).astype(f32)
+    L = np.clip(_nearest(iscale[:, None] * x), -nmax, nmax - 1)
+    w = (x * x).astype(f32)
+    sumlx = (w * x * L).sum(axis=1, dtype=f32)
+    suml2 = (w * L * L).sum(axis=1, dtype=f32)
+    for _ in range(5):
+        changed = np.zeros(S, bool)
+        for i in range(n):
+            wi, xi, li = w[:, i], x[:, i], L[:, i].astype(f32)
+            slx = sumlx - wi * xi * li
+            sl2 = suml2 - wi * li * li
+            new = np.clip(_nearest(xi * sl2 / np.where(slx > 0, slx, 1)), -nmax, nmax - 1)
+            nslx, nsl2 = slx + wi * xi * new, sl2 + wi * new * new
+            take = (slx > 0) & (new != L[:, i]) & (nsl2 > 0) & (nslx * nslx * suml2 > sumlx * sumlx * nsl2)
+            L[:, i] = np.where(take, new, L[:, i])
+            sumlx, suml2 = np.where(take, nslx, sumlx).astype(f32), np.where(take, nsl2, suml2).astype(f32)
+            changed |= take
+        if not changed.any():
+            break
+    scale = np.where(suml2 > 0, sumlx / np.where(suml2 > 0, suml2, 1), 0).astype(f32)
+    return np.where(zero, 0, scale).astype(f32), np.where(zero[:, None], 0, L + nmax)
+
+
+def quantize_q3_k(x):
+    """quantize_row_q3_K_ref: 16 sub-blocks of 16, symmetric 3-bit values (make_q3_quants), 6-bit
+    signed scales against the block's largest; the high bit of each value in hmask."""
+    f32 = np.float32
+    b = np.asarray(x, f32).reshape(-1, 16, 16)
+    nb = len(b)
+    scales, _ = make_q3_quants(b.reshape(-1, 16), 4)
+    scales = scales.reshape(nb, 16)
+    max_scale = scales[np.arange(nb), np.abs(scales).argmax(axis=1)]
+    iscale = (f32(-32) / np.where(max_scale != 0, max_scale, 1)).astype(f32)
+    l = (np.clip(_nearest(iscale[:, None] * scales), -32, 31) + 32).astype(np.uint8)
+    l = np.where(max_scale[:, None] != 0, l, 0).astype(np.uint8)
+    packed = np.zeros((nb, 12), np.uint8)
+    packed[:, 0:8] = (l[:, 0:8] & 15) | ((l[:, 8:16] & 15) << 4)
+    for j in range(16):
+        packed[:, 8 + j % 4] |= (l[:, j] >> 4) << (2 * (j // 4))
+    d = np.where(max_scale != 0, 1 / iscale, 0).astype(np.float16)
+    dl = d.astype(f32)[:, None] * q3_k_scales(packed).astype(f32)
+    q = np.clip(_nearest(b / np.where(dl != 0, dl, 1)[..., None]), -4, 3) + 4
+    q = np.where(dl[..., None] != 0, q, 0).astype(np.uint8).reshape(nb, 256)    # ggml leaves L at 0 there
+    hb = q > 3
+    hmask = np.bitwise_or.reduce(hb.reshape(nb, 8, 32).astype(np.uint8) << np.arange(8, dtype=np.uint8)[None, :, None],
+                                 axis=1)
+    return np.concatenate([hmask, _pack_crumbs(np.where(hb, q - 4, q).astype(np.uint8)), packed, _pack_f16(d)], axis=1)
+
+
+def best_index_iq4nl(v):
+    """ggml's best_index_int8 over IQ4NL: the nearest value's index, ties to the larger."""
+    mid2 = (IQ4NL[:-1].astype(np.int32) + IQ4NL[1:]).astype(np.float32)          # 2 x the midpoints
+    v2 = np.asarray(v, np.float32)
+    return ((v2 + v2)[..., None] >= mid2).sum(axis=-1).astype(np.uint8)
+
+
+def _iq4_fit(b, ntry=7):
+    """quantize_row_iq4_nl_impl's per-32 search without an importance matrix (weights x^2): d from
+    -max / -127, refitted by least squares, then 2 ntry + 1 nearby scales tried. b [S, 32] -> d [S]."""
+    f32 = np.float32
+    S = len(b)
+    ax = np.abs(b)
+    mx = b[np.arange(S), ax.argmax(axis=1)]
+    zero = ax.max(axis=1) < f32(1e-15)
+    mxs = np.where(zero, 1, mx).astype(f32)
+    w = b * b
+    v0 = f32(IQ4NL[0])
+
+    def fit(idv):
+        q = IQ4NL[best_index_iq4nl(idv[:, None] * b)].astype(f32)
+        return (w * q * b).sum(axis=1, dtype=f32), (w * q * q).sum(axis=1, dtype=f32)
+    sqx, sq2 = fit((f32(1) / (-mxs / v0)).astype(f32))
+    d = np.where(sq2 > 0, sqx / np.where(sq2 > 0, sq2, 1), 0).astype(f32)
+    best = d * sqx
+    for itry in range(-ntry, ntry + 1):
+        sqx, sq2 = fit(((f32(itry) + v0) / mxs).astype(f32))
+        better = (sq2 > 0) & (sqx * sqx > best * sq2)
+        d = np.where(better, sqx / np.where(sq2 > 0, sq2, 1), d).astype(f32)
+        best = np.where(better, d * sqx, best).astype(f32)
+    return np.where(zero, 0, d).astype(f32)
+
+
+def _iq4_pack(b, idl):
+    """values of b [S, 32] at 1 / scale idl [S] -> 16 bytes each (low nibbles the first 16)."""
+    L = best_index_iq4nl(idl[:, None] * b)
+    return L[:, :16] | (L[:, 16:] << 4)
+
+
+def quantize_iq4_nl(x):
+    """quantize_iq4_nl (ntry 7, no importance matrix): the fitted scale as f16, values the nearest
+    IQ4NL levels at the unrounded scale."""
+    b = _qk32(x)
+    d = _iq4_fit(b)
+    idl = np.where(d != 0, 1 / np.where(d != 0, d, 1), 0).astype(np.float32)
+    return np.concatenate([_pack_f16(d), _iq4_pack(b, idl)], axis=1)
+
+
+def quantize_iq4_xs(x):
+    """quantize_iq4_xs (no importance matrix): per-32 fitted scales to 6 signed bits against the
+    block's largest, d = -max / 32, values at each sub-block's rounded scale."""
+    f32 = np.float32
+    b = np.asarray(x, f32).reshape(-1, 8, 32)
+    nb = len(b)
+    sc = _iq4_fit(b.reshape(-1, 32)).reshape(nb, 8)
+    max_scale = sc[np.arange(nb), np.abs(sc).argmax(axis=1)]
+    d = (-max_scale / f32(32)).astype(f32)
+    idv = np.where(d != 0, 1 / np.where(d != 0, d, 1), 0).astype(f32)
+    l = np.clip(_nearest(idv[:, None] * sc), -32, 31)
+    dl = (d[:, None] * l).astype(f32)
+    idl = np.where(dl != 0, 1 / np.where(dl != 0, dl, 1), 0).astype(f32)
+    qs = _iq4_pack(b.reshape(-1, 32), idl.reshape(-1)).reshape(nb, 128)
+    u = (l + 32).astype(np.uint16)
+    scales_l = ((u[:, 0::2] & 15) | ((u[:, 1::2] & 15) << 4)).astype(np.uint8)
+    scales_h = np.bitwise_or.reduce((u >> 4) << (2 * np.arange(8, dtype=np.uint16)), axis=1).astype("<u2")
+    return np.concatenate([_pack_f16(d), scales_h.reshape(-1, 1).view(np.uint8), scales_l, qs], axis=1)
+
+
+def _ternary(x):
+    """TQ1_0 / TQ2_0's rounding: d = max|x| per 256, q = roundf(x / d) + 1 in 0..2."""
+    b = np.asarray(x, np.float32).reshape(-1, 256)
+    d = np.abs(b).max(axis=1)
+    v = b * _inv(d)[:, None]
+    return d, (np.sign(v) * np.floor(np.abs(v) + np.float32(0.5)) + 1).astype(np.uint8)
+
+
+def quantize_tq2_0(x):
+    d, q = _ternary(x)
+    return np.concatenate([_pack_crumbs(q), _pack_f16(d)], axis=1)
+
+
+def quantize_tq1_0(x):
+    """five trits a byte (tq1_0_trits' inverse): v = sum q_n 3^(4 - n), stored as ceil(v * 256 / 243)."""
+    d, q = _ternary(x)
+    nb = len(q)
+    p = lambda k: np.array([3 ** (k - 1 - i) for i in range(k)], np.uint16)[None, :, None]     # noqa: E731
+    v = np.concatenate([(q[:, None, :160].reshape(nb, 5, 32) * p(5)).sum(axis=1),
+                        (q[:, 160:240].reshape(nb, 5, 16) * p(5)).sum(axis=1),
+                        (q[:, 240:].reshape(nb, 4, 4) * p(4)).sum(axis=1) * 3], axis=1).astype(np.uint16)
+    return np.concatenate([((v * 256 + 242) // 243).astype(np.uint8), _pack_f16(d)], axis=1)
+
+
+def ue4m3(x):
+    """float32 >= 0 -> the UE4M3 byte (ggml_fp32_to_ue4m3): round half up on the mantissa's first
+    dropped bit, subnormals below 2^-6, saturating at 0x7e (448)."""
+    x = np.clip(np.asarray(x, np.float32), 0, 448).astype(np.float32)
+    bits = x.view(np.uint32)
+    e = ((bits >> 23) & 255).astype(np.int32) - 127 + 7
+    man = ((bits >> 20) & 7).astype(np.int32) + ((bits >> 19) & 1).astype(np.int32)
+    e, man = np.where(man > 7, e + 1, e), np.where(man > 7, 0, man)
+    normal = np.where(e >= 15, 0x7E, (np.clip(e, 0, 15) << 3) | man)
+    sub = np.clip((x * np.float32(512) + np.float32(0.5)).astype(np.int32), 0, 7)
+    e0 = ((bits >> 23) & 255).astype(np.int32) - 127 + 7
+    return np.where(x <= 0, 0, np.where(e0 <= 0, sub, np.where(e0 >= 15, 0x7E, normal))).astype(np.uint8)
+
+
+def quantize_nvfp4(x):
+    """quantize_row_nvfp4_ref: per 16 a UE4M3 scale of max|x| / 6, values the nearest E2M1 (the
+    first of equal errors)."""
+    b = np.asarray(x, np.float32).reshape(-1, 4, 16)
+    nb = len(b)
+    e = ue4m3(np.abs(b).max(axis=2) / np.float32(6))
+    d = ue4m3_half(e)
+    err = np.abs(d[..., None, None] * E2M1[None, None, None, :] - b[..., None])
+    q = err.argmin(axis=-1).astype(np.uint8)                                  # [blocks, 4, 16]
+    return np.concatenate([e, (q[..., :8] | (q[..., 8:] << 4)).reshape(nb, 32)], axis=1)
+
+
 QUANTIZERS = {"q8_0": quantize_q8_0, "q4_0": quantize_q4_0, "q4_1": quantize_q4_1, "q5_0": quantize_q5_0,
               "q5_1": quantize_q5_1, "mxfp4": quantize_mxfp4, "q4_k": quantize_q4_k, "q5_k": quantize_q5_k,
-              "q6_k": quantize_q6_k}
+              "q6_k": quantize_q6_k, "q2_k": quantize_q2_k, "q3_k": quantize_q3_k, "iq4_nl": quantize_iq4_nl,
+              "iq4_xs": quantize_iq4_xs, "tq1_0": quantize_tq1_0, "tq2_0": quantize_tq2_0, "nvfp4": quantize_nvfp4}
 
 
 def quantize(x: np.ndarray, fmt: str) -> np.ndarray:
