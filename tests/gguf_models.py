@@ -197,7 +197,10 @@ def build_spm_tokenizer(out_dir, vocab_size: int = 330):
 # requantize
 
 SKIP_KEYS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count")    # the writer derives these
-K_FORMATS = {"Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}             # ours (gguf-py cannot quantise them)
+K_FORMATS = {"Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "Q2_K": "q2_k", "Q3_K": "q3_k", "IQ4_NL": "iq4_nl",
+             "IQ4_XS": "iq4_xs", "NVFP4": "nvfp4"}             # ours (gguf-py cannot quantise them)
+# an unsloth-style "dynamic" file: each matrix its own type, from these (ud_mix_rule)
+UD_MIX = ("Q2_K", "Q3_K", "IQ4_XS", "IQ4_NL", "TQ2_0", "TQ1_0", "NVFP4", "Q4_K", "Q6_K")
 # llama.cpp's fallback when a row is not a multiple of 256 (llama-quant.cpp), then F16 if not of 32
 K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "Q2_K": "Q4_0", "Q3_K": "Q4_1"}
 
@@ -240,6 +243,22 @@ def quant_rule(qtype, fallback: bool = True):
             if shape[-1] % gguf.GGML_QUANT_SIZES[t][0]:
                 t = Q.F16
         return t
+    return type_of
+
+
+def ud_mix_rule():
+    """A type_of for requantize: the matrix weights, in file order, through UD_MIX in turn (so gate, up
+    and down of one layer differ, and every type appears in a file of 9 matrices or more), as
+    unsloth's dynamic files mix types per matrix; quant_rule's fallback where a row does not fit."""
+    rules = [quant_rule(t) for t in UD_MIX]
+    seen = {}
+
+    def type_of(name, shape):
+        probe = rules[0](name, shape)
+        if probe is None:                       # norms, biases, routers: kept
+            return None
+        i = seen.setdefault(name, len(seen))
+        return rules[i % len(rules)](name, shape)
     return type_of
 
 
@@ -533,7 +552,8 @@ def gguf_case(case: str, outtype: str = "f32", seed: int = 0) -> GGUFCase:
         if outtype in CONVERTER_TYPES:
             to_gguf(hf, out, outtype)
         else:
-            requantize(gguf_case(case, "f32", seed).gguf, out, quant_rule(outtype))
+            rule = ud_mix_rule() if outtype == "ud_mix" else quant_rule(outtype)
+            requantize(gguf_case(case, "f32", seed).gguf, out, rule)
         return out
     return GGUFCase(case, outtype, seed, hf, _cached(("gguf", case, outtype, seed), make))
 

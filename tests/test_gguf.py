@@ -30,7 +30,8 @@ TOL = 1e-4
 CASES = [(c, "f32") for c in gm.ARCHS] + [(c, "q8_0") for c in gm.ARCHS] + [("olmoe", "bf16"), ("qwen3_moe", "f16")] + [
     ("mixtral_k", "q4_k"), ("mixtral_k", "q5_0"), ("qwen2_moe_k", "q6_k"), ("qwen2_moe_k", "q4_1"),
     ("qwen3_moe_k", "q5_k"), ("qwen3_moe_k", "mxfp4"), ("olmoe_k", "q4_0"), ("olmoe_k", "q5_1"),
-    ("mixtral8_k", "q4_k_m"), ("qwen2_moe_k", "q4_k_m")]
+    ("mixtral8_k", "q4_k_m"), ("qwen2_moe_k", "q4_k_m"), ("mixtral_k", "ud_mix"), ("qwen2_moe_k", "ud_mix"),
+    ("olmoe_k", "iq4_nl")]
 _done = {}
 
 
@@ -108,7 +109,8 @@ def test_gguf_matches_transformers_on_the_file(engine_variant, case, outtype, gg
             assert (got.argmax(-1) == want.argmax(-1)).all()         # teacher-forced greedy agreement
 
 
-@pytest.mark.parametrize("case,outtype", [("mixtral_k", "q4_k"), ("qwen2_moe_k", "q6_k"), ("mixtral8_k", "q4_k_m")])
+@pytest.mark.parametrize("case,outtype", [("mixtral_k", "q4_k"), ("qwen2_moe_k", "q6_k"), ("mixtral8_k", "q4_k_m"),
+                                          ("mixtral_k", "ud_mix")])
 def test_gguf_blocks_are_copied_not_requantised(case, outtype, gguf_cases):
     """Every matrix lands in the directory byte for byte as the file stores it (q/k rows moved only)."""
     path = _file(gguf_cases, case, outtype)
@@ -133,6 +135,24 @@ def test_gguf_blocks_are_copied_not_requantised(case, outtype, gguf_cases):
                                         m.layer_formats[0])[2][0]
         np.testing.assert_array_equal(down, np.asarray(t.data)[j])
         assert m.expert_record(0, j).weight_offset % 4096 == 0
+
+
+def test_a_dynamic_mix_of_types_runs_from_the_slot_pool(gguf_cases):
+    """An unsloth-style file (every matrix its own type among Q2_K, Q3_K, IQ4_XS, IQ4_NL, TQ2_0, TQ1_0,
+    NVFP4, Q4_K, Q6_K; gate, up and down of a layer differing): the experts' blobs hold each matrix
+    as stored, and two expert slots with real misses give the file's logits, as the resident engine does."""
+    col = _import(gguf_cases, "mixtral_k", "ud_mix")
+    m = ModelDir(col)
+    assert {"q2_k", "q3_k", "iq4_xs", "iq4_nl", "tq2_0", "tq1_0", "nvfp4"} <= m.formats
+    assert any(len(set(f)) > 1 for f in m.layer_formats.values() if f)
+    ids = np.random.default_rng(6).integers(0, m.config["vocab_size"], (1, 10))
+    want = gm.hf_logits(_oracle(gguf_cases, "mixtral_k", "ud_mix"), ids)
+    for b in ("reference", "cpu"):
+        for o, tol in activation_runs(b, {}, TOL):
+            with Engine.open(col, backend=b, max_seq_len=32, expert_slots=2, **o) as eng:
+                got = eng.infer(ids)
+                assert eng.slot_stats["misses"] > 0
+            assert close(got, want, tol), (b, o)
 
 
 def test_q4_k_m_file_mixes_formats_across_layers(gguf_cases):
@@ -344,3 +364,44 @@ def test_convert_refuses_without_disk_space(tmp_path, gguf_cases, monkeypatch):
     assert not (tmp_path / "out" / "colibri_weights.bin").exists()
     with pytest.raises(ColibriError):
         convert(str(gguf_cases("olmoe", "f32").hf_dir), str(tmp_path / "out2"), progress=False)
+
+
+def test_a_gguf_file_opens_as_a_model_through_the_cache(tmp_path, gguf_cases, monkeypatch, capsys):
+    """Engine.open("FILE.gguf") converts once into $COLIBRI_CACHE_DIR/gguf/<stem>-<key> (saying where and
+    how much disk it took), reuses it after, converts again when the file changes (dropping the old
+    copy), takes a split model by any part, and refuses with the numbers when the disk is too small."""
+    from colibri_edge.model.gguf_cache import cache_root, model_source
+    monkeypatch.setenv("COLIBRI_CACHE_DIR", str(tmp_path / "cache"))
+    src = tmp_path / "m.gguf"
+    shutil.copy(gguf_cases("qwen3_moe", "q8_0").gguf, src)
+    ids = np.arange(3, 11)
+    with Engine.open(_import(gguf_cases, "qwen3_moe", "q8_0"), backend="reference") as eng:
+        want = eng.infer(ids)
+    with Engine.open(str(src), backend="reference") as eng:
+        np.testing.assert_array_equal(eng.infer(ids), want)
+        first = eng.path
+    err = capsys.readouterr().err
+    assert os.path.dirname(first) == cache_root() and os.path.basename(first).startswith("m-")
+    assert "converted into" in err and "GiB on disk" in err
+    assert model_source(str(src)) == first and "using its conversion" in capsys.readouterr().err
+    from colibri_edge.serving.cli import main          # colibri run FILE.gguf: the same directory
+    main(["run", str(src), "--backend", "reference", "--ids", "--prompt", "3 4 5", "--max-new-tokens", "2",
+          "--temperature", "0"])
+    assert f"using its conversion in {first}" in capsys.readouterr().err
+    os.utime(src, ns=(1, 1))                                       # the file changed: a new key
+    second = model_source(str(src), progress=False)
+    assert second != first and not os.path.exists(first) and os.path.exists(os.path.join(second, "config.json"))
+    _rewrite(gguf_cases("qwen3_moe", "q8_0").gguf, tmp_path / "s.gguf", split_max_tensors=9)
+    parts = sorted(tmp_path.glob("s-*-of-*.gguf"))
+    split = model_source(str(parts[-1]), progress=False)         # any part names the model
+    with Engine.open(split, backend="reference") as eng:
+        np.testing.assert_array_equal(eng.infer(ids), want)
+    assert model_source(str(tmp_path / "dir"), quiet=True) == str(tmp_path / "dir")   # not a GGUF file: as given
+    import shutil as sh
+    from collections import namedtuple
+    monkeypatch.setattr(sh, "disk_usage", lambda p: namedtuple("u", "total used free")(1 << 30, 1 << 30, 4096))
+    os.utime(src, ns=(2, 2))
+    with pytest.raises(ColibriError) as e:
+        model_source(str(src), progress=False)
+    assert "GiB free" in str(e.value) and "needs" in str(e.value)
+    assert not [p for p in os.listdir(cache_root()) if ".part-" in p]

@@ -153,6 +153,8 @@ class Engine:
         self._chat_template = None if chat_template is None else load_chat_template(chat_template)
         # top_k (COLIBRI_TOP_K): experts per token at run time instead of the model's (with_top_k); not
         # the sampling top_k that generate() takes
+        from ..model.gguf_cache import model_source
+        path = model_source(path)              # a GGUF file: its converted copy in the cache (made once)
         self.model = with_top_k(open_model_dir(path), knobs.resolve("COLIBRI_TOP_K", top_k))
         cfg = self.config = self.model.config
         self.path = self.model.path

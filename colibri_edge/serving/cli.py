@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -74,10 +75,7 @@ def _cmd_inspect(a):
     from ..model.modeldir import ModelDir
     from ..analysis.sizing import engine_memory, summary
     from ..units import human
-    if a.model and a.model_flag and os.path.normpath(a.model) != os.path.normpath(a.model_flag):
-        raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"two models given ({a.model} and --model {a.model_flag}): "
-                           "give one, as DIR or --model DIR")
-    m = ModelDir(_model_or_default(a.model or a.model_flag))
+    m = ModelDir(_model_or_default(_one_model(a.model, a.model_flag)))
     cfg = m.config
     context, max_batch, chunk, block, kv_tokens, assumed = _inspect_settings(a, cfg)
     from .. import knobs
@@ -229,13 +227,22 @@ def _default_model():
     return ensure_default_model()
 
 
+def _one_model(positional, flag):
+    """MODEL given as a positional argument or as --model MODEL (the same twice is fine)."""
+    if positional and flag and os.path.normpath(positional) != os.path.normpath(flag):
+        raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"two models given ({positional} and --model {flag}): "
+                           "give one, as MODEL or --model MODEL")
+    return positional or flag
+
+
 def _model_or_default(model):
     """--model as given, or the embedded demo model (saying so on stderr): every subcommand that takes
     a model (run, chat, trace, inspect) takes it this way."""
     if model is None:
         model, note = _default_model()
         print(f"[colibri] no --model given: using the embedded default model ({note})", file=sys.stderr)
-    return model
+    from ..model.gguf_cache import model_source
+    return model_source(model)                  # a GGUF file: converted once into the cache, reused after
 
 
 def _version() -> str:
@@ -279,7 +286,7 @@ def _open_kw(a) -> dict:
 
 def _cmd_run(a):
     from ..requests.engine import Engine
-    model = _model_or_default(a.model)
+    model = _model_or_default(_one_model(a.model_pos, a.model))
     with Engine.open(model, **_open_kw(a)) as eng:
         prompt = a.prompt
         if a.chat:
@@ -365,7 +372,7 @@ def _cmd_chat(a):
     """An interactive chat in the terminal (as llama-cli -cnv and ollama run): each line a user turn,
     the reply streamed, the conversation kept and rendered with the model's chat template."""
     from ..requests.engine import Engine
-    model = _model_or_default(a.model)
+    model = _model_or_default(_one_model(a.model_pos, a.model))
     with Engine.open(model, **_open_kw(a)) as eng:
         eng.codec.render_chat([{"role": "user", "content": "hi"}])    # no tokenizer / a broken template: now
         system = [{"role": "system", "content": a.system}] if a.system else []
@@ -668,8 +675,8 @@ def serve_plan(a) -> tuple:
                                "--config FILE")
         for i, spec in enumerate(a.model):
             name, sep, path = spec.partition("=")
-            if not sep:
-                name, path = os.path.basename(os.path.normpath(spec)), spec
+            if not sep:                 # a GGUF file is named by its stem
+                name, path = re.sub(r"\.gguf$", "", os.path.basename(os.path.normpath(spec)), flags=re.I), spec
             if not name or name in models:
                 raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"--model {spec!r}: give each model a distinct "
                                    "name (NAME=DIR)")
@@ -818,7 +825,8 @@ def build_parser():
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(fn=_cmd_convert)
     i = sub.add_parser("inspect", help="validate a model directory and print its plan and memory needs")
-    i.add_argument("model", nargs="?", default=None, help="model directory (default: the embedded demo model)")
+    i.add_argument("model", nargs="?", default=None, help="model directory or GGUF file (converted once into the cache); "
+                   "default: the embedded demo model")
     i.add_argument("--model", dest="model_flag", default=None, help="the same, as the other subcommands take it")
     i.add_argument("--context", type=int, default=None,
                    help="context length for the memory estimate (default: the model's maximum, as serve opens it)")
@@ -834,7 +842,10 @@ def build_parser():
     b = sub.add_parser("backends", help="which backends are present, with devices, and why others are missing")
     b.set_defaults(fn=_cmd_backends)
     r = sub.add_parser("run", help="generate text, then print speed and which experts fired")
-    r.add_argument("--model", default=None, help="model directory (default: the embedded demo model)")
+    r.add_argument("model_pos", nargs="?", default=None, metavar="MODEL", help="model directory or GGUF file (the "
+                   "first part of a split one: converted once into the cache, reused after); default: the embedded "
+                   "demo model")
+    r.add_argument("--model", default=None, help="the same, as the other subcommands take it")
     r.add_argument("--prompt", default="The Python interpreter")
     r.add_argument("--chat", action="store_true", help="render the prompt with the model's chat template")
     r.add_argument("--ids", action="store_true", help="the prompt is space-separated token ids")
@@ -846,7 +857,9 @@ def build_parser():
                    help="print the backend's setup (cpu: threads used), decode step time p50/p99, the slot pool's counters")
     r.set_defaults(fn=_cmd_run)
     ch = sub.add_parser("chat", help="an interactive chat in the terminal (/reset, /stats, /exit)")
-    ch.add_argument("--model", default=None, help="model directory (default: the embedded demo model)")
+    ch.add_argument("model_pos", nargs="?", default=None, metavar="MODEL", help="model directory or GGUF file "
+                    "(converted once into the cache); default: the embedded demo model")
+    ch.add_argument("--model", default=None, help="the same, as the other subcommands take it")
     ch.add_argument("--system", default=None, help="a system message that opens the conversation")
     _add_sampling_args(ch, max_new=512)
     _add_engine_args(ch)
@@ -855,7 +868,8 @@ def build_parser():
                         description="Engine flags given before any --model apply to every model; given after "
                         "a --model, to that model alone (e.g. --model a=DIR --max-seq-len 4096 --model b=DIR2). "
                         "--config FILE describes the models in JSON or TOML instead.")
-    sv.add_argument("--model", action="append", default=None, help="DIR or NAME=DIR (repeat for several models)")
+    sv.add_argument("--model", action="append", default=None, help="DIR or NAME=DIR (repeat for several models); "
+                    "DIR may be a GGUF file (converted once into the cache)")
     sv.add_argument("--config", default=None, metavar="FILE", help="models and their options, JSON or TOML: "
                     "{\"models\": {\"NAME\": {\"path\": DIR, \"max_seq_len\": 4096, ...}}} (docs/serving.md)")
     sv.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
@@ -901,7 +915,8 @@ def build_parser():
                     "numbers, when they do not fit")
     sv.set_defaults(fn=_cmd_serve, per_model=None)
     t = sub.add_parser("trace", help="record which experts every token chose, to an .npz")
-    t.add_argument("--model", default=None, help="model directory (default: the embedded demo model)")
+    t.add_argument("--model", default=None, help="model directory or GGUF file (converted once into the cache); "
+                   "default: the embedded demo model")
     t.add_argument("--prompts", required=True, help="a file, one prompt a line")
     t.add_argument("--ids", action="store_true", help="prompts are space-separated token ids")
     t.add_argument("--out", required=True)
