@@ -201,6 +201,9 @@ K_FORMATS = {"Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "Q2_K": "q2_k", "Q3
              "IQ4_XS": "iq4_xs", "NVFP4": "nvfp4"}             # ours (gguf-py cannot quantise them)
 # an unsloth-style "dynamic" file: each matrix its own type, from these (ud_mix_rule)
 UD_MIX = ("Q2_K", "Q3_K", "IQ4_XS", "IQ4_NL", "TQ2_0", "TQ1_0", "NVFP4", "Q4_K", "Q6_K")
+# the lattice i-quants (llama.cpp quantises them only with an importance matrix): random valid blocks
+# scaled to the matrix's RMS (random_iq_blocks), each matrix one of these in turn ("iq_mix")
+IQ_MIX = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")
 # llama.cpp's fallback when a row is not a multiple of 256 (llama-quant.cpp), then F16 if not of 32
 K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "Q2_K": "Q4_0", "Q3_K": "Q4_1"}
 
@@ -246,20 +249,46 @@ def quant_rule(qtype, fallback: bool = True):
     return type_of
 
 
-def ud_mix_rule():
-    """A type_of for requantize: the matrix weights, in file order, through UD_MIX in turn (so gate, up
-    and down of one layer differ, and every type appears in a file of 9 matrices or more), as
-    unsloth's dynamic files mix types per matrix; quant_rule's fallback where a row does not fit."""
-    rules = [quant_rule(t) for t in UD_MIX]
+def random_iq_blocks(x: np.ndarray, qtype) -> np.ndarray:
+    """Random valid blocks of a lattice i-quant for a matrix shaped like x (uint8 [..., row_bytes]), the
+    f16 scale set so that their RMS is x's: every grid index and sign pattern is as likely, and the
+    file stays a plausible model (its oracle dequantises these bytes, whatever they hold)."""
+    import zlib
+    import gguf
+    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(zlib.crc32(f"{qtype.name}{x.shape}".encode()))
+    raw = rng.integers(0, 256, (*x.shape[:-1], x.shape[-1] // block, nbytes), dtype=np.uint8)
+
+    def set_d(d):
+        bits = np.frombuffer(np.float16(d).tobytes(), np.uint16)[0]
+        if qtype.name == "IQ1_M":                  # d's four nibbles atop the four 16-bit scales
+            for j, at in enumerate((49, 51, 53, 55)):
+                raw[..., at] = (raw[..., at] & 15) | (((int(bits) >> (4 * j)) & 15) << 4)
+        else:
+            raw[..., 0:2] = np.frombuffer(np.uint16(bits).tobytes(), np.uint8)
+    set_d(1.0)
+    w = gguf.quants.dequantize(raw.reshape(-1, nbytes), qtype)
+    set_d(float(np.sqrt((x.astype(np.float64) ** 2).mean() / max((w.astype(np.float64) ** 2).mean(), 1e-30))))
+    return raw.reshape(*x.shape[:-1], -1)
+
+
+def mix_rule(types):
+    """A type_of for requantize: the matrix weights, in file order, through `types` in turn (so gate,
+    up and down of one layer differ, and every type appears in a file of that many matrices or more),
+    as unsloth's dynamic files mix types per matrix; quant_rule's fallback where a row does not fit."""
+    rules = [quant_rule(t) for t in types]
     seen = {}
 
     def type_of(name, shape):
-        probe = rules[0](name, shape)
-        if probe is None:                       # norms, biases, routers: kept
+        if rules[0](name, shape) is None:       # norms, biases, routers: kept
             return None
         i = seen.setdefault(name, len(seen))
         return rules[i % len(rules)](name, shape)
     return type_of
+
+
+def ud_mix_rule():
+    return mix_rule(UD_MIX)
 
 
 def _encode(x: np.ndarray, qtype):
@@ -274,7 +303,9 @@ def _encode(x: np.ndarray, qtype):
     block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     if x.shape[-1] % block:
         raise ValueError(f"row of {x.shape[-1]} is not a multiple of {qtype.name}'s block of {block}")
-    if qtype.name in K_FORMATS:
+    if qtype.name in IQ_MIX:
+        q = random_iq_blocks(x, qtype)
+    elif qtype.name in K_FORMATS:
         from colibri_edge.model.quant import quantize as colibri_quantize
         q = colibri_quantize(x.reshape(-1, x.shape[-1]), K_FORMATS[qtype.name])
     else:
@@ -552,7 +583,7 @@ def gguf_case(case: str, outtype: str = "f32", seed: int = 0) -> GGUFCase:
         if outtype in CONVERTER_TYPES:
             to_gguf(hf, out, outtype)
         else:
-            rule = ud_mix_rule() if outtype == "ud_mix" else quant_rule(outtype)
+            rule = {"ud_mix": ud_mix_rule, "iq_mix": lambda: mix_rule(IQ_MIX)}.get(outtype, lambda: quant_rule(outtype))()
             requantize(gguf_case(case, "f32", seed).gguf, out, rule)
         return out
     return GGUFCase(case, outtype, seed, hf, _cached(("gguf", case, outtype, seed), make))

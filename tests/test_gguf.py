@@ -31,7 +31,7 @@ CASES = [(c, "f32") for c in gm.ARCHS] + [(c, "q8_0") for c in gm.ARCHS] + [("ol
     ("mixtral_k", "q4_k"), ("mixtral_k", "q5_0"), ("qwen2_moe_k", "q6_k"), ("qwen2_moe_k", "q4_1"),
     ("qwen3_moe_k", "q5_k"), ("qwen3_moe_k", "mxfp4"), ("olmoe_k", "q4_0"), ("olmoe_k", "q5_1"),
     ("mixtral8_k", "q4_k_m"), ("qwen2_moe_k", "q4_k_m"), ("mixtral_k", "ud_mix"), ("qwen2_moe_k", "ud_mix"),
-    ("olmoe_k", "iq4_nl")]
+    ("olmoe_k", "iq4_nl"), ("qwen3_moe_k", "iq_mix")]
 _done = {}
 
 
@@ -137,16 +137,20 @@ def test_gguf_blocks_are_copied_not_requantised(case, outtype, gguf_cases):
         assert m.expert_record(0, j).weight_offset % 4096 == 0
 
 
-def test_a_dynamic_mix_of_types_runs_from_the_slot_pool(gguf_cases):
-    """An unsloth-style file (every matrix its own type among Q2_K, Q3_K, IQ4_XS, IQ4_NL, TQ2_0, TQ1_0,
-    NVFP4, Q4_K, Q6_K; gate, up and down of a layer differing): the experts' blobs hold each matrix
-    as stored, and two expert slots with real misses give the file's logits, as the resident engine does."""
-    col = _import(gguf_cases, "mixtral_k", "ud_mix")
+@pytest.mark.parametrize("case,outtype,types", [
+    ("mixtral_k", "ud_mix", {"q2_k", "q3_k", "iq4_xs", "iq4_nl", "tq2_0", "tq1_0", "nvfp4"}),
+    ("mixtral_k", "iq_mix", {"iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m"})])
+def test_a_dynamic_mix_of_types_runs_from_the_slot_pool(gguf_cases, case, outtype, types):
+    """An unsloth-style file (every matrix its own type: Q2_K, Q3_K, IQ4_XS, IQ4_NL, TQ2_0, TQ1_0, NVFP4,
+    Q4_K, Q6_K; or the lattice i-quants, random valid blocks; gate, up and down of a layer differing):
+    the experts' blobs hold each matrix as stored, and two expert slots with real misses give the
+    file's logits, as the resident engine does."""
+    col = _import(gguf_cases, case, outtype)
     m = ModelDir(col)
-    assert {"q2_k", "q3_k", "iq4_xs", "iq4_nl", "tq2_0", "tq1_0", "nvfp4"} <= m.formats
+    assert types <= m.formats
     assert any(len(set(f)) > 1 for f in m.layer_formats.values() if f)
     ids = np.random.default_rng(6).integers(0, m.config["vocab_size"], (1, 10))
-    want = gm.hf_logits(_oracle(gguf_cases, "mixtral_k", "ud_mix"), ids)
+    want = gm.hf_logits(_oracle(gguf_cases, case, outtype), ids)
     for b in ("reference", "cpu"):
         for o, tol in activation_runs(b, {}, TOL):
             with Engine.open(col, backend=b, max_seq_len=32, expert_slots=2, **o) as eng:
@@ -257,7 +261,7 @@ def test_bad_gguf_files_are_coded_errors_naming_the_field(tmp_path, gguf_cases):
     assert e.code == COLIBRI_ERR_INVALID_MODEL and "'magic'" in str(e)
     name, off, parts = _tensor_info_offset(path)
     type_at = off + sum(parts[:4])                      # name_len, name, n_dims, dims, | type |, offset
-    for tid, what in ((250, "not a GGML type"), (int(gguf.GGMLQuantizationType.IQ2_XXS), "IQ2_XXS")):
+    for tid, what in ((250, "not a GGML type"), (int(gguf.GGMLQuantizationType.Q8_K), "Q8_K")):
         b = bytearray(data)
         b[type_at:type_at + 4] = struct.pack("<I", tid)
         e = _bad(tmp_path, bytes(b))

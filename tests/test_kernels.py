@@ -389,6 +389,9 @@ def test_int8_activation_dots_are_exact(rng):
                     raw[..., 0] = 125                             # 2^-3
                 elif fmt == "nvfp4":
                     raw[..., 0:4] = 0x30                          # UE4M3 2^-1, halved: 2^-2
+                elif fmt == "iq1_m":                              # d's nibbles atop the four scales: 2^-6
+                    for at, nib in zip((49, 51, 53, 55), (0, 0, 4, 2)):
+                        raw[..., at] = (raw[..., at] & 15) | (nib << 4)
                 else:
                     raw[..., off:off + 2] = np.frombuffer(np.float16(2.0 ** -6).tobytes(), np.uint8)
             raw = raw.reshape(N, -1)

@@ -13,7 +13,9 @@ from colibri_edge.model.dtypes import narrow, widen  # noqa: E402
 
 TYPES = {"q8_0": G.Q8_0, "q4_0": G.Q4_0, "q4_1": G.Q4_1, "q5_0": G.Q5_0, "q5_1": G.Q5_1, "mxfp4": G.MXFP4,
          "q4_k": G.Q4_K, "q5_k": G.Q5_K, "q6_k": G.Q6_K, "q2_k": G.Q2_K, "q3_k": G.Q3_K, "iq4_nl": G.IQ4_NL,
-         "iq4_xs": G.IQ4_XS, "tq1_0": G.TQ1_0, "tq2_0": G.TQ2_0, "nvfp4": G.NVFP4}
+         "iq4_xs": G.IQ4_XS, "tq1_0": G.TQ1_0, "tq2_0": G.TQ2_0, "nvfp4": G.NVFP4, "iq2_xxs": G.IQ2_XXS,
+         "iq2_xs": G.IQ2_XS, "iq2_s": G.IQ2_S, "iq3_xxs": G.IQ3_XXS, "iq3_s": G.IQ3_S, "iq1_s": G.IQ1_S, "iq1_m": G.IQ1_M}
+WRITABLE = sorted(quant.QUANTIZERS)             # the lattice i-quants have no quantiser (llama.cpp's needs an imatrix)
 
 
 def test_every_block_format_is_covered():
@@ -45,7 +47,7 @@ def test_32_block_quantisers_are_gguf_byte_for_byte(fmt, rng):
     np.testing.assert_array_equal(quant.quantize(x, fmt), want.reshape(33, -1))
 
 
-@pytest.mark.parametrize("fmt", sorted(TYPES))
+@pytest.mark.parametrize("fmt", WRITABLE)
 def test_quantised_rows_read_back_by_gguf(fmt, rng):
     """narrow() -> bytes gguf decodes to what widen() decodes, close to the input."""
     B, _ = quant.BLOCK[fmt]
@@ -66,13 +68,24 @@ def test_k_quants_beat_the_32_blocks_of_the_same_bits(rng):
     """The K-quants' fitted scales and mins: lower error than round-to-nearest of the same width
     (q4_k vs q4_1, q5_k vs q5_1), and more bits less error (q4 > q5 > q6 > q8)."""
     x = (rng.standard_normal((64, 1024)) * rng.uniform(0.2, 2, (64, 1))).astype(np.float32)
-    e = {f: _rms(x, f) for f in TYPES}
+    e = {f: _rms(x, f) for f in WRITABLE}
     assert e["q4_k"] < e["q4_1"] < e["q4_0"]
     assert e["q5_k"] < e["q5_1"] < e["q5_0"]
     assert e["q4_k"] > e["q5_k"] > e["q6_k"] > e["q8_0"]
     assert e["q2_k"] > e["q3_k"] > e["q4_k"]
     assert e["iq4_nl"] < e["q4_0"] and e["iq4_xs"] < e["q4_0"]    # the non-linear levels fit a bell better
     assert e["nvfp4"] < e["mxfp4"]                                  # a scale per 16, not per 32
+
+
+def test_lattice_grids_and_signs_are_gguf_s():
+    """The i-quants' tables (iq_grids.npz, written by toolchains/gguf/iq_grids.py) entry for entry as
+    gguf-py holds them, so every grid index decodes as gguf-py decodes it; KSIGNS as gguf-py's."""
+    from gguf import quants as Q
+    for name, cls in {"iq2xxs": Q.IQ2_XXS, "iq2xs": Q.IQ2_XS, "iq2s": Q.IQ2_S, "iq3xxs": Q.IQ3_XXS, "iq3s": Q.IQ3_S,
+                      "iq1s": Q.IQ1_S}.items():
+        cls.init_grid()
+        np.testing.assert_array_equal(quant.iq_grid(name).astype(np.float32), np.asarray(cls.grid).reshape(cls.grid_shape))
+    np.testing.assert_array_equal(quant.KSIGNS, np.frombuffer(Q.IQ2_XXS.ksigns, np.uint8))
 
 
 def test_iq4_levels_are_nearest_ties_upward():
@@ -93,7 +106,7 @@ def test_ue4m3_as_gguf(rng):
     np.testing.assert_array_equal(quant.ue4m3(v), gguf.quants.NVFP4.fp32_to_ue4m3(v))
 
 
-@pytest.mark.parametrize("fmt", sorted(TYPES))
+@pytest.mark.parametrize("fmt", WRITABLE)
 def test_quantise_refuses_partial_blocks(fmt):
     B, _ = quant.BLOCK[fmt]
     with pytest.raises(ValueError, match="multiple"):

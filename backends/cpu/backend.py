@@ -35,7 +35,7 @@ import threading
 
 import numpy as np
 
-from colibri_edge.model.dtypes import STORAGE, is_block, narrow
+from colibri_edge.model.dtypes import is_block, storage_dtype, storage_shape
 from colibri_edge.errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
 from colibri_edge.model.modeldir import expert_sections
 from colibri_edge.model.quant import BLOCK
@@ -235,7 +235,7 @@ class Backend(BackendBase):
         bufs = {n: self.alloc(s, d) for n, (s, d) in plan_buffers(5 * k, E).items()}
         for wd in formats:
             sc = np.ones(H, f32) if wd == "int8" else None
-            raw = narrow(np.zeros((H, H), f32), wd) if wd in BLOCK else np.zeros((H, H), STORAGE[wd])
+            raw = np.zeros(storage_shape(wd, (H, H)), storage_dtype(wd))    # zero blocks: valid in every format
             w = self.upload(raw, wd, scales=sc, shape=(H, H))
             ffn = self.upload_expert(np.zeros(expert_sections(H, I, wd)[1], np.uint8), H, I, wd)
             self.embed(x, w, pos)
@@ -281,7 +281,7 @@ class Backend(BackendBase):
         """head_matmul in weight type dtype and latent_attention (over the kv_dtypes warmed so far), once
         on tiny buffers (as _warm_up)."""
         T, G, N, K = 2, 2, 4, 4
-        w = self.upload(np.zeros((G, N, K), STORAGE[dtype]), dtype)
+        w = self.upload(np.zeros((G, N, K), storage_dtype(dtype)), dtype)
         x = self.alloc((T, G, K))
         self.head_matmul(self.alloc((T, G, N)), x, w)
         for kv_dtype in sorted(self._kv_warm):

@@ -266,6 +266,161 @@ def nvfp4_chunk(builder, b, c):
     return lookup16(builder, E2M1X2_VALUES, nib)
 
 
+# -- the lattice types (i-quants): grid entries from constant tables -------------------------------
+IQ_FORMATS = ("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m")
+
+
+def _table(builder, name, rows, width):
+    """A module-internal constant table of rows packed little-endian into i(8 width) integers."""
+    g = builder.module.globals.get(name)
+    if g is None:
+        ety = ir.IntType(8 * width)
+        vals = [int.from_bytes(bytes(int(v) & 255 for v in r), "little") for r in rows]
+        aty = ir.ArrayType(ety, len(vals))
+        g = ir.GlobalVariable(builder.module, aty, name=name)
+        g.global_constant = True
+        g.linkage = "internal"
+        g.initializer = ir.Constant(aty, vals)
+    return g
+
+
+def _grid_row(builder, name, idx):
+    """Row idx (i32) of lattice grid `name` (quant.iq_grid) as <8 x i8> or <4 x i8>."""
+    from colibri_edge.model.quant import iq_grid
+    grid = iq_grid(name)
+    w = grid.shape[1]
+    g = _table(builder, f"colibri_grid_{name}", grid, w)
+    v = builder.load(builder.gep(g, [ir.Constant(I32, 0), idx], inbounds=True), align=w)
+    return builder.bitcast(v, vec(I8, w))
+
+
+def _ksigns(builder, i):
+    from colibri_edge.model.quant import KSIGNS
+    g = _table(builder, "colibri_ksigns", [[v] for v in KSIGNS], 1)
+    return builder.load(builder.gep(g, [ir.Constant(I32, 0), i], inbounds=True))
+
+
+def _signed(builder, v, sbyte):
+    """<8 x i8> magnitudes v, an i8 of sign bits (bit j: weight j negative) -> the signed values."""
+    neg = builder.icmp_unsigned("!=", bits(builder, sbyte, 8), cvec(I8, [0] * 8))
+    return builder.select(neg, builder.sub(cvec(I8, [0] * 8), v), v)
+
+
+def _cat(builder, parts):
+    """Vectors of equal length -> their concatenation."""
+    while len(parts) > 1:
+        parts = [concat(builder, parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def _i32(builder, v):
+    return builder.zext(v, I32) if v.type.width < 32 else v
+
+
+def _nib(builder, byte_addr, hi):
+    """The low (hi = 0) or high nibble of the byte at byte_addr, as i32."""
+    v = builder.zext(u8(builder, byte_addr), I32)
+    return builder.and_(builder.lshr(v, ir.Constant(I32, 4 * hi)), ir.Constant(I32, 15))
+
+
+def iq_chunks(fmt, builder, b):
+    """An i-quant block at b as 8 chunks of 32: [(q <32 x i8> signed, m1, m2)], w = m q with m1 for
+    weights 0-15 and m2 (None: m1) for 16-31. IQ1's q is 8 (grid +- 1/8), m the scale / 8: integers,
+    exactly (every value and product here is exact in float32)."""
+    k32 = lambda v: ir.Constant(I32, v)                                           # noqa: E731
+    fk = lambda v: ir.Constant(F32, v)                                            # noqa: E731
+    fl = lambda v: builder.uitofp(v, F32)                                         # noqa: E731
+    at_ = lambda o: builder.add(b, c64(o))                                        # noqa: E731
+    out = []
+    if fmt in ("iq2_xxs", "iq3_xxs"):
+        d = f16(builder, b)
+        for g in range(8):
+            if fmt == "iq2_xxs":
+                sx = load(builder, at_(2 + 8 * g + 4), I32)
+                rows = [_grid_row(builder, "iq2xxs", _i32(builder, u8(builder, at_(2 + 8 * g + l)))) for l in range(4)]
+            else:
+                sx = load(builder, at_(66 + 4 * g), I32)
+                r4 = [_grid_row(builder, "iq3xxs", _i32(builder, u8(builder, at_(2 + 8 * g + k)))) for k in range(8)]
+                rows = [concat(builder, r4[2 * l], r4[2 * l + 1]) for l in range(4)]
+            q = _cat(builder, [_signed(builder, rows[l], _ksigns(builder, builder.and_(builder.lshr(sx, k32(7 * l)),
+                                                                                     k32(127)))) for l in range(4)])
+            s = fl(builder.lshr(sx, k32(28)))
+            m = builder.fmul(builder.fmul(d, builder.fadd(fk(0.5), s)), fk(0.25 if fmt == "iq2_xxs" else 0.5))
+            out.append((q, m, None))
+        return out
+    if fmt in ("iq2_xs", "iq2_s"):
+        d = f16(builder, b)
+        sc_at = 66 if fmt == "iq2_xs" else 74
+        for c in range(8):
+            parts = []
+            for l in range(4):
+                i = 4 * c + l
+                if fmt == "iq2_xs":
+                    qv = builder.zext(load(builder, at_(2 + 2 * i), I16), I32)
+                    idx, sb = builder.and_(qv, k32(511)), _ksigns(builder, builder.lshr(qv, k32(9)))
+                    parts.append(_signed(builder, _grid_row(builder, "iq2xs", idx), sb))
+                else:
+                    hi = builder.and_(builder.lshr(builder.zext(u8(builder, at_(66 + i // 4)), I32), k32(2 * (i % 4))), k32(3))
+                    idx = builder.or_(_i32(builder, u8(builder, at_(2 + i))), builder.shl(hi, k32(8)))
+                    parts.append(_signed(builder, _grid_row(builder, "iq2s", idx), u8(builder, at_(34 + i))))
+            ms = [builder.fmul(builder.fmul(d, builder.fadd(fk(0.5), builder.uitofp(_nib(builder, at_(sc_at + c), h), F32))),
+                               fk(0.25)) for h in range(2)]
+            out.append((_cat(builder, parts), ms[0], ms[1]))
+        return out
+    if fmt == "iq3_s":
+        d = f16(builder, b)
+        for g in range(8):
+            qh = _i32(builder, u8(builder, at_(66 + g)))
+            r4 = []
+            for k in range(8):
+                idx = builder.or_(_i32(builder, u8(builder, at_(2 + 8 * g + k))),
+                                  builder.shl(builder.and_(builder.lshr(qh, k32(k)), k32(1)), k32(8)))
+                r4.append(_grid_row(builder, "iq3s", idx))
+            q = _cat(builder, [_signed(builder, concat(builder, r4[2 * l], r4[2 * l + 1]), u8(builder, at_(74 + 4 * g + l)))
+                               for l in range(4)])
+            s = builder.uitofp(_nib(builder, at_(106 + g // 2), g % 2), F32)
+            out.append((q, builder.fmul(d, builder.fadd(fk(1.0), builder.fmul(fk(2.0), s))), None))
+        return out
+    if fmt in ("iq1_s", "iq1_m"):
+        if fmt == "iq1_s":
+            d = f16(builder, b)
+        else:
+            sc = [builder.zext(load(builder, at_(48 + 2 * j), I16), I32) for j in range(4)]
+            bits16 = sc[0]
+            bits16 = builder.lshr(sc[0], k32(12))
+            for j in range(1, 4):
+                bits16 = builder.or_(bits16, builder.shl(builder.lshr(sc[j], k32(12)), k32(4 * j)))
+            d = builder.fpext(builder.bitcast(builder.trunc(bits16, I16), HALF), F32)
+        for g in range(8):
+            parts, ms = [], []
+            if fmt == "iq1_s":
+                qh = builder.zext(load(builder, at_(34 + 2 * g), I16), I32)
+                neg = builder.icmp_unsigned("!=", builder.and_(qh, k32(0x8000)), k32(0))
+                s = builder.and_(builder.lshr(qh, k32(12)), k32(7))
+                m = builder.fmul(builder.fmul(d, fl(builder.add(builder.shl(s, k32(1)), k32(1)))), fk(0.125))
+                ms = [m, None]
+            for l in range(4):
+                i = 4 * g + l
+                if fmt == "iq1_s":
+                    hi = builder.and_(builder.lshr(qh, k32(3 * l)), k32(7))
+                    idx = builder.or_(_i32(builder, u8(builder, at_(2 + i))), builder.shl(hi, k32(8)))
+                    n_ = neg
+                else:
+                    nib = _nib(builder, at_(32 + i // 2), i % 2)
+                    idx = builder.or_(_i32(builder, u8(builder, at_(i))), builder.shl(builder.and_(nib, k32(7)), k32(8)))
+                    n_ = builder.icmp_unsigned("!=", builder.and_(nib, k32(8)), k32(0))
+                row = builder.mul(_grid_row(builder, "iq1s", idx), cvec(I8, [8] * 8))
+                parts.append(builder.add(row, builder.select(n_, cvec(I8, [255] * 8), cvec(I8, [1] * 8))))
+            if fmt == "iq1_m":
+                for h in range(2):
+                    k = 2 * g + h
+                    s = builder.and_(builder.lshr(sc[k // 4], k32(3 * (k % 4))), k32(7))
+                    ms.append(builder.fmul(builder.fmul(d, fl(builder.add(builder.shl(s, k32(1)), k32(1)))), fk(0.125)))
+            out.append((_cat(builder, parts), ms[0], ms[1]))
+        return out
+    raise ValueError(fmt)
+
+
 def halves(builder, q):
     """<32 x T> -> its two <16 x T> halves."""
     return [builder.shuffle_vector(q, q, cvec(I32, range(16 * k, 16 * k + 16))) for k in range(2)]
@@ -343,6 +498,14 @@ def decode(fmt, builder, b):
         for c in range(2):
             for k, qk in enumerate(halves(builder, sif(builder, nvfp4_chunk(builder, b, c)))):
                 out.append((ue4m3_half_ir(builder, u8(builder, builder.add(b, c64(2 * c + k)))), None, qk))
+        return out
+    if fmt in IQ_FORMATS:
+        out = []
+        for q, m1, m2 in iq_chunks(fmt, builder, b):
+            if m2 is None:
+                out.append((m1, None, sif(builder, q)))
+            else:
+                out += [(m, None, qk) for m, qk in zip((m1, m2), halves(builder, sif(builder, q)))]
         return out
     raise ValueError(fmt)
 
@@ -505,6 +668,8 @@ def decode_int(fmt, builder, b):
     if fmt == "nvfp4":
         return [(nvfp4_chunk(builder, b, c), True, ue4m3_half_ir(builder, u8(builder, builder.add(b, c64(2 * c)))),
                  ue4m3_half_ir(builder, u8(builder, builder.add(b, c64(2 * c + 1)))), None) for c in range(2)]
+    if fmt in IQ_FORMATS:
+        return [(q, True, m1, m2, None) for q, m1, m2 in iq_chunks(fmt, builder, b)]
     raise ValueError(fmt)
 
 
@@ -644,7 +809,7 @@ def group_int(fmt, builder, g):
     raise ValueError(fmt)
 
 
-PER16 = ("q6_k", "q2_k", "q3_k", "nvfp4")       # formats with a multiplier per 16 weights
+PER16 = ("q6_k", "q2_k", "q3_k", "nvfp4", "iq2_xs", "iq2_s", "iq1_m")       # formats with a multiplier per 16 weights
 
 
 def _lanes(builder, vals):

@@ -16,7 +16,8 @@ import shutil
 import numpy as np
 from tqdm import tqdm
 
-from .dtypes import MIXES, WEIGHT_DTYPES, block_of, fits, narrow, nbytes, widen
+from .dtypes import MIXES, WEIGHT_DTYPES, block_of, fits, is_block, narrow, nbytes, widen
+from .quant import QUANTIZERS
 from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, invalid_model
 from . import families
 from .families.common import row_permutations, unpermute
@@ -230,6 +231,11 @@ def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool 
     if dtype is not None and dtype not in WEIGHT_DTYPES + MIXES:
         raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT,
                            f"--dtype {dtype!r}: use one of {', '.join(WEIGHT_DTYPES + MIXES)}")
+    if dtype is not None and is_block(dtype) and dtype not in QUANTIZERS:
+        raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT,
+                           f"--dtype {dtype}: llama.cpp quantises the lattice i-quants only with an importance "
+                           "matrix, and Colibri has no quantiser for them; make the file with llama-quantize "
+                           "--imatrix and convert (or run) the GGUF, whose types are kept as stored")
     cpath = os.path.join(hf_dir, "config.json")
     if not os.path.exists(cpath):
         raise invalid_model(cpath, "(file)", "missing; HF_DIR must hold a save_pretrained checkpoint")

@@ -22,7 +22,7 @@ architectures and how each is routed (llama.cpp computes the routing: no key car
 `{arch}.expert_weights_norm`, when a file has it, overrides the renormalisation).
 
 Every failure is a ColibriError naming the file and the key or tensor: a GGUF that is not one, a
-truncated one, a type Colibri does not run (the lattice IQ types: IQ1-IQ3), tensor data past the
+truncated one, a type Colibri does not run (ggml's Q1_0 and Q2_0, the Q8_1 and Q8_K scratch types), tensor data past the
 end of the file, a missing key, a tensor whose shape is not what the metadata implies.
 """
 from __future__ import annotations
@@ -42,7 +42,8 @@ from .modeldir import ALIGN, HEAD_TYPES, ModelWriter, check_disk, tensor_roles
 FORMATS = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "Q8_0": "q8_0", "Q4_0": "q4_0",
            "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k",
            "MXFP4": "mxfp4", "Q2_K": "q2_k", "Q3_K": "q3_k", "IQ4_NL": "iq4_nl", "IQ4_XS": "iq4_xs", "TQ1_0": "tq1_0",
-           "TQ2_0": "tq2_0", "NVFP4": "nvfp4"}
+           "TQ2_0": "tq2_0", "NVFP4": "nvfp4", "IQ2_XXS": "iq2_xxs", "IQ2_XS": "iq2_xs", "IQ2_S": "iq2_s",
+           "IQ3_XXS": "iq3_xxs", "IQ3_S": "iq3_s", "IQ1_S": "iq1_s", "IQ1_M": "iq1_m"}
 # GGUF file types (general.file_type) -> config.json's weight_dtype label
 FILE_TYPES = {0: "float32", 1: "float16", 2: "q4_0", 3: "q4_1", 7: "q8_0", 8: "q5_0", 9: "q5_1", 15: "q4_k_m",
               32: "bfloat16"}

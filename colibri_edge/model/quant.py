@@ -39,6 +39,18 @@ uint8 [N, K / B * nbytes]; a block of B weights:
   nvfp4   64   36     d:u8[4] (ue4m3) | qs:u8[32]                    UE4M3(d_s) / 2 * E2M1x2[nib]  (4 of 16)
       sub-block s: its 16 weights nib(i) of qs[8 s .. 8 s + 7]; UE4M3 x: exponent (x >> 3) & 15, mantissa
       x & 7, bias 7, subnormal below exponent 1; 0 and 0x7f decode to 0.
+  The lattice types (i-quants): groups of 8 (IQ2, IQ1) or 4 (IQ3) weights are one entry of a grid
+  (iq_grid: iq_grids.npz, toolchains/gguf), signs apart; s_g a sub-block's 4-bit scale (3-bit for IQ1):
+  iq2_xxs 256  66     d:f16 | (grid:u8[4] | signs:u32)[8]            d (0.5 + s) / 4 * grid8 * sign  (8 of 32)
+      the u32 of sub-block g: four 7-bit sign indices (bits 0, 7, 14, 21; KSIGNS adds the parity bit)
+      for its four groups, s in bits 28..31
+  iq2_xs  256  74     d:f16 | qs:u16[32] | scales:u8[8]              grid8[q & 511], signs KSIGNS[q >> 9] (16 of 16)
+  iq2_s   256  82     d:f16 | qs:u8[32] | signs:u8[32] | qh:u8[8] | scales:u8[8]   grid8[qs | 2 bits of qh << 8]
+  iq3_xxs 256  98     d:f16 | qs:u8[64] | (signs, s):u32[8]           d (0.5 + s) / 2 * grid4[qs] * sign  (8 of 32)
+  iq3_s   256  110    d:f16 | qs:u8[64] | qh:u8[8] | signs:u8[32] | scales:u8[4]   d (1 + 2 s) grid4[qs | bit << 8]
+  iq1_s   256  50     d:f16 | qs:u8[32] | qh:u16[8]                  d (2 s + 1) (grid8[qs | 3 bits of qh << 8] +- 1/8)
+  iq1_m   256  56     qs:u8[32] | qh:u8[16] | scales:u16[4]          the same, s per 16; d's 16 bits are the
+      top nibbles of the four scales; qh's nibble per group: 3 index bits and the delta's sign
 """
 from __future__ import annotations
 
@@ -49,7 +61,8 @@ QK_K = 256
 BLOCK = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24),
          "mxfp4": (32, 17), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210),
          "q2_k": (256, 84), "q3_k": (256, 110), "iq4_nl": (32, 18), "iq4_xs": (256, 136), "tq1_0": (256, 54),
-         "tq2_0": (256, 66), "nvfp4": (64, 36)}
+         "tq2_0": (256, 66), "nvfp4": (64, 36), "iq2_xxs": (256, 66), "iq2_xs": (256, 74), "iq2_s": (256, 82),
+         "iq3_xxs": (256, 98), "iq3_s": (256, 110), "iq1_s": (256, 50), "iq1_m": (256, 56)}
 BLOCK_FORMATS = tuple(BLOCK)
 E2M1 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)    # doubled e2m1 values
 IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)  # kvalues_iq4nl
@@ -73,6 +86,96 @@ def e8m0_half(e):
     e = np.asarray(e, np.uint32)
     bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23)).astype(np.uint32)
     return bits.view(np.float32)
+
+
+# KSIGNS[i]: the 7 sign bits i of an i-quant group of 8 and an eighth bit making the count of set bits even
+KSIGNS = np.array([i | ((bin(i).count("1") & 1) << 7) for i in range(128)], np.uint8)
+_GRIDS = {}
+
+
+def iq_grid(name: str) -> np.ndarray:
+    """A lattice grid: iq2xxs, iq2xs, iq2s [n, 8] u8; iq3xxs, iq3s [n, 4] u8; iq1s [2048, 8] i8."""
+    if not _GRIDS:
+        import os
+        with np.load(os.path.join(os.path.dirname(__file__), "iq_grids.npz")) as z:
+            _GRIDS.update({k: z[k] for k in z.files})
+    return _GRIDS[name]
+
+
+def _sign_bits(b):
+    """uint8 [...] -> float32 [..., 8]: -1 where bit j is set, else 1."""
+    return np.where((b[..., None] >> np.arange(8, dtype=np.uint8)) & 1, np.float32(-1), np.float32(1))
+
+
+def _u32(b):
+    return np.ascontiguousarray(b).view("<u4")
+
+
+def _u16(b):
+    return np.ascontiguousarray(b).view("<u2")
+
+
+def _iq_dequantize(b, fmt):
+    """The lattice types (module docstring) -> float32 [blocks, 256]."""
+    n = len(b)
+    f32 = np.float32
+    if fmt in ("iq2_xxs", "iq3_xxs"):
+        d = _f16(b[:, 0:2])[:, None]
+        if fmt == "iq2_xxs":
+            aux = _u32(b[:, 2:66]).reshape(n, 8, 2)
+            idx, sx = aux[..., 0].copy().view(np.uint8).reshape(n, 8, 4), aux[..., 1]
+            grid, mul = iq_grid("iq2xxs")[idx].reshape(n, 8, 4, 8), f32(0.25)
+        else:
+            idx, sx = b[:, 2:66].reshape(n, 8, 8), _u32(b[:, 66:98])
+            grid, mul = iq_grid("iq3xxs")[idx].reshape(n, 8, 4, 8), f32(0.5)
+        db = (d * (f32(0.5) + (sx >> 28).astype(f32)) * mul)[..., None, None]
+        signs = KSIGNS[(sx[..., None] >> np.array([0, 7, 14, 21], np.uint32)) & 127]
+        return (db * grid.astype(f32) * _sign_bits(signs)).reshape(n, 256)
+    if fmt in ("iq2_xs", "iq2_s"):
+        d = _f16(b[:, 0:2])[:, None]
+        sc = b[:, -8:]
+        scales = np.stack([sc & 15, sc >> 4], axis=-1).reshape(n, 16).astype(f32)
+        db = (d * (f32(0.5) + scales) * f32(0.25))[..., None, None]                    # [n, 16, 1, 1]
+        if fmt == "iq2_xs":
+            q = _u16(b[:, 2:66])
+            idx, signs = q & 511, KSIGNS[q >> 9]
+            grid = iq_grid("iq2xs")[idx]
+        else:
+            qh = b[:, 66:74]
+            hi = (qh[..., None] >> np.array([0, 2, 4, 6], np.uint8)) & 3
+            idx = b[:, 2:34].astype(np.uint16) | (hi.reshape(n, 32).astype(np.uint16) << 8)
+            signs, grid = b[:, 34:66], iq_grid("iq2s")[idx]
+        return (db * grid.reshape(n, 16, 2, 8).astype(f32) * _sign_bits(signs).reshape(n, 16, 2, 8)).reshape(n, 256)
+    if fmt == "iq3_s":
+        d = _f16(b[:, 0:2])[:, None]
+        sc = b[:, 106:110]
+        scales = np.stack([sc & 15, sc >> 4], axis=-1).reshape(n, 8).astype(f32)
+        db = (d * (1 + 2 * scales))[..., None, None]
+        hb = (b[:, 66:74][..., None] >> np.arange(8, dtype=np.uint8)) & 1
+        idx = b[:, 2:66].astype(np.uint16) | (hb.reshape(n, 64).astype(np.uint16) << 8)
+        grid = iq_grid("iq3s")[idx].reshape(n, 8, 4, 8).astype(f32)
+        return (db * grid * _sign_bits(b[:, 74:106]).reshape(n, 8, 4, 8)).reshape(n, 256)
+    if fmt == "iq1_s":
+        d = _f16(b[:, 0:2])[:, None]
+        qh = _u16(b[:, 34:50])                                                          # [n, 8]
+        dl = (d * (2 * ((qh >> 12) & 7) + 1).astype(f32))[..., None, None]
+        delta = np.where(qh & 0x8000, f32(-0.125), f32(0.125))[..., None, None]
+        idx = b[:, 2:34].astype(np.uint16) | ((((qh[..., None] >> np.array([0, 3, 6, 9], np.uint16)) & 7) << 8)
+                                              .reshape(n, 32))
+        grid = iq_grid("iq1s")[idx].reshape(n, 8, 4, 8).astype(f32)
+        return (dl * (grid + delta)).reshape(n, 256)
+    if fmt == "iq1_m":
+        sc = _u16(b[:, 48:56])                                                          # [n, 4]
+        d = (((sc >> 12) << np.array([0, 4, 8, 12], np.uint16)).sum(axis=1).astype(np.uint16)
+             .view(np.float16).astype(f32))[:, None]
+        s3 = ((sc[..., None] >> np.array([0, 3, 6, 9], np.uint16)) & 7).reshape(n, 16)
+        dl = (d * (2 * s3 + 1).astype(f32)).reshape(n, 8, 2, 1, 1)
+        nib = np.stack([b[:, 32:48] & 15, b[:, 32:48] >> 4], axis=-1).reshape(n, 32)
+        idx = b[:, 0:32].astype(np.uint16) | ((nib & 7).astype(np.uint16) << 8)
+        delta = np.where(nib & 8, f32(-0.125), f32(0.125)).reshape(n, 8, 2, 2, 1)
+        grid = iq_grid("iq1s")[idx].reshape(n, 8, 2, 2, 8).astype(f32)
+        return (dl * (grid + delta)).reshape(n, 256)
+    raise ValueError(fmt)
 
 
 def ue4m3_half(x):
@@ -182,6 +285,8 @@ def dequantize(raw: np.ndarray, fmt: str, K: int) -> np.ndarray:
         w = _f16(b[:, 52:54])[:, None] * tq1_0_trits(b).astype(np.float32)
     elif fmt == "nvfp4":
         w = ue4m3_half(b[:, :4])[..., None] * E2M1[_nibbles(b[:, 4:].reshape(-1, 4, 8))]
+    elif fmt.startswith("iq") and fmt not in ("iq4_nl", "iq4_xs"):
+        w = _iq_dequantize(b, fmt)
     else:
         raise ValueError(f"unknown block format {fmt!r}")
     return w.reshape(*lead, K).astype(np.float32)
