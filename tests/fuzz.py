@@ -423,16 +423,24 @@ class Worker:
             self.p = None
 
 
-def base_gguf(workdir: str) -> str:
-    """The GGUF the campaign mutates: a tiny qwen2_moe (shared experts) written by llama.cpp's
-    converter, q8_0 (its blocks and float32 tensors both)."""
+GGUF_BASES = (("qwen2_moe", "q8_0"), ("mixtral_k", "ud_mix"), ("mixtral_k", "iq_mix"))
+
+
+def base_ggufs(workdir: str) -> list:
+    """The GGUFs the campaign mutates, in turn: a tiny qwen2_moe (shared experts) written by llama.cpp's
+    converter, q8_0 (its blocks and float32 tensors both); and two per-matrix type mixes of a tiny
+    mixtral (gguf_models: ud_mix, the K-quants, IQ4, ternary and NVFP4 blocks; iq_mix, the lattice
+    i-quants), so that block contents, types and row lengths of every format meet the mutations."""
     sys.path.insert(0, HERE)
     import gguf_models
     # built once per process (gguf_models' own temporary folder), copied into this campaign's
     # workdir, which the campaign removes when it ends
-    dst = os.path.join(workdir, "base.gguf")
-    shutil.copyfile(gguf_models.gguf_case("qwen2_moe", "q8_0").gguf, dst)
-    return dst
+    out = []
+    for case, kind in GGUF_BASES:
+        dst = os.path.join(workdir, f"base-{case}-{kind}.gguf")
+        shutil.copyfile(gguf_models.gguf_case(case, kind).gguf, dst)
+        out.append(dst)
+    return out
 
 
 def campaign(cases: int, backend: str, seed: int = 0, workdir: str | None = None, log=None,
@@ -441,8 +449,7 @@ def campaign(cases: int, backend: str, seed: int = 0, workdir: str | None = None
     -> the tally."""
     tmp = workdir or tempfile.mkdtemp(prefix="colibri-fuzz-")
     if gguf:
-        src = base_gguf(tmp)
-        base_bytes, layout = open(src, "rb").read(), gguf_layout(src)
+        bases = [(open(src, "rb").read(), gguf_layout(src), os.path.basename(src)) for src in base_ggufs(tmp)]
         case_dir = os.path.join(tmp, "case.gguf")
     else:
         base = build_base(os.path.join(tmp, "base"))
@@ -455,7 +462,11 @@ def campaign(cases: int, backend: str, seed: int = 0, workdir: str | None = None
     try:
         for i in range(cases):
             rng = np.random.default_rng([seed, i])
-            what = mutate_gguf(base_bytes, layout, case_dir, rng) if gguf else mutate(base, case_dir, rng)
+            if gguf:
+                base_bytes, layout, name = bases[i % len(bases)]
+                what = {**mutate_gguf(base_bytes, layout, case_dir, rng), "base": name}
+            else:
+                what = mutate(base, case_dir, rng)
             r = w.run(case_dir, WATCHDOG_S, gguf=gguf)
             o = r["outcome"]
             tally["cases"] += 1
