@@ -4,7 +4,7 @@
     colibri-<dt>/   `colibri convert --dtype <dt>` of it, for every weight type the converter knows
     model-<q>.gguf  the same weights for llama.cpp (f32, f16, q8_0), written with the `gguf` library
     model-llq-<q>.gguf  model-f32.gguf quantised by llama.cpp's own quantiser (llama_model_quantize:
-                    Q4_0, Q4_K_M, Q8_0, its default per-tensor mix, no importance matrix)
+                    Q4_0, Q4_K_M, Q8_0, Q3_K_M, IQ4_XS, its default per-tensor mix, no importance matrix)
     colibri-gguf-<q>/   `colibri convert model-llq-<q>.gguf`: Colibri on the very file llama.cpp runs
     prompts.json    the prompts every engine runs (token ids)
 
@@ -317,7 +317,8 @@ def prompts(s: dict, prompt_len: int, batch: int) -> list:
 
 
 LLAMA_QUANTS = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
-                "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}
+                "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q3_k_m": "LLAMA_FTYPE_MOSTLY_Q3_K_M",
+                "iq4_xs": "LLAMA_FTYPE_MOSTLY_IQ4_XS"}
 
 
 def gguf_read_facts(path: str, s: dict) -> dict:

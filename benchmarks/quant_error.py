@@ -6,6 +6,8 @@ quantiser; both are dequantised by gguf-py, and each is compared with the float3
 
     rms(fmt) = sqrt(mean((deq(q(w)) - w)^2))      ratio = rms_ours / rms_llama.cpp   (target <= 1.05)
 
+and our decode of llama.cpp's bytes against gguf-py's dequantisation of them (decode_rms_vs_gguf: 0).
+
 Sampled tensors: one layer's three stacked expert matrices, its attention q and output projections,
 and the lm_head -- every kind of row the model has. Run by bench.py (results in bench.json/.md), or
 alone: `python benchmarks/quant_error.py MODEL-f32.gguf OUT.json`.
@@ -22,7 +24,9 @@ import numpy as np
 # format -> llama.cpp's file type that, with `pure`, writes every matrix in that format
 FTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1",
           "q5_0": "LLAMA_FTYPE_MOSTLY_Q5_0", "q5_1": "LLAMA_FTYPE_MOSTLY_Q5_1", "q4_k": "LLAMA_FTYPE_MOSTLY_Q4_K_S",
-          "q5_k": "LLAMA_FTYPE_MOSTLY_Q5_K_S", "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K"}
+          "q5_k": "LLAMA_FTYPE_MOSTLY_Q5_K_S", "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K", "q2_k": "LLAMA_FTYPE_MOSTLY_Q2_K",
+          "q3_k": "LLAMA_FTYPE_MOSTLY_Q3_K_S", "iq4_nl": "LLAMA_FTYPE_MOSTLY_IQ4_NL",
+          "iq4_xs": "LLAMA_FTYPE_MOSTLY_IQ4_XS", "tq2_0": "LLAMA_FTYPE_MOSTLY_TQ2_0"}
 SAMPLE = ("blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight", "blk.0.ffn_down_exps.weight",
           "blk.0.attn_q.weight", "blk.0.attn_output.weight", "output.weight")
 
@@ -70,10 +74,12 @@ def measure(f32_path: str, work: str, formats=tuple(FTYPES), threads: int = 2, l
                 continue
             K = w.shape[1]
             ll = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(-1, K)
+            decode = quant.dequantize(np.asarray(t.data).reshape(ll.shape[0], -1), fmt, K)   # our decode, same bytes
             ours = quant.dequantize(quant.quantize(w, fmt), fmt, K)
             el, eo = float(((ll - w) ** 2).sum()), float(((ours - w) ** 2).sum())
             per[name] = {"rms_llama": (el / w.size) ** 0.5, "rms_ours": (eo / w.size) ** 0.5,
-                         "ratio": (eo / el) ** 0.5 if el else None}
+                         "ratio": (eo / el) ** 0.5 if el else None,
+                         "decode_rms_vs_gguf": float(np.sqrt(((decode - ll) ** 2).mean()))}     # must be 0
             se_l, se_o, n = se_l + el, se_o + eo, n + w.size
         os.remove(dst)
         res = {"llama_quantize_s": secs, "per_tensor": per}
