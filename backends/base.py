@@ -221,6 +221,10 @@ class Backend:
     weight_dtypes: tuple = ()
     kv_dtypes: tuple = ("float32",)   # KV cache types (kv_parts) kv_write and the attention ops take
     OPTIONS: tuple = ()           # Engine.open options this backend takes (num_threads, num_streams, ...)
+    # optional: whether an FFN's gate and up projections may be stored in different formats (a GGUF
+    # file's choice); a backend whose fused gate/up kernel is built for one format says False, and
+    # Engine.open refuses such a model there (COLIBRI_ERR_UNAVAILABLE) instead of misreading it
+    mixed_gate_up: bool = True
 
     # -- memory (required) -------------------------------------------------------------------
     def alloc(self, shape, dtype=np.float32):

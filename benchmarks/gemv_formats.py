@@ -16,7 +16,26 @@ import time
 
 import numpy as np
 
-FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4", "q4_k", "q5_k", "q6_k")
+def formats():
+    from colibri_edge.model import quant
+    return tuple(quant.BLOCK)
+
+
+def stored(src, fmt, rng):
+    """src in fmt: our quantiser, or for the lattice i-quants (no quantiser) random valid blocks with the
+    f16 scale set to src's RMS (the kernels' speed does not depend on the values)."""
+    from colibri_edge.model import quant
+    if fmt in quant.QUANTIZERS:
+        return quant.quantize(src, fmt)
+    B, nb = quant.BLOCK[fmt]
+    raw = rng.integers(0, 256, (src.shape[0], src.shape[1] // B, nb), dtype=np.uint8)
+    d = np.frombuffer(np.float16(float(np.sqrt((src ** 2).mean())) / 16).tobytes(), np.uint16)[0]
+    if fmt == "iq1_m":
+        for j, at in enumerate((49, 51, 53, 55)):
+            raw[..., at] = (raw[..., at] & 15) | (((int(d) >> (4 * j)) & 15) << 4)
+    else:
+        raw[..., 0:2] = np.frombuffer(np.uint16(d).tobytes(), np.uint8)
+    return raw.reshape(src.shape[0], -1)
 
 
 def best_seconds(fn, reps=5, inner=3):
@@ -41,7 +60,7 @@ def blas_probe(threads):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("formats", nargs="*", default=list(FORMATS))
+    ap.add_argument("formats", nargs="*", default=None, help="block formats (default: every one)")
     ap.add_argument("--rows", type=int, default=65536)
     ap.add_argument("--cols", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
@@ -62,8 +81,8 @@ def main(argv=None):
     print(f"BLAS sgemv read bandwidth, {th} threads: {blas_probe(th):.1f} GB/s")
     print("| format | bytes / weight | float32 activations GB/s (Gw/s) | int8 activations GB/s (Gw/s) |")
     print("|---|---:|---:|---:|")
-    for fmt in a.formats:
-        raw = quant.quantize(src, fmt)
+    for fmt in a.formats or formats():
+        raw = stored(src, fmt, rng)
         w = np.ascontiguousarray(raw).view(KERNEL_VIEW[fmt]).reshape(N, -1)
         ref = (quant.dequantize(raw, fmt, K).astype(np.float64) @ x[0].astype(np.float64))
         emu_q, emu_d, _ = quant.quantize_activations(x)

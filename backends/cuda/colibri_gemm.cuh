@@ -54,7 +54,7 @@ CE_DEV void load2(const i8_t* p, float& a, float& b) {
 
 // ---- ggml's block formats (colibri_edge/model/quant.py has the layouts and the NumPy definitions) -------
 // A block-format matrix [N, K] is N rows of K / B blocks of NB bytes. Each format is a tag type; the
-// kernels read weights in pairs (k even, both in one block and one group of 16: B is 32 or 256), as
+// kernels read weights in pairs (k even, both in one block and one group of 16: B is 32, 64 or 256), as
 // they read fp16 pairs, decoded from the block's bytes in registers:
 //   q8_0  d | q:i8[32]               d q            q4_0  d | qs[16]            d (nib - 8)
 //   q4_1  d | m | qs[16]             d nib + m      q5_0  d | qh:u32 | qs[16]   d (nib | hb << 4) - 16 d
@@ -62,9 +62,20 @@ CE_DEV void load2(const i8_t* p, float& a, float& b) {
 //   q4_k  d | dmin | sc[12] | qs[128]          d sc_s nib - dmin m_s           (sub-block s of 32)
 //   q5_k  d | dmin | sc[12] | qh[32] | qs[128] d sc_s (nib | hb << 4) - dmin m_s
 //   q6_k  ql[128] | qh[64] | sc:i8[16] | d     d sc_(i/16) (q6 - 32)
+//   q2_k  sc[16] | qs[64] | d | dmin           d (sc_s & 15) q2 - dmin (sc_s >> 4)   (sub-block s of 16)
+//   q3_k  hmask[32] | qs[64] | sc[12] | d      d (sc6_s - 32) (q2 - 4 (1 - hb))
+//   tq2_0 qs[64] | d                           d (q2 - 1)
+//         (2-bit fields: half h of 128, part p of 32, weight j: (qs[32 h + j] >> 2 p) & 3; q3_k's hb
+//         bit 4 h + p of hmask[j])
+//   iq4_nl d | qs[16]                          d IQ4NL[nib]
+//   iq4_xs d | sc_h:u16 | sc_l[4] | qs[128]    d (sc6_s - 32) IQ4NL[nib]   (sub-block s of 32, qs[16 s..])
+//   tq1_0 qs[48] | qh[4] | d                   d (trit - 1), five trits a byte (quant.py tq1_0_trits)
+//   nvfp4 d:ue4m3[4] | qs[32]   (B = 64)       UE4M3(d_s) / 2 E2M1x2[nib]  (sub-block s of 16, qs[8 s..])
 // Bytes are read one at a time (blocks of 17, 18, 22 bytes leave no alignment to rely on).
 struct q8_0_t {}; struct q4_0_t {}; struct q4_1_t {}; struct q5_0_t {}; struct q5_1_t {}; struct mxfp4_t {};
 struct q4_k_t {}; struct q5_k_t {}; struct q6_k_t {};
+struct q2_k_t {}; struct q3_k_t {}; struct iq4_nl_t {}; struct iq4_xs_t {}; struct tq1_0_t {}; struct tq2_0_t {};
+struct nvfp4_t {};
 typedef unsigned char u8;
 template <typename A, typename B> struct same_t { static constexpr bool value = false; };   // no <type_traits>
 template <typename A> struct same_t<A, A> { static constexpr bool value = true; };
@@ -78,6 +89,23 @@ CE_DEV float e2m1x2(unsigned n) {
     const unsigned m = n & 7u;
     const float v = m < 4 ? (float)m : (float)((2u + (m & 1u)) << ((m >> 1) - 1u));
     return (n & 8u) ? -v : v;
+}
+// UE4M3 scale byte, halved (quant.py ue4m3_half): exponent e > 0 is the float with exponent field e + 119
+// and mantissa m << 20, e = 0 is m 2^-10; 0 and 0x7f are 0. Exact for every byte
+CE_DEV float ue4m3_half(unsigned x) {
+    const unsigned e = (x >> 3) & 15u, m = x & 7u;
+    const float v = e == 0u ? (float)m * 0.0009765625f : __int_as_float((int)(((e + 119u) << 23) | (m << 20)));
+    return x == 0x7fu ? 0.f : v;
+}
+// kvalues_iq4nl[n] (quant.py IQ4NL), from two words of bytes: no table in memory
+CE_DEV float iq4nl(unsigned n) {
+    const unsigned long long w = n < 8u ? 0xf6eaddcfbfad9881ull : 0x7159453526190d01ull;
+    return (float)(signed char)(unsigned char)(w >> (8u * (n & 7u)));
+}
+// trit n (< 5) of a tq1_0 byte b, minus 1: ((b 3^n mod 256) 3) >> 8, - 1
+CE_DEV float trit(unsigned b, int n) {
+    const unsigned p = (unsigned)(0x511b090301ull >> (8 * n)) & 255u;
+    return (float)((int)((((b * p) & 255u) * 3u) >> 8) - 1);
 }
 // get_scale_min_k4: the 6-bit scale and min of sub-block s of a q4_k / q5_k block's 12 scale bytes
 CE_DEV void scale_min_k4(const u8* sc, int s, float& d, float& m) {
@@ -93,6 +121,9 @@ template <typename F> struct BlockFmt;
 COLIBRI_BLOCK(q8_0_t, 32, 34) COLIBRI_BLOCK(q4_0_t, 32, 18) COLIBRI_BLOCK(q4_1_t, 32, 20)
 COLIBRI_BLOCK(q5_0_t, 32, 22) COLIBRI_BLOCK(q5_1_t, 32, 24) COLIBRI_BLOCK(mxfp4_t, 32, 17)
 COLIBRI_BLOCK(q4_k_t, 256, 144) COLIBRI_BLOCK(q5_k_t, 256, 176) COLIBRI_BLOCK(q6_k_t, 256, 210)
+COLIBRI_BLOCK(q2_k_t, 256, 84) COLIBRI_BLOCK(q3_k_t, 256, 110) COLIBRI_BLOCK(iq4_nl_t, 32, 18)
+COLIBRI_BLOCK(iq4_xs_t, 256, 136) COLIBRI_BLOCK(tq1_0_t, 256, 54) COLIBRI_BLOCK(tq2_0_t, 256, 66)
+COLIBRI_BLOCK(nvfp4_t, 64, 36)
 
 // weights k and k + 1 (k even) of a row of blocks
 template <typename F>
@@ -140,7 +171,7 @@ CE_DEV void block_pair(const u8* row, int k, float& a, float& b) {
             qb |= ((blk[17 + j] >> s) & 1u) << 4;
         }
         a = d * (float)qa - m; b = d * (float)qb - m;
-    } else {                                         // q6_k: half h, part p of 32, weight j
+    } else if constexpr (same_t<F, q6_k_t>::value) {  // q6_k: half h, part p of 32, weight j
         const int h = i / 128, r = i % 128, p = r / 32, j = r % 32;
         const u8* ql = blk + 64 * h + 32 * (p & 1);
         const u8* qh = blk + 128 + 32 * h;
@@ -149,6 +180,50 @@ CE_DEV void block_pair(const u8* row, int k, float& a, float& b) {
         const int qb = (int)(((ql[j + 1] >> shl) & 15u) | (((qh[j + 1] >> shh) & 3u) << 4)) - 32;
         const float d = ld_f16(blk + 208) * (float)(signed char)blk[192 + 8 * h + 2 * p + j / 16];
         a = d * (float)qa; b = d * (float)qb;
+    } else if constexpr (same_t<F, q2_k_t>::value || same_t<F, q3_k_t>::value || same_t<F, tq2_0_t>::value) {
+        // 2-bit fields: half h, part p of 32, weight j; sub-block s = i / 16 of 16
+        const int h = i / 128, r = i % 128, p = r / 32, j = r % 32, s = i / 16;
+        constexpr int oq = same_t<F, q2_k_t>::value ? 16 : same_t<F, q3_k_t>::value ? 32 : 0;
+        const u8* qs = blk + oq + 32 * h;
+        const int qa = (int)((qs[j] >> (2 * p)) & 3u), qb = (int)((qs[j + 1] >> (2 * p)) & 3u);
+        if constexpr (same_t<F, q2_k_t>::value) {
+            const unsigned sc = blk[s];
+            const float d = ld_f16(blk + 80) * (float)(sc & 15u), m = ld_f16(blk + 82) * (float)(sc >> 4);
+            a = d * (float)qa - m; b = d * (float)qb - m;
+        } else if constexpr (same_t<F, q3_k_t>::value) {
+            const int ha = (blk[j] >> (4 * h + p)) & 1, hb = (blk[j + 1] >> (4 * h + p)) & 1;
+            const int lo = (blk[96 + s % 8] >> (4 * (s / 8))) & 15, hi = (blk[104 + s % 4] >> (2 * (s / 4))) & 3;
+            const float d = ld_f16(blk + 108) * (float)((lo | (hi << 4)) - 32);
+            a = d * (float)(qa - 4 * (1 - ha)); b = d * (float)(qb - 4 * (1 - hb));
+        } else {
+            const float d = ld_f16(blk + 64);
+            a = d * (float)(qa - 1); b = d * (float)(qb - 1);
+        }
+    } else if constexpr (same_t<F, iq4_nl_t>::value || same_t<F, iq4_xs_t>::value) {
+        // iq4_nl: the block's 32 weights; iq4_xs: sub-block s of 32, its nibbles at qs[16 s..]
+        const int s = i / 32, j = i % 32, sh = j < 16 ? 0 : 4;
+        constexpr int oq = same_t<F, iq4_nl_t>::value ? 2 : 8;
+        const u8* qs = blk + oq + 16 * s;
+        const float qa = iq4nl((qs[j & 15] >> sh) & 15u), qb = iq4nl((qs[(j & 15) + 1] >> sh) & 15u);
+        float d = ld_f16(blk);
+        if constexpr (same_t<F, iq4_xs_t>::value) {
+            const unsigned sch = blk[2] | (blk[3] << 8);
+            const int sc = (int)((blk[4 + s / 2] >> (4 * (s % 2))) & 15u) | (int)(((sch >> (2 * s)) & 3u) << 4);
+            d *= (float)(sc - 32);
+        }
+        a = d * qa; b = d * qb;
+    } else if constexpr (same_t<F, tq1_0_t>::value) {
+        // weight 32 n + j (n < 5): trit n of qs[j]; 160 + 16 n + j: of qs[32 + j]; 240 + 4 n + j: of qh[j]
+        const int n = i < 160 ? i / 32 : i < 240 ? (i - 160) / 16 : (i - 240) / 4;
+        const int o = i < 160 ? i % 32 : i < 240 ? 32 + (i - 160) % 16 : 48 + (i - 240) % 4;
+        const float d = ld_f16(blk + 52);
+        a = d * trit(blk[o], n); b = d * trit(blk[o + 1], n);
+    } else {                                         // nvfp4: sub-block s of 16, weight r
+        static_assert(same_t<F, nvfp4_t>::value, "a block tag without a decoder");
+        const int s = i / 16, r = i % 16, sh = r < 8 ? 0 : 4;
+        const u8* qs = blk + 4 + 8 * s + (r & 7);
+        const float d = ue4m3_half(blk[s]);
+        a = d * e2m1x2((qs[0] >> sh) & 15u); b = d * e2m1x2((qs[1] >> sh) & 15u);
     }
 }
 

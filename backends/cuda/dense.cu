@@ -94,6 +94,9 @@ extern "C" __global__ void matmul_tiled_i8(float* out, const float* x, const i8_
 COLIBRI_DENSE_BLOCK(q8_0, q8_0_t) COLIBRI_DENSE_BLOCK(q4_0, q4_0_t) COLIBRI_DENSE_BLOCK(q4_1, q4_1_t)
 COLIBRI_DENSE_BLOCK(q5_0, q5_0_t) COLIBRI_DENSE_BLOCK(q5_1, q5_1_t) COLIBRI_DENSE_BLOCK(mxfp4, mxfp4_t)
 COLIBRI_DENSE_BLOCK(q4_k, q4_k_t) COLIBRI_DENSE_BLOCK(q5_k, q5_k_t) COLIBRI_DENSE_BLOCK(q6_k, q6_k_t)
+COLIBRI_DENSE_BLOCK(q2_k, q2_k_t) COLIBRI_DENSE_BLOCK(q3_k, q3_k_t) COLIBRI_DENSE_BLOCK(iq4_nl, iq4_nl_t)
+COLIBRI_DENSE_BLOCK(iq4_xs, iq4_xs_t) COLIBRI_DENSE_BLOCK(tq1_0, tq1_0_t) COLIBRI_DENSE_BLOCK(tq2_0, tq2_0_t)
+COLIBRI_DENSE_BLOCK(nvfp4, nvfp4_t)
 
 // Per-head projections (latent attention's absorbed up-projections):
 //   out[t,g,n] = sum_k x[t,g,k] * W[g,n,k]        x [T,G,K], out [T,G,N], W [G,N,K] fp32/fp16/bf16

@@ -427,6 +427,9 @@ extern "C" __global__ void moe_down_tiled_i8(float* y, const float* act, const i
 COLIBRI_MOE_BLOCK(q8_0, q8_0_t) COLIBRI_MOE_BLOCK(q4_0, q4_0_t) COLIBRI_MOE_BLOCK(q4_1, q4_1_t)
 COLIBRI_MOE_BLOCK(q5_0, q5_0_t) COLIBRI_MOE_BLOCK(q5_1, q5_1_t) COLIBRI_MOE_BLOCK(mxfp4, mxfp4_t)
 COLIBRI_MOE_BLOCK(q4_k, q4_k_t) COLIBRI_MOE_BLOCK(q5_k, q5_k_t) COLIBRI_MOE_BLOCK(q6_k, q6_k_t)
+COLIBRI_MOE_BLOCK(q2_k, q2_k_t) COLIBRI_MOE_BLOCK(q3_k, q3_k_t) COLIBRI_MOE_BLOCK(iq4_nl, iq4_nl_t)
+COLIBRI_MOE_BLOCK(iq4_xs, iq4_xs_t) COLIBRI_MOE_BLOCK(tq1_0, tq1_0_t) COLIBRI_MOE_BLOCK(tq2_0, tq2_0_t)
+COLIBRI_MOE_BLOCK(nvfp4, nvfp4_t)
 
 // out[t,:] += sum_j w[t,j] * y[inverse[t*k + j], :]   (the residual add is fused)
 // grid (ceil(H/256), T), block 256

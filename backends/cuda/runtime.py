@@ -73,6 +73,7 @@ def probe(for_auto=False):
 class CudaRuntime(BackendBase):
     name = "cuda"
     weight_dtypes = ("float32", "float16", "bfloat16", "int8") + sources.BLOCK_FORMATS
+    mixed_gate_up = False      # the fused gate/up kernels are compiled for one weight format
     OPTIONS = ("num_streams", "disable_fp16", "cuda_graphs", "device")
 
     def __init__(self, num_streams=1, disable_fp16=False, cuda_graphs=True, device=0, use_cublas=True):

@@ -46,7 +46,8 @@ CONV_MAX_K, DELTA_MAX_DK, DELTA_MAX_DV = DEFINES["CONV_MAX_K"], DEFINES["DELTA_M
 # options the backend passes to cupy.RawModule (CuPy adds the -arch of the device it runs on)
 NVRTC_OPTIONS = ("-std=c++17", *(f"-D{k}={v}" for k, v in DEFINES.items()))
 
-BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4", "q4_k", "q5_k", "q6_k")   # quant.BLOCK's
+BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4", "q4_k", "q5_k", "q6_k",   # quant.BLOCK's
+                 "q2_k", "q3_k", "iq4_nl", "iq4_xs", "tq1_0", "tq2_0", "nvfp4")
 
 # file -> the kernels the backend looks up in it (all must exist: the toolchain check verifies it)
 KERNELS = {

@@ -15,20 +15,25 @@
  *   WI8=1                matrices are stored as int8 with a float32 scale per row, w[n, k] = q[n, k] * s[n]:
  *                        the dot product runs on q widened to float, the row's scale multiplies the
  *                        sum once (WSCALE); the scale vector is a kernel argument of every matrix
- *   WQ8_0, WQ4_0, WQ4_1, WQ5_0, WQ5_1, WMXFP4 (blocks of 32), WQ4_K, WQ5_K, WQ6_K (blocks of 256) = 1
+ *   WQ8_0, WQ4_0, WQ4_1, WQ5_0, WQ5_1, WMXFP4, WIQ4_NL (blocks of 32), WNVFP4 (blocks of 64), WQ4_K, WQ5_K,
+ *   WQ6_K, WQ2_K, WQ3_K, WIQ4_XS, WTQ1_0, WTQ2_0 (blocks of 256) = 1
  *                        matrices are ggml blocks (colibri_edge/model/quant.py has the layouts and the NumPy
  *                        definitions), bytes [N, K / WQB * WBYTES]. A row streams as chunks of 32 weights
  *                        decoded in registers (chunk_load): w = m q + add, q the chunk's small integers
- *                        (mxfp4: the E2M1 values) as eight float4, m one multiplier per 16 weights (two
- *                        differ only in q6_k), add one offset per chunk (q4_1, q5_1: the block's min;
- *                        q4_k, q5_k: -dmin m_s). A chunk's dot is m0 (q . x)[0:16] + m1 (q . x)[16:32]
- *                        + add sum(x): the integers meet the activations unscaled (K % WQB == 0)
+ *                        (mxfp4, nvfp4: the doubled E2M1 values; iq4_nl, iq4_xs: the IQ4NL table's) as
+ *                        eight float4, m one multiplier per 16 weights (two differ in q6_k, q2_k, q3_k,
+ *                        nvfp4), add one offset per 16 weights (q4_1, q5_1: the block's min; q4_k, q5_k:
+ *                        -dmin m_s, the same for both halves; q2_k: -dmin (sc >> 4) per 16, WADD16).
+ *                        A chunk's dot is m0 (q . x)[0:16] + m1 (q . x)[16:32] + add sum(x) (WADD16:
+ *                        add0 sum(x[0:16]) + add1 sum(x[16:32])): the integers meet the activations
+ *                        unscaled (K % WQB == 0)
  *   WACT8=1              (block formats only) activations are int8 too, llama.cpp's arithmetic: the host
  *                        quantises each activation row per block of 32 (dense.cl quantize_act, quant.py
  *                        quantize_activations) into packed blocks of 40 bytes, q:i8[32] | dx:f32 | xs:f32
  *                        (xs = dx sum q), 10 floats a block, so a row of K is XLD(K) = K / 32 * 10 floats and
  *                        every kernel keeps its float* activation arguments. A chunk's dot is then
  *                        dx (m0 idot(q, qx)[0:16] + m1 idot(q, qx)[16:32]) + add xs: integer products
+ *                        (WADD16: + dx (add0 sum(qx[0:16]) + add1 sum(qx[16:32])), the sums in integers)
  *   COLIBRI_IDOT=0|1|2   the 4 x int8 dot behind IDOT4: 1 cl_khr_integer_dot_product's dot(char4, char4)
  *                        (built with -cl-std=CL3.0, where its feature macro declares it; the portable one
  *                        otherwise), 2 cl_arm_integer_dot_product_int8's arm_dot, 0 a portable definition
@@ -79,10 +84,33 @@
 #ifndef WQ6_K
 #define WQ6_K 0
 #endif
-#if WF16 + WBF16 + WI8 + WQ8_0 + WQ4_0 + WQ4_1 + WQ5_0 + WQ5_1 + WMXFP4 + WQ4_K + WQ5_K + WQ6_K > 1
-#error "the weight type switches (WF16, WBF16, WI8, WQ*, WMXFP4) are exclusive"
+#ifndef WQ2_K
+#define WQ2_K 0
 #endif
-#define WBLOCK (WQ8_0 || WQ4_0 || WQ4_1 || WQ5_0 || WQ5_1 || WMXFP4 || WQ4_K || WQ5_K || WQ6_K)
+#ifndef WQ3_K
+#define WQ3_K 0
+#endif
+#ifndef WIQ4_NL
+#define WIQ4_NL 0
+#endif
+#ifndef WIQ4_XS
+#define WIQ4_XS 0
+#endif
+#ifndef WTQ1_0
+#define WTQ1_0 0
+#endif
+#ifndef WTQ2_0
+#define WTQ2_0 0
+#endif
+#ifndef WNVFP4
+#define WNVFP4 0
+#endif
+#if WF16 + WBF16 + WI8 + WQ8_0 + WQ4_0 + WQ4_1 + WQ5_0 + WQ5_1 + WMXFP4 + WQ4_K + WQ5_K + WQ6_K + WQ2_K + WQ3_K \
+    + WIQ4_NL + WIQ4_XS + WTQ1_0 + WTQ2_0 + WNVFP4 > 1
+#error "the weight type switches (WF16, WBF16, WI8, WQ*, WMXFP4, WIQ4_*, WTQ*, WNVFP4) are exclusive"
+#endif
+#define WBLOCK (WQ8_0 || WQ4_0 || WQ4_1 || WQ5_0 || WQ5_1 || WMXFP4 || WQ4_K || WQ5_K || WQ6_K || WQ2_K || WQ3_K \
+                || WIQ4_NL || WIQ4_XS || WTQ1_0 || WTQ2_0 || WNVFP4)
 #ifndef WACT8
 #define WACT8 0
 #endif
@@ -175,11 +203,33 @@ inline int idot4(const char4 a, const char4 b)  /* the extensions' 4 x int8 dot,
 #elif WQ5_K
 #define WQB 256
 #define WBYTES 176
-#else
+#elif WQ6_K
 #define WQB 256
 #define WBYTES 210
+#elif WQ2_K
+#define WQB 256
+#define WBYTES 84
+#elif WQ3_K
+#define WQB 256
+#define WBYTES 110
+#elif WIQ4_NL
+#define WQB 32
+#define WBYTES 18
+#elif WIQ4_XS
+#define WQB 256
+#define WBYTES 136
+#elif WTQ1_0
+#define WQB 256
+#define WBYTES 54
+#elif WTQ2_0
+#define WQB 256
+#define WBYTES 66
+#else
+#define WQB 64
+#define WBYTES 36
 #endif
-#define WHASADD (WQ4_1 || WQ5_1 || WQ4_K || WQ5_K)     /* chunks with an additive term */
+#define WHASADD (WQ4_1 || WQ5_1 || WQ4_K || WQ5_K)     /* chunks with an additive term, one a chunk (add.x) */
+#define WADD16 WQ2_K                                   /* chunks with an additive term per 16 (add.x, add.y) */
 #define WROW(w, n, K) ((w) + (size_t)(n) * ((K) / WQB) * WBYTES)
 
 inline float ldh(__global const uchar* p)              /* a little-endian f16 at p (2-byte aligned) */
@@ -187,34 +237,62 @@ inline float ldh(__global const uchar* p)              /* a little-endian f16 at
     return vload_half(0, (__global const half*)p);
 }
 
-#if WMXFP4
-/* E2M1 values, doubled (quant.py E2M1): integers; the block's scale 2^(e - 128) halves them back */
+#if WMXFP4 || WNVFP4
+/* E2M1 values, doubled (quant.py E2M1): integers; the block's scale (mxfp4: 2^(e - 128), nvfp4: UE4M3 / 2)
+ * halves them back */
 __constant char E2M1X2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 inline char4 e2m1x2(const uchar4 n)
 {
     return (char4)(E2M1X2[n.x], E2M1X2[n.y], E2M1X2[n.z], E2M1X2[n.w]);
 }
 #endif
+#if WNVFP4
+/* a UE4M3 scale byte -> its value / 2 (quant.py ue4m3_half): exponent e > 0 is the float with exponent
+ * field e + 119 and mantissa m << 20, e = 0 is m 2^-10; 0 and 0x7f are 0. Every value is exact */
+inline float ue4m3_half(const uint x)
+{
+    const uint e = (x >> 3) & 15u, mt = x & 7u;
+    const float v = e == 0u ? (float)mt * 0.0009765625f : as_float(((e + 119u) << 23) | (mt << 20));
+    return x == 0x7fu ? 0.0f : v;
+}
+#endif
+#if WIQ4_NL || WIQ4_XS
+/* kvalues_iq4nl (quant.py IQ4NL): the non-linear 4-bit code's values, all chars */
+__constant char IQ4NLV[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+inline char4 iq4nl(const uchar4 n)
+{
+    return (char4)(IQ4NLV[n.x], IQ4NLV[n.y], IQ4NLV[n.z], IQ4NLV[n.w]);
+}
+#endif
+#if WTQ1_0
+/* trit n of four tq1_0 bytes b, minus 1, for p = 3^n: ((b p mod 256) 3) >> 8, - 1 */
+inline char4 trits4(const uchar4 b, const uint p)
+{
+    const uint4 v = (convert_uint4(b) * p) & 255u;
+    return convert_char4(as_int4((v * 3u) >> 8) - 1);
+}
+#endif
 
 /* Chunk c (32 weights, c < WQB / 32) of the block at blk: wq[j] = the small integers q of weights
- * 4j .. 4j+3, and w = m.x q + add for weights 0..15, m.y q + add for 16..31 (the format table in
- * quant.py); every format's q fits in a char (-32 .. 31) */
-inline void chunk_load_q(__global const uchar* blk, const int c, char4* wq, float2* m, float* add)
+ * 4j .. 4j+3, and w = m.x q + add.x for weights 0..15, m.y q + add.y for 16..31 (the format table in
+ * quant.py; add.x == add.y but in q2_k, WADD16); every format's q fits in a char (-32 .. 31; iq4_nl and
+ * iq4_xs: -127 .. 113) */
+inline void chunk_load_q(__global const uchar* blk, const int c, char4* wq, float2* m, float2* add)
 {
 #if WQ8_0                                   /* d | q:i8[32]                      w = d q */
     *m = (float2)(ldh(blk));
-    *add = 0.0f;
+    *add = (float2)(0.0f);
     __global const char* q = (__global const char*)(blk + 2);
     for (int j = 0; j < 8; ++j)
         wq[j] = vload4(j, q);
 #elif WQ4_0 || WQ4_1                        /* d (| min) | qs[16]                w = d nib (- 8 d | + min) */
     *m = (float2)(ldh(blk));
 #if WQ4_1
-    *add = ldh(blk + 2);
+    *add = (float2)(ldh(blk + 2));
     __global const uchar* qs = blk + 4;
     const char sub = 0;
 #else
-    *add = 0.0f;
+    *add = (float2)(0.0f);
     __global const uchar* qs = blk + 2;
     const char sub = 8;
 #endif
@@ -226,11 +304,11 @@ inline void chunk_load_q(__global const uchar* blk, const int c, char4* wq, floa
 #elif WQ5_0 || WQ5_1                        /* d (| min) | qh:u32 | qs[16]      w = d (nib | hb << 4) (- 16 d | + min) */
     *m = (float2)(ldh(blk));
 #if WQ5_1
-    *add = ldh(blk + 2);
+    *add = (float2)(ldh(blk + 2));
     __global const uchar* qhp = blk + 4;
     const int sub = 0;
 #else
-    *add = 0.0f;
+    *add = (float2)(0.0f);
     __global const uchar* qhp = blk + 2;
     const int sub = 16;
 #endif
@@ -244,7 +322,7 @@ inline void chunk_load_q(__global const uchar* blk, const int c, char4* wq, floa
 #elif WMXFP4                                /* e:u8 | qs[16]                    w = 2^(e-128) E2M1x2[nib] */
     const uint e = blk[0];
     *m = (float2)(as_float(e < 2 ? (0x00200000u << e) : ((e - 1u) << 23)));
-    *add = 0.0f;
+    *add = (float2)(0.0f);
     for (int j = 0; j < 4; ++j) {
         const uchar4 p = vload4(j, blk + 1);
         wq[j] = e2m1x2(p & (uchar4)(15));
@@ -262,7 +340,7 @@ inline void chunk_load_q(__global const uchar* blk, const int c, char4* wq, floa
         mn = (sc[c + 4] >> 4) | ((sc[c] >> 6) << 4);
     }
     *m = (float2)(d * (float)s);
-    *add = -dmin * (float)mn;
+    *add = (float2)(-dmin * (float)mn);
 #if WQ5_K
     __global const uchar* qh = blk + 16;
     __global const uchar* qs = blk + 48 + 32 * (c >> 1);
@@ -277,12 +355,12 @@ inline void chunk_load_q(__global const uchar* blk, const int c, char4* wq, floa
 #endif
         wq[j] = convert_char4(q);
     }
-#else                                       /* q6_k: ql[128] | qh[64] | scales:i8[16] | d;  chunk = half h, part p */
+#elif WQ6_K                                 /* q6_k: ql[128] | qh[64] | scales:i8[16] | d;  chunk = half h, part p */
     const int h = c >> 2, p = c & 3;
     const float d = ldh(blk + 208);
     __global const char* scl = (__global const char*)(blk + 192);
     *m = (float2)(d * (float)scl[8 * h + 2 * p], d * (float)scl[8 * h + 2 * p + 1]);
-    *add = 0.0f;
+    *add = (float2)(0.0f);
     __global const uchar* ql = blk + 64 * h + 32 * (p & 1);
     __global const uchar* qh = blk + 128 + 32 * h;
     const uint shl = 4u * (uint)(p >> 1), shh = 2u * (uint)p;
@@ -291,11 +369,102 @@ inline void chunk_load_q(__global const uchar* blk, const int c, char4* wq, floa
         const uint4 hi = (convert_uint4(vload4(j, qh)) >> shh) & 3u;
         wq[j] = convert_char4(as_int4(lo | (hi << 4)) - 32);
     }
+#elif WQ2_K || WQ3_K || WTQ2_0              /* 2-bit fields: chunk = half h, part p; sub-blocks 2c, 2c + 1 of 16 */
+    const int h = c >> 2, p = c & 3;
+#if WQ2_K                                   /* scales[16] | qs[64] | d | dmin    w = d (sc & 15) q - dmin (sc >> 4) */
+    const float d = ldh(blk + 80), dmin = ldh(blk + 82);
+    const uint s0 = blk[2 * c], s1 = blk[2 * c + 1];
+    *m = (float2)(d * (float)(s0 & 15u), d * (float)(s1 & 15u));
+    *add = (float2)(-dmin * (float)(s0 >> 4), -dmin * (float)(s1 >> 4));
+    __global const uchar* qs = blk + 16 + 32 * h;
+#elif WQ3_K                                 /* hmask[32] | qs[64] | scales[12] | d  w = d (sc6 - 32) (q - 4 (1 - hb)) */
+    const float d = ldh(blk + 108);
+    /* sub-blocks s = 2c, 2c + 1: low 4 bits (scales[s % 8] >> 4 (s / 8)) & 15, high 2 bits
+     * (scales[8 + s % 4] >> 2 (s / 4)) & 3; for s = 2c + k: s % 8 = 2 (c & 3) + k, s / 8 = c >> 2,
+     * s % 4 = 2 (c & 1) + k, s / 4 = c >> 1 */
+    const uint lsh = 4u * ((uint)c >> 2), hsh = 2u * ((uint)c >> 1);
+    const uchar2 lo = vload2(c & 3, blk + 96), hi = vload2(c & 1, blk + 104);
+    const int2 sc6 = as_int2(((convert_uint2(lo) >> lsh) & 15u) | (((convert_uint2(hi) >> hsh) & 3u) << 4)) - 32;
+    *m = (float2)(d * (float)sc6.x, d * (float)sc6.y);
+    *add = (float2)(0.0f);
+    __global const uchar* qs = blk + 32 + 32 * h;
+#else                                       /* tq2_0: qs[64] | d                  w = d (q - 1) */
+    *m = (float2)(ldh(blk + 64));
+    *add = (float2)(0.0f);
+    __global const uchar* qs = blk + 32 * h;
+#endif
+    const uint sh = 2u * (uint)p;
+    for (int j = 0; j < 8; ++j) {
+        const int4 q = as_int4((convert_uint4(vload4(j, qs)) >> sh) & 3u);
+#if WQ2_K
+        wq[j] = convert_char4(q);
+#elif WQ3_K                                 /* bit 4h + p of hmask[j] set: no -4 */
+        const int4 hb = as_int4((convert_uint4(vload4(j, blk)) >> (uint)(4 * h + p)) & 1u);
+        wq[j] = convert_char4(q - ((1 - hb) << 2));
+#else
+        wq[j] = convert_char4(q - 1);
+#endif
+    }
+#elif WIQ4_NL                               /* d | qs[16]                         w = d IQ4NL[nib] */
+    *m = (float2)(ldh(blk));
+    *add = (float2)(0.0f);
+    for (int j = 0; j < 4; ++j) {
+        const uchar4 p = vload4(j, blk + 2);
+        wq[j] = iq4nl(p & (uchar4)(15));
+        wq[j + 4] = iq4nl(p >> (uchar4)(4));
+    }
+#elif WIQ4_XS                               /* d | scales_h:u16 | scales_l[4] | qs[128]; chunk = sub-block c */
+    const uint sh16 = (uint)blk[2] | ((uint)blk[3] << 8);
+    const int sc = (int)((((uint)blk[4 + (c >> 1)] >> (4u * (uint)(c & 1))) & 15u) |
+                         (((sh16 >> (2u * (uint)c)) & 3u) << 4));
+    *m = (float2)(ldh(blk) * (float)(sc - 32));
+    *add = (float2)(0.0f);
+    __global const uchar* qs = blk + 8 + 16 * c;    /* low nibbles the first 16 weights */
+    for (int j = 0; j < 4; ++j) {
+        const uchar4 p = vload4(j, qs);
+        wq[j] = iq4nl(p & (uchar4)(15));
+        wq[j + 4] = iq4nl(p >> (uchar4)(4));
+    }
+#elif WTQ1_0                                /* qs[48] | qh[4] | d;  w = d (trit - 1), five trits a byte */
+    *m = (float2)(ldh(blk + 52));
+    *add = (float2)(0.0f);
+    if (c < 5) {                            /* weights 32 c + j: trit c of qs[j] */
+        uint p = 1u;
+        for (int n = 0; n < c; ++n)
+            p *= 3u;
+        for (int j = 0; j < 8; ++j)
+            wq[j] = trits4(vload4(j, blk), p);
+    } else if (c < 7) {                     /* 160 + 16 n + j: trit n of qs[32 + j]; this chunk: n = 2 (c - 5), + 1 */
+        const uint p = c == 5 ? 1u : 9u;
+        for (int j = 0; j < 4; ++j) {
+            wq[j] = trits4(vload4(j, blk + 32), p);
+            wq[j + 4] = trits4(vload4(j, blk + 32), 3u * p);
+        }
+    } else {                                /* trit 4 of qs[32 + j]; then 240 + 4 n + j: trit n of qh[j] */
+        const uchar4 qh = vload4(0, blk + 48);
+        for (int j = 0; j < 4; ++j)
+            wq[j] = trits4(vload4(j, blk + 32), 81u);
+        wq[4] = trits4(qh, 1u);
+        wq[5] = trits4(qh, 3u);
+        wq[6] = trits4(qh, 9u);
+        wq[7] = trits4(qh, 27u);
+    }
+#else                                       /* nvfp4: d:ue4m3[4] | qs[32]; chunk = sub-blocks 2c, 2c + 1 of 16 */
+    *m = (float2)(ue4m3_half(blk[2 * c]), ue4m3_half(blk[2 * c + 1]));
+    *add = (float2)(0.0f);
+    __global const uchar* qs = blk + 4 + 16 * c;    /* a sub-block's 8 bytes: low nibbles its first 8 weights */
+    for (int k = 0; k < 2; ++k) {
+        const uchar4 a = vload4(2 * k, qs), b = vload4(2 * k + 1, qs);
+        wq[4 * k] = e2m1x2(a & (uchar4)(15));
+        wq[4 * k + 1] = e2m1x2(b & (uchar4)(15));
+        wq[4 * k + 2] = e2m1x2(a >> (uchar4)(4));
+        wq[4 * k + 3] = e2m1x2(b >> (uchar4)(4));
+    }
 #endif
 }
 
 /* the same chunk as floats: wq[j] = q of weights 4j .. 4j+3 */
-inline void chunk_load(__global const uchar* blk, const int c, float4* wq, float2* m, float* add)
+inline void chunk_load(__global const uchar* blk, const int c, float4* wq, float2* m, float2* add)
 {
     char4 q[8];
     chunk_load_q(blk, c, q, m, add);
@@ -306,14 +475,13 @@ inline void chunk_load(__global const uchar* blk, const int c, float4* wq, float
 inline float ldw_block(__global const uchar* row, const int k)
 {
     float4 wq[8];
-    float2 m;
-    float add;
+    float2 m, add;
     const int i = k % 32;
     chunk_load(row + (size_t)(k / WQB) * WBYTES, (k % WQB) / 32, wq, &m, &add);
     float q = 0.0f;                          /* wq's element i, by a one-hot dot: no dynamic index */
     for (int j = 0; j < 8; ++j)
         q += dot(wq[j], convert_float4((int4)(4 * j, 4 * j + 1, 4 * j + 2, 4 * j + 3) == (int4)(i)) * -1.0f);
-    return (i < 16 ? m.x : m.y) * q + add;
+    return (i < 16 ? m.x : m.y) * q + (i < 16 ? add.x : add.y);
 }
 #define LDWR(row, k) ldw_block((row), (k))
 #else
@@ -351,8 +519,7 @@ inline float dotw(__global const uchar* w, __global const float* x, const int K)
 {
     float acc = 0.0f;
     char4 wq[8];
-    float2 m;
-    float add;
+    float2 m, add;
     for (int c = 0; c < K / 32; ++c) {
         chunk_load_q(w + (size_t)(c / (WQB / 32)) * WBYTES, c % (WQB / 32), wq, &m, &add);
         __global const float* xb = x + 10 * c;
@@ -364,7 +531,15 @@ inline float dotw(__global const uchar* w, __global const float* x, const int K)
         }
         acc += xb[8] * (m.x * (float)s0 + m.y * (float)s1);
 #if WHASADD
-        acc += add * xb[9];
+        acc += add.x * xb[9];
+#elif WADD16                                /* the activations' sums per 16, in integers, times dx */
+        const char4 one = (char4)(1);
+        int t0 = 0, t1 = 0;
+        for (int j = 0; j < 4; ++j) {
+            t0 += IDOT4(one, vload4(j, xq));
+            t1 += IDOT4(one, vload4(j + 4, xq));
+        }
+        acc += xb[8] * (add.x * (float)t0 + add.y * (float)t1);
 #endif
     }
     return acc;
@@ -376,8 +551,7 @@ inline float4 dotw4(__global const uchar* w, __global const float* x0, __global 
 {
     float4 acc = (float4)(0.0f);
     char4 wq[8];
-    float2 m;
-    float add;
+    float2 m, add;
     for (int c = 0; c < K / 32; ++c) {
         chunk_load_q(w + (size_t)(c / (WQB / 32)) * WBYTES, c % (WQB / 32), wq, &m, &add);
         const int o = 10 * c;
@@ -395,7 +569,17 @@ inline float4 dotw4(__global const uchar* w, __global const float* x0, __global 
         const float4 dx = (float4)(x0[o + 8], x1[o + 8], x2[o + 8], x3[o + 8]);
         acc += dx * (m.x * convert_float4(s0) + m.y * convert_float4(s1));
 #if WHASADD
-        acc += add * (float4)(x0[o + 9], x1[o + 9], x2[o + 9], x3[o + 9]);
+        acc += add.x * (float4)(x0[o + 9], x1[o + 9], x2[o + 9], x3[o + 9]);
+#elif WADD16
+        const char4 one = (char4)(1);
+        int4 t0 = (int4)(0), t1 = (int4)(0);
+        for (int j = 0; j < 4; ++j) {
+            t0 += (int4)(IDOT4(one, vload4(j, q0)), IDOT4(one, vload4(j, q1)), IDOT4(one, vload4(j, q2)),
+                         IDOT4(one, vload4(j, q3)));
+            t1 += (int4)(IDOT4(one, vload4(j + 4, q0)), IDOT4(one, vload4(j + 4, q1)), IDOT4(one, vload4(j + 4, q2)),
+                         IDOT4(one, vload4(j + 4, q3)));
+        }
+        acc += dx * (add.x * convert_float4(t0) + add.y * convert_float4(t1));
 #endif
     }
     return acc;
@@ -408,8 +592,7 @@ inline float dotw(__global const uchar* w, __global const float* x, const int K)
 {
     float acc = 0.0f;
     float4 wq[8];
-    float2 m;
-    float add;
+    float2 m, add;
     for (int c = 0; c < K / 32; ++c) {
         chunk_load(w + (size_t)(c / (WQB / 32)) * WBYTES, c % (WQB / 32), wq, &m, &add);
         __global const float* xc = x + 32 * c;
@@ -423,7 +606,14 @@ inline float dotw(__global const uchar* w, __global const float* x, const int K)
         float sx = 0.0f;
         for (int j = 0; j < 8; ++j)
             sx += dot(vload4(j, xc), (float4)(1.0f));
-        acc += add * sx;
+        acc += add.x * sx;
+#elif WADD16
+        float sx0 = 0.0f, sx1 = 0.0f;
+        for (int j = 0; j < 4; ++j) {
+            sx0 += dot(vload4(j, xc), (float4)(1.0f));
+            sx1 += dot(vload4(j + 4, xc), (float4)(1.0f));
+        }
+        acc += add.x * sx0 + add.y * sx1;
 #endif
     }
     return acc;
@@ -435,8 +625,7 @@ inline float4 dotw4(__global const uchar* w, __global const float* x0, __global 
 {
     float4 acc = (float4)(0.0f);
     float4 wq[8];
-    float2 m;
-    float add;
+    float2 m, add;
     for (int c = 0; c < K / 32; ++c) {
         chunk_load(w + (size_t)(c / (WQB / 32)) * WBYTES, c % (WQB / 32), wq, &m, &add);
         const int o = 32 * c;
@@ -461,7 +650,21 @@ inline float4 dotw4(__global const uchar* w, __global const float* x0, __global 
             sx.z += dot(vload4(j, x2 + o), one);
             sx.w += dot(vload4(j, x3 + o), one);
         }
-        acc += add * sx;
+        acc += add.x * sx;
+#elif WADD16
+        const float4 one = (float4)(1.0f);
+        float4 sx0 = (float4)(0.0f), sx1 = (float4)(0.0f);
+        for (int j = 0; j < 4; ++j) {
+            sx0.x += dot(vload4(j, x0 + o), one);
+            sx0.y += dot(vload4(j, x1 + o), one);
+            sx0.z += dot(vload4(j, x2 + o), one);
+            sx0.w += dot(vload4(j, x3 + o), one);
+            sx1.x += dot(vload4(j + 4, x0 + o), one);
+            sx1.y += dot(vload4(j + 4, x1 + o), one);
+            sx1.z += dot(vload4(j + 4, x2 + o), one);
+            sx1.w += dot(vload4(j + 4, x3 + o), one);
+        }
+        acc += add.x * sx0 + add.y * sx1;
 #endif
     }
     return acc;

@@ -11,8 +11,10 @@ Kernels live in the .cl files beside this module (OpenCL C 1.2, built with -cl-s
                   gate_mul
 dense.cl and moe.cl are built per weight type (float32; WF16=1: half read with vload_half; WBF16=1:
 bfloat16 widened in-register; WI8=1: int8 widened, each row's float32 scale applied to its sum;
-WQ8_0=1 ... WQ6_K=1, WMXFP4=1: ggml's blocks decoded in registers chunk by chunk of 32 weights), and, for half weights on a device that reports cl_khr_fp16 (unless
-COLIBRI_DISABLE_FP16 / `disable_fp16`), with COLIBRI_HALF_MATH=1: half products, float accumulation.
+WQ8_0=1 ... WQ6_K=1, WMXFP4=1, WQ2_K=1, WQ3_K=1, WIQ4_NL=1, WIQ4_XS=1, WTQ1_0=1, WTQ2_0=1, WNVFP4=1: ggml's
+blocks decoded in registers chunk by chunk of 32 weights), and, for half weights on a device that reports
+cl_khr_fp16 (unless COLIBRI_DISABLE_FP16 / `disable_fp16`), with COLIBRI_HALF_MATH=1: half products, float
+accumulation.
 Constants the host and the kernels share are defined once, in DEFINES, and passed to every build.
 
 Buffers are pyopencl.array.Array; leading-dimension slices and reshapes are views, and every kernel
@@ -38,7 +40,8 @@ ROWS_PER_ITEM = 4                               # tokens per work-item of matmul
 DELTA_CHUNK = 16                                # tokens per chunk of delta_rule's chunked form (prefill)
 CONV_KMAX = 8                                   # the most taps causal_conv runs (a window in registers)
 DEFINES = f"-DROWS_PER_ITEM={ROWS_PER_ITEM} -DDELTA_CHUNK={DELTA_CHUNK} -DCONV_KMAX={CONV_KMAX}"
-BLOCK_DTYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4", "q4_k", "q5_k", "q6_k")   # quant.BLOCK's
+BLOCK_DTYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4", "q4_k", "q5_k", "q6_k",   # quant.BLOCK's
+                "q2_k", "q3_k", "iq4_nl", "iq4_xs", "tq1_0", "tq2_0", "nvfp4")
 WEIGHT_DTYPES = ("float32", "float16", "bfloat16", "int8") + BLOCK_DTYPES
 _HOST = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "int8": np.int8, "uint8": np.uint8,
          "uint32": np.uint32, **{f: np.uint8 for f in BLOCK_DTYPES}}   # block formats: bytes [N, row_bytes]
@@ -200,6 +203,7 @@ class OpenCLRuntime(BackendBase):
     """Device, queues, programs and launches; memory as pyopencl arrays."""
     name = "opencl"
     weight_dtypes = WEIGHT_DTYPES
+    mixed_gate_up = False      # the fused gate/up kernels are compiled for one weight format
     OPTIONS = ("num_streams", "disable_fp16", "device", "int8_activations")
 
     def __init__(self, num_streams=1, disable_fp16=False, device=None, int8_activations=True):
@@ -245,7 +249,8 @@ class OpenCLRuntime(BackendBase):
 
     def prepare(self, formats, max_cols, max_rows=2):
         """Build the weight programs of the model's formats (and float32's: activations as matrices),
-        nothing else: 13 weight types x 2 programs would cost seconds of PoCL builds at every open."""
+        nothing else: 20 weight types (and the int8-activation variants) x 2 programs would cost seconds
+        of PoCL builds at every open."""
         for f in {"float32", *formats}:
             for v in (f, f + ACT8) if f in BLOCK_DTYPES and self.int8_activations else (f,):
                 opts = weight_options(v, self.half_math, self.idot)

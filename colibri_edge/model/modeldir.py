@@ -537,6 +537,16 @@ class ModelDir:
         """Every weight format the directory's matrices use."""
         return {r["dtype"] for r in self.tensors.values()} | {f for fm in self.layer_formats.values() for f in fm}
 
+    @property
+    def gate_up_splits(self) -> list:
+        """[(where, gate format, up format)] of every FFN whose gate and up projections differ in
+        format (a GGUF file may store them so; one backend kernel per format fuses them elsewhere)."""
+        out = [(f"layers.{l}.experts", f[0], f[1]) for l, f in sorted(self.layer_formats.items()) if f and f[0] != f[1]]
+        for name, r in sorted(self.tensors.items()):
+            if name.endswith((".mlp.gate", ".shared.gate")) and r["dtype"] != self.tensors[name[:-4] + "up"]["dtype"]:
+                out.append((name[:-5], r["dtype"], self.tensors[name[:-4] + "up"]["dtype"]))
+        return out
+
     def layer_blob_bytes(self, layer: int) -> int:
         cfg = self.config
         return expert_blob_bytes(cfg["hidden_size"], cfg["moe_intermediate_size"], self.layer_formats[layer])

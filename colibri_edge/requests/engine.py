@@ -187,6 +187,14 @@ class Engine:
             raise ColibriError(COLIBRI_ERR_UNAVAILABLE, f"backend {backend_name!r} does not run {', '.join(missing)} "
                                f"weights (it runs {', '.join(cls.weight_dtypes)}); re-convert with "
                                f"`colibri convert --dtype ...` or pick another backend")
+        splits = [] if cls.mixed_gate_up else self.model.gate_up_splits
+        if splits:
+            from ..errors import COLIBRI_ERR_UNAVAILABLE
+            where, g, u = splits[0]
+            raise ColibriError(COLIBRI_ERR_UNAVAILABLE, f"backend {backend_name!r} runs an FFN's gate and up "
+                               f"projections in one format, and {where} stores gate as {g} and up as {u} "
+                               f"({len(splits)} such FFN(s)); run it on the cpu backend, or re-quantise the file "
+                               "with gate and up in one type")
         self.backend = cls(**self.options)
         self.backend.not_applicable = not_applicable
         self.max_seq_len, self.max_batch = int(max_seq_len), int(max_batch)
