@@ -202,7 +202,8 @@ K_FORMATS = {"Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "Q2_K": "q2_k", "Q3
 # an unsloth-style "dynamic" file: each matrix its own type, from these (ud_mix_rule)
 UD_MIX = ("Q2_K", "Q3_K", "IQ4_XS", "IQ4_NL", "TQ2_0", "TQ1_0", "NVFP4", "Q4_K", "Q6_K")
 # the lattice i-quants (llama.cpp quantises them only with an importance matrix): random valid blocks
-# scaled to the matrix's RMS (random_iq_blocks), each matrix one of these in turn ("iq_mix")
+# scaled to the matrix's RMS (random_iq_blocks), each matrix one of these in turn ("iq_mix"; "iq_mix_pairs":
+# an FFN's gate and up together, as the GPU backends' fused gate/up kernels take them)
 IQ_MIX = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")
 # llama.cpp's fallback when a row is not a multiple of 256 (llama-quant.cpp), then F16 if not of 32
 K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "Q2_K": "Q4_0", "Q3_K": "Q4_1"}
@@ -272,17 +273,22 @@ def random_iq_blocks(x: np.ndarray, qtype) -> np.ndarray:
     return raw.reshape(*x.shape[:-1], -1)
 
 
-def mix_rule(types):
+_GATE_UP = re.compile(r"\.ffn_(gate|up)(_exps|_shexp)?\.weight$")
+
+
+def mix_rule(types, pair_gate_up: bool = False):
     """A type_of for requantize: the matrix weights, in file order, through `types` in turn (so gate,
     up and down of one layer differ, and every type appears in a file of that many matrices or more),
-    as unsloth's dynamic files mix types per matrix; quant_rule's fallback where a row does not fit."""
+    as unsloth's dynamic files mix types per matrix; quant_rule's fallback where a row does not fit.
+    pair_gate_up: an FFN's gate and up (experts', shared expert's, dense) take one turn, so they share
+    a type (the backends whose fused gate/up kernel reads one format run such a file)."""
     rules = [quant_rule(t) for t in types]
     seen = {}
 
     def type_of(name, shape):
         if rules[0](name, shape) is None:       # norms, biases, routers: kept
             return None
-        i = seen.setdefault(name, len(seen))
+        i = seen.setdefault(_GATE_UP.sub(r".ffn_gate_up\2.weight", name) if pair_gate_up else name, len(seen))
         return rules[i % len(rules)](name, shape)
     return type_of
 
@@ -583,7 +589,9 @@ def gguf_case(case: str, outtype: str = "f32", seed: int = 0) -> GGUFCase:
         if outtype in CONVERTER_TYPES:
             to_gguf(hf, out, outtype)
         else:
-            rule = {"ud_mix": ud_mix_rule, "iq_mix": lambda: mix_rule(IQ_MIX)}.get(outtype, lambda: quant_rule(outtype))()
+            rule = {"ud_mix": ud_mix_rule, "iq_mix": lambda: mix_rule(IQ_MIX),
+                    "iq_mix_pairs": lambda: mix_rule(IQ_MIX, pair_gate_up=True)}.get(outtype,
+                                                                                    lambda: quant_rule(outtype))()
             requantize(gguf_case(case, "f32", seed).gguf, out, rule)
         return out
     return GGUFCase(case, outtype, seed, hf, _cached(("gguf", case, outtype, seed), make))

@@ -31,7 +31,7 @@ CASES = [(c, "f32") for c in gm.ARCHS] + [(c, "q8_0") for c in gm.ARCHS] + [("ol
     ("mixtral_k", "q4_k"), ("mixtral_k", "q5_0"), ("qwen2_moe_k", "q6_k"), ("qwen2_moe_k", "q4_1"),
     ("qwen3_moe_k", "q5_k"), ("qwen3_moe_k", "mxfp4"), ("olmoe_k", "q4_0"), ("olmoe_k", "q5_1"),
     ("mixtral8_k", "q4_k_m"), ("qwen2_moe_k", "q4_k_m"), ("mixtral_k", "ud_mix"), ("qwen2_moe_k", "ud_mix"),
-    ("olmoe_k", "iq4_nl"), ("qwen3_moe_k", "iq_mix")]
+    ("olmoe_k", "iq4_nl"), ("qwen3_moe_k", "iq_mix"), ("qwen3_moe_k", "iq_mix_pairs")]
 _done = {}
 
 
@@ -91,6 +91,8 @@ def test_gguf_matches_transformers_on_the_file(engine_variant, case, outtype, gg
     col = _import(gguf_cases, case, outtype)
     m = ModelDir(col)
     cls = backend_class(name)
+    if outtype == "iq_mix_pairs":       # every lattice type, an FFN's gate and up alike: every backend runs it
+        assert {t.lower() for t in gm.IQ_MIX} <= m.formats and not m.gate_up_splits
     if not m.formats <= set(cls.weight_dtypes) or m.gate_up_splits and not cls.mixed_gate_up:
         with pytest.raises(ColibriError) as e:          # not (yet) on this backend: said at open
             Engine.open(col, backend=name)

@@ -120,11 +120,13 @@ def test_options(ocl):
     with pytest.raises(ColibriError):
         _be(num_streams=0)
     from colibri_edge.model.dtypes import WEIGHT_DTYPES
-    lattice = {"iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m"}     # not on opencl yet
-    assert set(_be().weight_dtypes) == set(WEIGHT_DTYPES) - lattice     # every other weight type and block format
-    with pytest.raises(ColibriError) as e:           # a type the backend does not run: refused, named
-        _be().upload(np.zeros((2, 66), np.uint8), "iq2_xxs", shape=(2, 256))
-    assert e.value.code == COLIBRI_ERR_UNAVAILABLE and "iq2_xxs" in e.value.message
+    be = _be()
+    assert set(be.weight_dtypes) == set(WEIGHT_DTYPES)      # every weight type and block format, lattice i-quants too
+    be.upload(np.zeros((2, 66), np.uint8), "iq2_xxs", shape=(2, 256))     # a lattice format is taken
+    for wd in ("q8_k", "iq5_xxs"):                   # ggml's Q8_K (no weight type) and an invented name: refused, named
+        with pytest.raises(ColibriError) as e:
+            be.upload(np.zeros((2, 292), np.uint8), wd, shape=(2, 256))
+        assert e.value.code == COLIBRI_ERR_UNAVAILABLE and wd in e.value.message
 
 
 # -- errors ------------------------------------------------------------------------------------------

@@ -21,6 +21,10 @@
 //         memory. Prefill-sized steps: each weight element feeds 64 rows.
 #pragma once
 #include "colibri_common.cuh"
+// the lattice i-quants' grids and KSIGNS: generated from quant.iq_grid / quant.KSIGNS (sources.py
+// iq_grids_header; NVRTC and the emulator get it inlined by load_source, nvcc from toolchains/cuda's build
+// folder), never a copy in this folder
+#include "iq_grids.cuh"
 
 // SK_ROWS (rows per skinny CTA = block size BM of a skinny MoE plan), SK_WARPS (columns per skinny
 // CTA, 256 threads), TBM (rows per tiled CTA = BM of a tiled plan) and TBN (columns per tiled CTA)
@@ -71,11 +75,21 @@ CE_DEV void load2(const i8_t* p, float& a, float& b) {
 //   iq4_xs d | sc_h:u16 | sc_l[4] | qs[128]    d (sc6_s - 32) IQ4NL[nib]   (sub-block s of 32, qs[16 s..])
 //   tq1_0 qs[48] | qh[4] | d                   d (trit - 1), five trits a byte (quant.py tq1_0_trits)
 //   nvfp4 d:ue4m3[4] | qs[32]   (B = 64)       UE4M3(d_s) / 2 E2M1x2[nib]  (sub-block s of 16, qs[8 s..])
+//   the lattice i-quants (quant.py's table): a group of 8 weights (IQ3: 4) is one grid entry, signs apart:
+//   iq2_xxs d | (grid[4] | signs:u32)[8]       d (0.5 + s) / 4 grid8 sign   (sub-block g of 32, s bits 28..31)
+//   iq2_xs  d | qs:u16[32] | sc[8]             d (0.5 + s) / 4 grid8[q & 511] KSIGNS[q >> 9]  (s per 16)
+//   iq2_s   d | qs[32] | signs[32] | qh[8] | sc[8]   d (0.5 + s) / 4 grid8[qs | 2 bits of qh << 8] sign
+//   iq3_xxs d | qs[64] | (signs, s):u32[8]     d (0.5 + s) / 2 grid4[qs] sign
+//   iq3_s   d | qs[64] | qh[8] | signs[32] | sc[4]   d (1 + 2 s) grid4[qs | bit of qh << 8] sign
+//   iq1_s   d | qs[32] | qh:u16[8]             d (2 s + 1) (grid8[qs | 3 bits of qh << 8] +- 1/8)
+//   iq1_m   qs[32] | qh[16] | sc:u16[4]        the same, s per 16, d the scales' top nibbles
 // Bytes are read one at a time (blocks of 17, 18, 22 bytes leave no alignment to rely on).
 struct q8_0_t {}; struct q4_0_t {}; struct q4_1_t {}; struct q5_0_t {}; struct q5_1_t {}; struct mxfp4_t {};
 struct q4_k_t {}; struct q5_k_t {}; struct q6_k_t {};
 struct q2_k_t {}; struct q3_k_t {}; struct iq4_nl_t {}; struct iq4_xs_t {}; struct tq1_0_t {}; struct tq2_0_t {};
 struct nvfp4_t {};
+struct iq2_xxs_t {}; struct iq2_xs_t {}; struct iq2_s_t {}; struct iq3_xxs_t {}; struct iq3_s_t {}; struct iq1_s_t {};
+struct iq1_m_t {};
 typedef unsigned char u8;
 template <typename A, typename B> struct same_t { static constexpr bool value = false; };   // no <type_traits>
 template <typename A> struct same_t<A, A> { static constexpr bool value = true; };
@@ -123,7 +137,14 @@ COLIBRI_BLOCK(q5_0_t, 32, 22) COLIBRI_BLOCK(q5_1_t, 32, 24) COLIBRI_BLOCK(mxfp4_
 COLIBRI_BLOCK(q4_k_t, 256, 144) COLIBRI_BLOCK(q5_k_t, 256, 176) COLIBRI_BLOCK(q6_k_t, 256, 210)
 COLIBRI_BLOCK(q2_k_t, 256, 84) COLIBRI_BLOCK(q3_k_t, 256, 110) COLIBRI_BLOCK(iq4_nl_t, 32, 18)
 COLIBRI_BLOCK(iq4_xs_t, 256, 136) COLIBRI_BLOCK(tq1_0_t, 256, 54) COLIBRI_BLOCK(tq2_0_t, 256, 66)
-COLIBRI_BLOCK(nvfp4_t, 64, 36)
+COLIBRI_BLOCK(nvfp4_t, 64, 36) COLIBRI_BLOCK(iq2_xxs_t, 256, 66) COLIBRI_BLOCK(iq2_xs_t, 256, 74)
+COLIBRI_BLOCK(iq2_s_t, 256, 82) COLIBRI_BLOCK(iq3_xxs_t, 256, 98) COLIBRI_BLOCK(iq3_s_t, 256, 110)
+COLIBRI_BLOCK(iq1_s_t, 256, 50) COLIBRI_BLOCK(iq1_m_t, 256, 56)
+
+// byte j of a grid entry, as a signed value (IQ1's grid holds -1, 0, 1)
+CE_DEV float grid_at(u64 e, int j) { return (float)(signed char)(u8)(e >> (8 * j)); }
+// a grid value v with sign bit j of the sign byte s (set: negative)
+CE_DEV float signed_at(float v, unsigned s, int j) { return ((s >> j) & 1u) ? -v : v; }
 
 // weights k and k + 1 (k even) of a row of blocks
 template <typename F>
@@ -218,6 +239,62 @@ CE_DEV void block_pair(const u8* row, int k, float& a, float& b) {
         const int o = i < 160 ? i % 32 : i < 240 ? 32 + (i - 160) % 16 : 48 + (i - 240) % 4;
         const float d = ld_f16(blk + 52);
         a = d * trit(blk[o], n); b = d * trit(blk[o + 1], n);
+    } else if constexpr (same_t<F, iq2_xxs_t>::value || same_t<F, iq3_xxs_t>::value) {
+        // sub-block g of 32, group l of 8, weight j (even); sx: four 7-bit sign indices, s in bits 28..31
+        const int g = i / 32, l = (i % 32) / 8, j = i % 8;
+        constexpr bool two = same_t<F, iq2_xxs_t>::value;
+        const unsigned sx = ld_u32(blk + (two ? 6 + 8 * g : 66 + 4 * g));
+        const unsigned s = iq_ksigns[(sx >> (7 * l)) & 127u];
+        const float d = ld_f16(blk) * (0.5f + (float)(sx >> 28)) * (two ? 0.25f : 0.5f);
+        u64 e;
+        if constexpr (two) e = iq2xxs_grid[blk[2 + 8 * g + l]] >> (8 * j);
+        else e = iq3xxs_grid[blk[2 + 8 * g + 2 * l + j / 4]] >> (8 * (j % 4));
+        a = d * signed_at(grid_at(e, 0), s, j); b = d * signed_at(grid_at(e, 1), s, j + 1);
+    } else if constexpr (same_t<F, iq2_xs_t>::value || same_t<F, iq2_s_t>::value) {
+        // group q of 8 (q < 32), weight j; scale per 16 (sub-block i / 16): a nibble of the last 8 bytes
+        const int q = i / 8, j = i % 8, h = i / 16;
+        u64 e;
+        unsigned s;
+        if constexpr (same_t<F, iq2_xs_t>::value) {
+            const unsigned v = blk[2 + 2 * q] | (blk[3 + 2 * q] << 8);
+            e = iq2xs_grid[v & 511u]; s = iq_ksigns[v >> 9];
+        } else {
+            e = iq2s_grid[blk[2 + q] | (((blk[66 + q / 4] >> (2 * (q % 4))) & 3u) << 8)]; s = blk[34 + q];
+        }
+        const unsigned sc = (blk[BlockFmt<F>::NB - 8 + h / 2] >> (4 * (h % 2))) & 15u;
+        const float d = ld_f16(blk) * (0.5f + (float)sc) * 0.25f;
+        a = d * signed_at(grid_at(e, j), s, j); b = d * signed_at(grid_at(e, j + 1), s, j + 1);
+    } else if constexpr (same_t<F, iq3_s_t>::value) {
+        // sub-block g of 32, grid entry k of 4 (a ninth index bit from qh[g]), weight j of its group of 8
+        const int g = i / 32, k = (i % 32) / 4, j = i % 8;
+        const u64 e = iq3s_grid[blk[2 + 8 * g + k] | (((blk[66 + g] >> k) & 1u) << 8)];
+        const unsigned s = blk[74 + 4 * g + k / 2], sc = (blk[106 + g / 2] >> (4 * (g % 2))) & 15u;
+        const float d = ld_f16(blk) * (float)(1u + 2u * sc);
+        a = d * signed_at(grid_at(e, i % 4), s, j); b = d * signed_at(grid_at(e, i % 4 + 1), s, j + 1);
+    } else if constexpr (same_t<F, iq1_s_t>::value || same_t<F, iq1_m_t>::value) {
+        // group q of 8, weight j: d (2 s + 1) / 8 (8 grid +- 1), the integers exact
+        const int q = i / 8, j = i % 8;
+        unsigned idx, s;
+        bool neg;
+        float d;
+        if constexpr (same_t<F, iq1_s_t>::value) {     // qh:u16 of sub-block q / 4: index bits 3 (q % 4) ..,
+                                                       // s bits 12..14, the delta's sign bit 15
+            const unsigned qh = blk[34 + 2 * (q / 4)] | (blk[35 + 2 * (q / 4)] << 8);
+            idx = blk[2 + q] | (((qh >> (3 * (q % 4))) & 7u) << 8);
+            s = (qh >> 12) & 7u; neg = (qh & 0x8000u) != 0u; d = ld_f16(blk);
+        } else {                                       // nibble q of qh[16]: 3 index bits, the sign; s per 16
+            const unsigned nib = (blk[32 + q / 2] >> (4 * (q % 2))) & 15u, h = (unsigned)i / 16u;
+            idx = blk[q] | ((nib & 7u) << 8); neg = (nib & 8u) != 0u;
+            unsigned sc[4], bits = 0;
+            for (int t = 0; t < 4; ++t) {
+                sc[t] = blk[48 + 2 * t] | (blk[49 + 2 * t] << 8);
+                bits |= (sc[t] >> 12) << (4 * t);
+            }
+            s = (sc[h / 4] >> (3 * (h % 4))) & 7u; d = h2f((half_t)bits);
+        }
+        const u64 e = iq1s_grid[idx];
+        const float m = d * (float)(2u * s + 1u) * 0.125f, dl = neg ? -1.f : 1.f;
+        a = m * (8.f * grid_at(e, j) + dl); b = m * (8.f * grid_at(e, j + 1) + dl);
     } else {                                         // nvfp4: sub-block s of 16, weight r
         static_assert(same_t<F, nvfp4_t>::value, "a block tag without a decoder");
         const int s = i / 16, r = i % 16, sh = r < 8 ? 0 : 4;

@@ -97,6 +97,9 @@ COLIBRI_DENSE_BLOCK(q4_k, q4_k_t) COLIBRI_DENSE_BLOCK(q5_k, q5_k_t) COLIBRI_DENS
 COLIBRI_DENSE_BLOCK(q2_k, q2_k_t) COLIBRI_DENSE_BLOCK(q3_k, q3_k_t) COLIBRI_DENSE_BLOCK(iq4_nl, iq4_nl_t)
 COLIBRI_DENSE_BLOCK(iq4_xs, iq4_xs_t) COLIBRI_DENSE_BLOCK(tq1_0, tq1_0_t) COLIBRI_DENSE_BLOCK(tq2_0, tq2_0_t)
 COLIBRI_DENSE_BLOCK(nvfp4, nvfp4_t)
+COLIBRI_DENSE_BLOCK(iq2_xxs, iq2_xxs_t) COLIBRI_DENSE_BLOCK(iq2_xs, iq2_xs_t) COLIBRI_DENSE_BLOCK(iq2_s, iq2_s_t)
+COLIBRI_DENSE_BLOCK(iq3_xxs, iq3_xxs_t) COLIBRI_DENSE_BLOCK(iq3_s, iq3_s_t) COLIBRI_DENSE_BLOCK(iq1_s, iq1_s_t)
+COLIBRI_DENSE_BLOCK(iq1_m, iq1_m_t)
 
 // Per-head projections (latent attention's absorbed up-projections):
 //   out[t,g,n] = sum_k x[t,g,k] * W[g,n,k]        x [T,G,K], out [T,G,N], W [G,N,K] fp32/fp16/bf16

@@ -430,6 +430,9 @@ COLIBRI_MOE_BLOCK(q4_k, q4_k_t) COLIBRI_MOE_BLOCK(q5_k, q5_k_t) COLIBRI_MOE_BLOC
 COLIBRI_MOE_BLOCK(q2_k, q2_k_t) COLIBRI_MOE_BLOCK(q3_k, q3_k_t) COLIBRI_MOE_BLOCK(iq4_nl, iq4_nl_t)
 COLIBRI_MOE_BLOCK(iq4_xs, iq4_xs_t) COLIBRI_MOE_BLOCK(tq1_0, tq1_0_t) COLIBRI_MOE_BLOCK(tq2_0, tq2_0_t)
 COLIBRI_MOE_BLOCK(nvfp4, nvfp4_t)
+COLIBRI_MOE_BLOCK(iq2_xxs, iq2_xxs_t) COLIBRI_MOE_BLOCK(iq2_xs, iq2_xs_t) COLIBRI_MOE_BLOCK(iq2_s, iq2_s_t)
+COLIBRI_MOE_BLOCK(iq3_xxs, iq3_xxs_t) COLIBRI_MOE_BLOCK(iq3_s, iq3_s_t) COLIBRI_MOE_BLOCK(iq1_s, iq1_s_t)
+COLIBRI_MOE_BLOCK(iq1_m, iq1_m_t)
 
 // out[t,:] += sum_j w[t,j] * y[inverse[t*k + j], :]   (the residual add is fused)
 // grid (ceil(H/256), T), block 256

@@ -6,9 +6,14 @@ recompiles what uses it). `toolchains/cuda` compiles the very same text with the
 
 Constants both the host and the kernels need are defined here once (DEFINES) and passed to every
 compiler as -D options (`python3 backends/cuda/sources.py --defines` prints them for nvcc).
+
+One header is no file of this folder: iq_grids.cuh, the lattice i-quants' grids and KSIGNS, is written
+from the data (quant.iq_grid, quant.KSIGNS) by iq_grids_header, which load_source inlines like a file;
+for nvcc, toolchains/cuda writes it into its build folder (`sources.py --iq-grids`).
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
@@ -47,7 +52,10 @@ CONV_MAX_K, DELTA_MAX_DK, DELTA_MAX_DV = DEFINES["CONV_MAX_K"], DEFINES["DELTA_M
 NVRTC_OPTIONS = ("-std=c++17", *(f"-D{k}={v}" for k, v in DEFINES.items()))
 
 BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4", "q4_k", "q5_k", "q6_k",   # quant.BLOCK's
-                 "q2_k", "q3_k", "iq4_nl", "iq4_xs", "tq1_0", "tq2_0", "nvfp4")
+                 "q2_k", "q3_k", "iq4_nl", "iq4_xs", "tq1_0", "tq2_0", "nvfp4",
+                 "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m")
+# the lattice grids (quant.iq_grid's names) as the kernels name them: <name>_grid
+IQ_GRIDS = ("iq2xxs", "iq2xs", "iq2s", "iq3xxs", "iq3s", "iq1s")
 
 # file -> the kernels the backend looks up in it (all must exist: the toolchain check verifies it)
 KERNELS = {
@@ -89,15 +97,59 @@ for _f in BLOCK_FORMATS:
     MOE_SKINNY[_f] = (f"moe_gate_up_skinny_{_f}", f"moe_down_skinny_{_f}")
     MOE_TILED[_f] = (f"moe_gate_up_tiled_{_f}", f"moe_down_tiled_{_f}")
 
+
+def _quant():
+    """colibri_edge.model.quant: the package's, or, where it is not installed (sources.py run on its own by
+    toolchains/cuda), this checkout's quant.py loaded alone (it needs only numpy)."""
+    import importlib
+    try:
+        return importlib.import_module("colibri_edge.model.quant")
+    except ImportError:
+        import importlib.util
+        path = os.path.join(os.path.dirname(os.path.dirname(KERNEL_DIR)), "colibri_edge", "model", "quant.py")
+        spec = importlib.util.spec_from_file_location("colibri_quant", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+
+@functools.lru_cache(maxsize=None)
+def iq_grids_header() -> str:
+    """iq_grids.cuh: the lattice grids (quant.iq_grid) as __device__ const arrays <name>_grid, a row's values
+    packed little-endian (8 values: unsigned long long, 4: unsigned int; the first value the lowest byte,
+    IQ1's -1 as 0xff), and iq_ksigns (quant.KSIGNS). Global memory, not __constant__: a warp's lanes
+    read different entries, which constant memory would serialise."""
+    q = _quant()
+    out = ["// iq_grids.cuh: written by backends/cuda/sources.py (iq_grids_header) from colibri_edge/model/quant.py's",
+           "// iq_grid and KSIGNS; not a file to edit", "#pragma once"]
+    for name in IQ_GRIDS:
+        rows = q.iq_grid(name)
+        w = rows.shape[1]
+        vals = [int.from_bytes(bytes(int(v) & 255 for v in r), "little") for r in rows]
+        ty, suf, digits = ("unsigned long long", "ull", 16) if w == 8 else ("unsigned int", "u", 8)
+        body = ",\n".join(", ".join(f"0x{v:0{digits}x}{suf}" for v in vals[i:i + 8]) for i in range(0, len(vals), 8))
+        out.append(f"__device__ const {ty} {name}_grid[{len(vals)}] = {{\n{body}}};")
+    ks = ",\n".join(", ".join(str(int(v)) for v in q.KSIGNS[i:i + 16]) for i in range(0, len(q.KSIGNS), 16))
+    out.append(f"__device__ const unsigned char iq_ksigns[{len(q.KSIGNS)}] = {{\n{ks}}};")
+    return "\n".join(out) + "\n"
+
+
+# headers written from data rather than read from this folder: name -> the function that writes them
+GENERATED = {"iq_grids.cuh": iq_grids_header}
+
 _PRAGMA_ONCE = re.compile(r'^[ \t]*#[ \t]*pragma[ \t]+once[ \t]*$', re.M)
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"[ \t]*$', re.M)
 
 
 def load_source(name: str, _seen=None) -> str:
-    """The text of backends/cuda/<name> with its local includes inlined (each header once)."""
+    """The text of backends/cuda/<name> with its local includes inlined (each header once; GENERATED ones
+    written from their data)."""
     seen = set() if _seen is None else _seen
-    with open(os.path.join(KERNEL_DIR, name), encoding="utf-8") as f:
-        text = f.read()
+    if name in GENERATED:
+        text = GENERATED[name]()
+    else:
+        with open(os.path.join(KERNEL_DIR, name), encoding="utf-8") as f:
+            text = f.read()
 
     def inline(m):
         inc = m.group(1)
@@ -114,7 +166,10 @@ def kernel_files():
     return tuple(KERNELS)
 
 
-if __name__ == "__main__":          # `--defines`: the -D options, for nvcc in toolchains/cuda/Makefile
-    if sys.argv[1:] != ["--defines"]:
-        sys.exit("usage: sources.py --defines")
-    print(" ".join(f"-D{k}={v}" for k, v in DEFINES.items()))
+if __name__ == "__main__":          # for nvcc in toolchains/cuda/Makefile
+    if sys.argv[1:] == ["--defines"]:     # the -D options
+        print(" ".join(f"-D{k}={v}" for k, v in DEFINES.items()))
+    elif sys.argv[1:] == ["--iq-grids"]:  # iq_grids.cuh (numpy and colibri_edge's quant.py)
+        sys.stdout.write(iq_grids_header())
+    else:
+        sys.exit("usage: sources.py --defines | --iq-grids")

@@ -16,17 +16,22 @@
  *                        the dot product runs on q widened to float, the row's scale multiplies the
  *                        sum once (WSCALE); the scale vector is a kernel argument of every matrix
  *   WQ8_0, WQ4_0, WQ4_1, WQ5_0, WQ5_1, WMXFP4, WIQ4_NL (blocks of 32), WNVFP4 (blocks of 64), WQ4_K, WQ5_K,
- *   WQ6_K, WQ2_K, WQ3_K, WIQ4_XS, WTQ1_0, WTQ2_0 (blocks of 256) = 1
+ *   WQ6_K, WQ2_K, WQ3_K, WIQ4_XS, WTQ1_0, WTQ2_0, and the lattice i-quants WIQ2_XXS, WIQ2_XS, WIQ2_S, WIQ3_XXS,
+ *   WIQ3_S, WIQ1_S, WIQ1_M (blocks of 256) = 1
  *                        matrices are ggml blocks (colibri_edge/model/quant.py has the layouts and the NumPy
  *                        definitions), bytes [N, K / WQB * WBYTES]. A row streams as chunks of 32 weights
  *                        decoded in registers (chunk_load): w = m q + add, q the chunk's small integers
- *                        (mxfp4, nvfp4: the doubled E2M1 values; iq4_nl, iq4_xs: the IQ4NL table's) as
+ *                        (mxfp4, nvfp4: the doubled E2M1 values; iq4_nl, iq4_xs: the IQ4NL table's; the
+ *                        lattice types: their grid's entries, signed; IQ1: 8 grid +- 1, m the scale / 8) as
  *                        eight float4, m one multiplier per 16 weights (two differ in q6_k, q2_k, q3_k,
- *                        nvfp4), add one offset per 16 weights (q4_1, q5_1: the block's min; q4_k, q5_k:
- *                        -dmin m_s, the same for both halves; q2_k: -dmin (sc >> 4) per 16, WADD16).
+ *                        nvfp4, iq2_xs, iq2_s, iq1_m), add one offset per 16 weights (q4_1, q5_1: the
+ *                        block's min; q4_k, q5_k: -dmin m_s, the same for both halves; q2_k: -dmin (sc >> 4)
+ *                        per 16, WADD16).
  *                        A chunk's dot is m0 (q . x)[0:16] + m1 (q . x)[16:32] + add sum(x) (WADD16:
  *                        add0 sum(x[0:16]) + add1 sum(x[16:32])): the integers meet the activations
- *                        unscaled (K % WQB == 0)
+ *                        unscaled (K % WQB == 0). The lattice grids and KSIGNS are __constant tables
+ *                        IQ_GRID and IQ_KSIGNS that the host writes from quant.iq_grid / quant.KSIGNS
+ *                        ahead of this file (runtime.py lattice_tables), each under its formats' switches
  *   WACT8=1              (block formats only) activations are int8 too, llama.cpp's arithmetic: the host
  *                        quantises each activation row per block of 32 (dense.cl quantize_act, quant.py
  *                        quantize_activations) into packed blocks of 40 bytes, q:i8[32] | dx:f32 | xs:f32
@@ -105,12 +110,35 @@
 #ifndef WNVFP4
 #define WNVFP4 0
 #endif
-#if WF16 + WBF16 + WI8 + WQ8_0 + WQ4_0 + WQ4_1 + WQ5_0 + WQ5_1 + WMXFP4 + WQ4_K + WQ5_K + WQ6_K + WQ2_K + WQ3_K \
-    + WIQ4_NL + WIQ4_XS + WTQ1_0 + WTQ2_0 + WNVFP4 > 1
-#error "the weight type switches (WF16, WBF16, WI8, WQ*, WMXFP4, WIQ4_*, WTQ*, WNVFP4) are exclusive"
+#ifndef WIQ2_XXS
+#define WIQ2_XXS 0
 #endif
+#ifndef WIQ2_XS
+#define WIQ2_XS 0
+#endif
+#ifndef WIQ2_S
+#define WIQ2_S 0
+#endif
+#ifndef WIQ3_XXS
+#define WIQ3_XXS 0
+#endif
+#ifndef WIQ3_S
+#define WIQ3_S 0
+#endif
+#ifndef WIQ1_S
+#define WIQ1_S 0
+#endif
+#ifndef WIQ1_M
+#define WIQ1_M 0
+#endif
+#if WF16 + WBF16 + WI8 + WQ8_0 + WQ4_0 + WQ4_1 + WQ5_0 + WQ5_1 + WMXFP4 + WQ4_K + WQ5_K + WQ6_K + WQ2_K + WQ3_K \
+    + WIQ4_NL + WIQ4_XS + WTQ1_0 + WTQ2_0 + WNVFP4 + WIQ2_XXS + WIQ2_XS + WIQ2_S + WIQ3_XXS + WIQ3_S + WIQ1_S \
+    + WIQ1_M > 1
+#error "the weight type switches (WF16, WBF16, WI8, WQ*, WMXFP4, WIQ*, WTQ*, WNVFP4) are exclusive"
+#endif
+#define WLATTICE (WIQ2_XXS || WIQ2_XS || WIQ2_S || WIQ3_XXS || WIQ3_S || WIQ1_S || WIQ1_M)
 #define WBLOCK (WQ8_0 || WQ4_0 || WQ4_1 || WQ5_0 || WQ5_1 || WMXFP4 || WQ4_K || WQ5_K || WQ6_K || WQ2_K || WQ3_K \
-                || WIQ4_NL || WIQ4_XS || WTQ1_0 || WTQ2_0 || WNVFP4)
+                || WIQ4_NL || WIQ4_XS || WTQ1_0 || WTQ2_0 || WNVFP4 || WLATTICE)
 #ifndef WACT8
 #define WACT8 0
 #endif
@@ -224,6 +252,27 @@ inline int idot4(const char4 a, const char4 b)  /* the extensions' 4 x int8 dot,
 #elif WTQ2_0
 #define WQB 256
 #define WBYTES 66
+#elif WIQ2_XXS
+#define WQB 256
+#define WBYTES 66
+#elif WIQ2_XS
+#define WQB 256
+#define WBYTES 74
+#elif WIQ2_S
+#define WQB 256
+#define WBYTES 82
+#elif WIQ3_XXS
+#define WQB 256
+#define WBYTES 98
+#elif WIQ3_S
+#define WQB 256
+#define WBYTES 110
+#elif WIQ1_S
+#define WQB 256
+#define WBYTES 50
+#elif WIQ1_M
+#define WQB 256
+#define WBYTES 56
 #else
 #define WQB 64
 #define WBYTES 36
@@ -273,10 +322,34 @@ inline char4 trits4(const uchar4 b, const uint p)
 }
 #endif
 
+#if WLATTICE
+#if !defined(IQ_GRID_ROWS)
+#error "the lattice formats' tables come from the host (runtime.py lattice_tables): build kernel_source's text"
+#endif
+/* four grid values v with the sign bits s (bit j set: value j negated, j < 4): (v ^ m) - m, m = 0 or -1 */
+inline char4 iq_sign4(const char4 v, const uint s)
+{
+    const char4 m = convert_char4(-as_int4(((uint4)(s) >> (uint4)(0u, 1u, 2u, 3u)) & 1u));
+    return (v ^ m) - m;
+}
+/* an 8-wide grid entry as char8 (IQ2, IQ1: a ulong of 8 bytes, the first value the lowest byte) */
+#define IQ_ROW8(idx) as_char8(IQ_GRID[idx])
+#endif
+#if WIQ1_M
+/* the f16 with bits h (iq1_m's d, assembled from nibbles) as a float, exactly */
+inline float f16_bits(const uint h)
+{
+    const uint e = (h >> 10) & 31u, mt = h & 1023u;
+    const float v = e == 0u ? (float)mt * 5.9604644775390625e-8f                        /* mt 2^-24 */
+                  : as_float((e == 31u ? 0x7f800000u : (e + 112u) << 23) | (mt << 13));
+    return (h & 0x8000u) ? -v : v;
+}
+#endif
+
 /* Chunk c (32 weights, c < WQB / 32) of the block at blk: wq[j] = the small integers q of weights
  * 4j .. 4j+3, and w = m.x q + add.x for weights 0..15, m.y q + add.y for 16..31 (the format table in
  * quant.py; add.x == add.y but in q2_k, WADD16); every format's q fits in a char (-32 .. 31; iq4_nl and
- * iq4_xs: -127 .. 113) */
+ * iq4_xs: -127 .. 113; iq2_*: -43 .. 43; iq3_*: -62 .. 62; iq1_*: -9 .. 9) */
 inline void chunk_load_q(__global const uchar* blk, const int c, char4* wq, float2* m, float2* add)
 {
 #if WQ8_0                                   /* d | q:i8[32]                      w = d q */
@@ -448,6 +521,88 @@ inline void chunk_load_q(__global const uchar* blk, const int c, char4* wq, floa
         wq[5] = trits4(qh, 3u);
         wq[6] = trits4(qh, 9u);
         wq[7] = trits4(qh, 27u);
+    }
+#elif WIQ2_XXS || WIQ3_XXS                  /* chunk = sub-block c: w = d (0.5 + s) / 4 (iq3_xxs: / 2) grid sign */
+#if WIQ2_XXS                                /* d | (grid:u8[4] | signs:u32)[8] */
+    __global const uchar* qs = blk + 2 + 8 * c;
+    __global const uchar* sp = qs + 4;
+#else                                       /* d | qs[64] | (signs, s):u32[8] */
+    __global const uchar* qs = blk + 2 + 8 * c;
+    __global const uchar* sp = blk + 66 + 4 * c;
+#endif
+    /* four 7-bit sign indices (bits 0, 7, 14, 21: KSIGNS adds the parity bit), s in bits 28..31 */
+    const uint sx = (uint)sp[0] | ((uint)sp[1] << 8) | ((uint)sp[2] << 16) | ((uint)sp[3] << 24);
+    *m = (float2)(ldh(blk) * (0.5f + (float)(sx >> 28)) * (WIQ2_XXS ? 0.25f : 0.5f));
+    *add = (float2)(0.0f);
+    for (int l = 0; l < 4; ++l) {           /* group l of 8 weights: wq[2l], wq[2l + 1] */
+        const uint s = IQ_KSIGNS[(sx >> (7u * (uint)l)) & 127u];
+#if WIQ2_XXS
+        const char8 v = IQ_ROW8(qs[l]);
+        wq[2 * l] = iq_sign4(v.lo, s);
+        wq[2 * l + 1] = iq_sign4(v.hi, s >> 4);
+#else                                       /* two grid entries of 4 */
+        wq[2 * l] = iq_sign4(as_char4(IQ_GRID[qs[2 * l]]), s);
+        wq[2 * l + 1] = iq_sign4(as_char4(IQ_GRID[qs[2 * l + 1]]), s >> 4);
+#endif
+    }
+#elif WIQ2_XS || WIQ2_S                     /* chunk = groups 4c .. 4c + 3; w = d (0.5 + s) / 4 grid sign, s per 16 */
+    const float d = ldh(blk);
+    const uint sc = blk[WBYTES - 8 + c];    /* the low nibble weights 0..15, the high 16..31 */
+    *m = (float2)(d * (0.5f + (float)(sc & 15u)) * 0.25f, d * (0.5f + (float)(sc >> 4)) * 0.25f);
+    *add = (float2)(0.0f);
+    for (int l = 0; l < 4; ++l) {
+        const int i = 4 * c + l;
+#if WIQ2_XS                                 /* d | qs:u16[32] | scales[8]: grid[q & 511], KSIGNS[q >> 9] */
+        const uint q = (uint)blk[2 + 2 * i] | ((uint)blk[3 + 2 * i] << 8);
+        const uint idx = q & 511u, s = IQ_KSIGNS[q >> 9];
+#else                                       /* d | qs[32] | signs[32] | qh[8] | scales[8]: 2 index bits from qh */
+        const uint idx = (uint)blk[2 + i] | ((((uint)blk[66 + c] >> (2u * (uint)l)) & 3u) << 8);
+        const uint s = blk[34 + i];
+#endif
+        const char8 v = IQ_ROW8(idx);
+        wq[2 * l] = iq_sign4(v.lo, s);
+        wq[2 * l + 1] = iq_sign4(v.hi, s >> 4);
+    }
+#elif WIQ3_S                                /* d | qs[64] | qh[8] | signs[32] | scales[4]; chunk = sub-block c */
+    const uint qh = blk[66 + c];            /* bit k: the ninth index bit of grid entry k */
+    const uint sc = ((uint)blk[106 + (c >> 1)] >> (4u * (uint)(c & 1))) & 15u;
+    *m = (float2)(ldh(blk) * (float)(1u + 2u * sc));
+    *add = (float2)(0.0f);
+    __global const uchar* qs = blk + 2 + 8 * c;
+    for (int l = 0; l < 4; ++l) {
+        const uint s = blk[74 + 4 * c + l], k = 2u * (uint)l;
+        wq[2 * l] = iq_sign4(as_char4(IQ_GRID[(uint)qs[k] | (((qh >> k) & 1u) << 8)]), s);
+        wq[2 * l + 1] = iq_sign4(as_char4(IQ_GRID[(uint)qs[k + 1] | (((qh >> (k + 1u)) & 1u) << 8)]), s >> 4);
+    }
+#elif WIQ1_S || WIQ1_M                      /* w = d (2 s + 1) (grid +- 1/8) = m (8 grid +- 1), m = d (2 s + 1) / 8 */
+#if WIQ1_S                                  /* d | qs[32] | qh:u16[8]; chunk = sub-block c, its qh: index bits */
+                                            /* 3l .. 3l + 2 of group l, s bits 12..14, the delta's sign bit 15 */
+    const uint qh = (uint)blk[34 + 2 * c] | ((uint)blk[35 + 2 * c] << 8);
+    *m = (float2)(ldh(blk) * (float)(2u * ((qh >> 12) & 7u) + 1u) * 0.125f);
+    __global const uchar* qs = blk + 2 + 4 * c;
+#else                                       /* qs[32] | qh[16] | scales:u16[4]; d's 16 bits the scales' top nibbles */
+    const uint s0 = (uint)blk[48] | ((uint)blk[49] << 8), s1 = (uint)blk[50] | ((uint)blk[51] << 8);
+    const uint s2 = (uint)blk[52] | ((uint)blk[53] << 8), s3 = (uint)blk[54] | ((uint)blk[55] << 8);
+    const float d = f16_bits((s0 >> 12) | ((s1 >> 12) << 4) | ((s2 >> 12) << 8) | ((s3 >> 12) << 12));
+    /* per 16 k = 2c, 2c + 1: 3 bits at 3 (k % 4) of scales[k / 4] */
+    const uint sw = (uint)blk[48 + 2 * (c >> 1)] | ((uint)blk[49 + 2 * (c >> 1)] << 8), sh = 6u * (uint)(c & 1);
+    *m = (float2)(d * (float)(2u * ((sw >> sh) & 7u) + 1u) * 0.125f,
+                  d * (float)(2u * ((sw >> (sh + 3u)) & 7u) + 1u) * 0.125f);
+    __global const uchar* qs = blk + 4 * c;
+#endif
+    *add = (float2)(0.0f);
+    for (int l = 0; l < 4; ++l) {
+#if WIQ1_S
+        const uint idx = (uint)qs[l] | (((qh >> (3u * (uint)l)) & 7u) << 8);
+        const char dl = (qh & 0x8000u) ? (char)(-1) : (char)(1);
+#else                                       /* group i = 4c + l: nibble i of qh[16]: 3 index bits, the sign */
+        const uint nib = ((uint)blk[32 + 2 * c + (l >> 1)] >> (4u * (uint)(l & 1))) & 15u;
+        const uint idx = (uint)qs[l] | ((nib & 7u) << 8);
+        const char dl = (nib & 8u) ? (char)(-1) : (char)(1);
+#endif
+        const char8 v = IQ_ROW8(idx) * (char8)(8) + (char8)(dl);
+        wq[2 * l] = v.lo;
+        wq[2 * l + 1] = v.hi;
     }
 #else                                       /* nvfp4: d:ue4m3[4] | qs[32]; chunk = sub-blocks 2c, 2c + 1 of 16 */
     *m = (float2)(ue4m3_half(blk[2 * c]), ue4m3_half(blk[2 * c + 1]));

@@ -11,10 +11,11 @@ Kernels live in the .cl files beside this module (OpenCL C 1.2, built with -cl-s
                   gate_mul
 dense.cl and moe.cl are built per weight type (float32; WF16=1: half read with vload_half; WBF16=1:
 bfloat16 widened in-register; WI8=1: int8 widened, each row's float32 scale applied to its sum;
-WQ8_0=1 ... WQ6_K=1, WMXFP4=1, WQ2_K=1, WQ3_K=1, WIQ4_NL=1, WIQ4_XS=1, WTQ1_0=1, WTQ2_0=1, WNVFP4=1: ggml's
-blocks decoded in registers chunk by chunk of 32 weights), and, for half weights on a device that reports
-cl_khr_fp16 (unless COLIBRI_DISABLE_FP16 / `disable_fp16`), with COLIBRI_HALF_MATH=1: half products, float
-accumulation.
+WQ8_0=1 ... WQ6_K=1, WMXFP4=1, WQ2_K=1, WQ3_K=1, WIQ4_NL=1, WIQ4_XS=1, WTQ1_0=1, WTQ2_0=1, WNVFP4=1, and the
+lattice i-quants WIQ2_XXS=1 ... WIQ1_M=1: ggml's blocks decoded in registers chunk by chunk of 32 weights, the
+lattice grids from __constant tables written from quant.iq_grid ahead of the source, lattice_tables), and, for
+half weights on a device that reports cl_khr_fp16 (unless COLIBRI_DISABLE_FP16 / `disable_fp16`), with
+COLIBRI_HALF_MATH=1: half products, float accumulation.
 Constants the host and the kernels share are defined once, in DEFINES, and passed to every build.
 
 Buffers are pyopencl.array.Array; leading-dimension slices and reshapes are views, and every kernel
@@ -23,6 +24,7 @@ takes (buffer, element offset) pairs so any view can be passed.
 from __future__ import annotations
 
 import collections
+import functools
 import os
 
 import numpy as np
@@ -41,7 +43,11 @@ DELTA_CHUNK = 16                                # tokens per chunk of delta_rule
 CONV_KMAX = 8                                   # the most taps causal_conv runs (a window in registers)
 DEFINES = f"-DROWS_PER_ITEM={ROWS_PER_ITEM} -DDELTA_CHUNK={DELTA_CHUNK} -DCONV_KMAX={CONV_KMAX}"
 BLOCK_DTYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4", "q4_k", "q5_k", "q6_k",   # quant.BLOCK's
-                "q2_k", "q3_k", "iq4_nl", "iq4_xs", "tq1_0", "tq2_0", "nvfp4")
+                "q2_k", "q3_k", "iq4_nl", "iq4_xs", "tq1_0", "tq2_0", "nvfp4",
+                "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m")
+# the lattice i-quants: format -> (its grid, quant.iq_grid's name; whether it reads KSIGNS)
+LATTICE = {"iq2_xxs": ("iq2xxs", True), "iq2_xs": ("iq2xs", True), "iq2_s": ("iq2s", False),
+           "iq3_xxs": ("iq3xxs", True), "iq3_s": ("iq3s", False), "iq1_s": ("iq1s", False), "iq1_m": ("iq1s", False)}
 WEIGHT_DTYPES = ("float32", "float16", "bfloat16", "int8") + BLOCK_DTYPES
 _HOST = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "int8": np.int8, "uint8": np.uint8,
          "uint32": np.uint32, **{f: np.uint8 for f in BLOCK_DTYPES}}   # block formats: bytes [N, row_bytes]
@@ -78,10 +84,40 @@ def _read(name):
         return f.read()
 
 
+def _guard(formats):
+    return " || ".join(f"(defined(W{f.upper()}) && W{f.upper()})" for f in formats)
+
+
+@functools.lru_cache(maxsize=None)
+def lattice_tables() -> str:
+    """The lattice formats' tables as OpenCL C, written from the data (quant.iq_grid, quant.KSIGNS; never
+    copied into a .cl file): IQ_GRID, a grid's rows packed little-endian (8 values: ulong, 4: uint; the
+    first value the lowest byte, so as_char8 / as_char4 unpack them on a little-endian device), and
+    IQ_KSIGNS, each under the switches of the formats that read it, so a program holds only its own
+    grid (the largest, iq1s's, 16 KiB of the 64 KiB of __constant memory OpenCL 1.2 guarantees)."""
+    from colibri_edge.model.quant import KSIGNS, iq_grid
+    out = ["/* the lattice i-quants' tables: written by runtime.py lattice_tables from quant.iq_grid and "
+           "quant.KSIGNS */"]
+    for grid in dict.fromkeys(g for g, _ in LATTICE.values()):
+        rows = iq_grid(grid)
+        w = rows.shape[1]
+        vals = [int.from_bytes(bytes(int(v) & 255 for v in r), "little") for r in rows]
+        ty, suf, digits = ("ulong", "UL", 16) if w == 8 else ("uint", "U", 8)
+        body = ",\n".join(", ".join(f"0x{v:0{digits}x}{suf}" for v in vals[i:i + 8]) for i in range(0, len(vals), 8))
+        out += [f"#if {_guard([f for f, (g, _) in LATTICE.items() if g == grid])}",
+                f"#define IQ_GRID_ROWS {len(vals)}", f"__constant {ty} IQ_GRID[{len(vals)}] = {{\n{body}}};", "#endif"]
+    ks = ",\n".join(", ".join(str(int(v)) for v in KSIGNS[i:i + 16]) for i in range(0, len(KSIGNS), 16))
+    out += [f"#if {_guard([f for f, (_, k) in LATTICE.items() if k])}",
+            f"__constant uchar IQ_KSIGNS[{len(KSIGNS)}] = {{\n{ks}}};", "#endif"]
+    return "\n".join(out) + "\n"
+
+
 def kernel_source(name):
     """The text actually built for `name`: common.cl then the file (so a change to common.cl can
-    never hit a stale cached binary, and the offline check builds the very same text)."""
-    return _read("common.cl") + f'\n#line 1 "{name}"\n' + _read(name)
+    never hit a stale cached binary, and the offline check builds the very same text); the weight
+    programs begin with the lattice formats' tables (lattice_tables), each under its formats' switches."""
+    head = lattice_tables() + '#line 1 "common.cl"\n' if name in WEIGHT_PROGRAMS else ""
+    return head + _read("common.cl") + f'\n#line 1 "{name}"\n' + _read(name)
 
 
 ACT8 = "+a8"                                    # a block format's program with int8 activations: "q4_0+a8"
@@ -249,7 +285,7 @@ class OpenCLRuntime(BackendBase):
 
     def prepare(self, formats, max_cols, max_rows=2):
         """Build the weight programs of the model's formats (and float32's: activations as matrices),
-        nothing else: 20 weight types (and the int8-activation variants) x 2 programs would cost seconds
+        nothing else: 27 weight types (and the int8-activation variants) x 2 programs would cost seconds
         of PoCL builds at every open."""
         for f in {"float32", *formats}:
             for v in (f, f + ACT8) if f in BLOCK_DTYPES and self.int8_activations else (f,):

@@ -7,7 +7,8 @@ and the ratio to float16's GB/s and to float16's time per weight.
 
 A matrix of K = 4096 columns and as many rows as make --mib MiB in that format (past the L2 cache
 of any GPU we target, 50 MiB on an H100/H200), built by tiling one quantised 64-row block (our own
-quantisers, colibri_edge.model.quant): valid blocks, no minutes spent quantising. Nothing is downloaded.
+quantisers, colibri_edge.model.quant; the lattice i-quants, which have none: random valid blocks, the f16
+scale set to the source's RMS): valid blocks, no minutes spent quantising. Nothing is downloaded.
 """
 from __future__ import annotations
 
@@ -40,8 +41,18 @@ def main(argv=None):
     res = {"k": K, "mib": a.mib, "device": be.describe(), "formats": {}}
     for fmt in fmts:
         scales = None
-        if fmt in quant.BLOCK:
+        if fmt in quant.QUANTIZERS:
             block = quant.quantize(src, fmt)
+        elif fmt in quant.BLOCK:                     # a lattice i-quant: random valid blocks (d at 0; iq1_m: nibbles)
+            B, nb = quant.BLOCK[fmt]
+            raw = rng.integers(0, 256, (64, K // B, nb), dtype=np.uint8)
+            d = int(np.float16(float(np.sqrt((src ** 2).mean())) / 16).view(np.uint16))
+            if fmt == "iq1_m":
+                for j, at in enumerate((49, 51, 53, 55)):
+                    raw[..., at] = (raw[..., at] & 15) | (((d >> (4 * j)) & 15) << 4)
+            else:
+                raw[..., 0], raw[..., 1] = d & 255, d >> 8
+            block = raw.reshape(64, -1)
         elif fmt in QUANTIZED:                       # int8: per-row scales
             s = np.abs(src).max(axis=1) / 127
             block = np.clip(np.rint(src / s[:, None]), -127, 127).astype(np.int8)

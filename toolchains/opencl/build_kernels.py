@@ -9,7 +9,8 @@
                                       ones PoCL on a CPU and Oclgrind never compile; and the
                                       half-arithmetic variant must be refused without cl_khr_fp16
 
-The fp32, half-storage and block-format (q8_0 ... q6_k, mxfp4, q2_k, q3_k, iq4_nl, iq4_xs, tq1_0, tq2_0, nvfp4) variants are proven to need no cl_khr_fp16 by the device build (PoCL's
+The fp32, half-storage and block-format (q8_0 ... q6_k, mxfp4, q2_k, q3_k, iq4_nl, iq4_xs, tq1_0, tq2_0, nvfp4,
+the lattice i-quants iq2_xxs ... iq1_m) variants are proven to need no cl_khr_fp16 by the device build (PoCL's
 CPU device and Oclgrind report none). Offline, clang 14's builtin declarations hide vload_half
 when cl_khr_fp16 is disabled (a clang bug: vload_half is core OpenCL C 1.2), so the offline
 builds of those variants keep the spir target's default extensions, fp64 removed.
