@@ -282,3 +282,38 @@ class Server:
     def __exit__(self, *exc):
         self.server.should_exit = True
         self.thread.join(30)
+
+
+def lattice_blocks(w32, wd):
+    """The lattice i-quants have no quantiser: random valid blocks (seeded by w32), each block's f16 scale
+    set so its RMS is w32's there (d at byte 0; iq1_m: the four scales' top nibbles). Both sides of a
+    comparison read the same bytes."""
+    import zlib
+    from colibri_edge.model import quant
+    B, nb = quant.BLOCK[wd]
+    b = np.asarray(w32, np.float32).reshape(-1, B)
+    raw = np.random.default_rng(zlib.crc32(b.tobytes())).integers(0, 256, (len(b), nb), dtype=np.uint8)
+
+    def set_d(d):
+        bits = np.asarray(d, np.float16).view(np.uint16).astype(np.uint32)
+        if wd == "iq1_m":
+            for j, at in enumerate((49, 51, 53, 55)):
+                raw[:, at] = (raw[:, at] & 15) | (((bits >> (4 * j)) & 15) << 4).astype(np.uint8)
+        else:
+            raw[:, 0], raw[:, 1] = (bits & 255).astype(np.uint8), (bits >> 8).astype(np.uint8)
+    set_d(np.ones(len(b)))
+    w = quant.dequantize(raw, wd, B).astype(np.float64)
+    set_d(np.sqrt((b.astype(np.float64) ** 2).mean(1) / np.maximum((w ** 2).mean(1), 1e-30)))
+    return raw.reshape(w32.shape[0], -1)
+
+
+def stored_weights(w32, wd):
+    """float32 [rows, cols] -> (stored array, row scales or None) in weight type wd: int8 with its row
+    scales, our quantisers, or (the lattice i-quants, no quantiser) lattice_blocks."""
+    from colibri_edge.model import quant
+    from colibri_edge.model.dtypes import narrow, quantize_rows
+    if wd == "int8":
+        return quantize_rows(w32)
+    if wd in quant.BLOCK and wd not in quant.QUANTIZERS:
+        return lattice_blocks(w32, wd), None
+    return narrow(w32, wd), None

@@ -64,13 +64,13 @@ def test_a_tokens_sums_do_not_depend_on_the_batch(int8_activations, rng):
     rows that fill the four streams and on the leftover rows (N = 37; the expert's I = 256 rows)."""
     from colibri_edge.backends import create
     from colibri_edge.backends.base import FFN, Plan
-    from colibri_edge.model.dtypes import narrow, quantize_rows
+    from helpers import stored_weights
     be = create("cpu", int8_activations=int8_activations, num_threads=2)
     N, K, I, Ts = 37, 512, 256, (1, 2, 3, 4, 5, 9)
     x = rng.standard_normal((max(Ts), K)).astype(np.float32)
     for wd in be.weight_dtypes:
         def up(w32):
-            q, sc = quantize_rows(w32) if wd == "int8" else (narrow(w32, wd), None)
+            q, sc = stored_weights(w32, wd)
             return be.upload(q, wd, scales=sc, shape=w32.shape)
         W = up(rng.standard_normal((N, K)).astype(np.float32) / np.sqrt(K))
         ffn = FFN(*(up(rng.standard_normal(s).astype(np.float32) / np.sqrt(s[1])) for s in [(I, K), (I, K), (K, I)]))

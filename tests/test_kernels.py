@@ -8,7 +8,7 @@ import pytest
 
 from colibri_edge.backends import create
 from colibri_edge.backends.base import FFN, plan_buffers
-from colibri_edge.model.dtypes import STORAGE, block_of, narrow, quantize_rows, widen
+from colibri_edge.model.dtypes import STORAGE, block_of, narrow, widen
 from colibri_edge.backends import routing
 from colibri_edge.model.quant import fake_quantized_activations
 from helpers import backend_pair as backend, dev, kernel_close as close
@@ -25,38 +25,10 @@ TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 3e-3, "int8": 1e-5}   # blo
 # stored weights on both sides: only the order of float32 sums differs)
 
 
-def lattice_blocks(w32, wd):
-    """The lattice i-quants have no quantiser: random valid blocks (seeded by w32), each block's f16 scale
-    set so its RMS is w32's there (d at byte 0; iq1_m: the four scales' top nibbles). Both sides of a
-    comparison read the same bytes."""
-    import zlib
-    from colibri_edge.model import quant
-    B, nb = quant.BLOCK[wd]
-    b = np.asarray(w32, np.float32).reshape(-1, B)
-    raw = np.random.default_rng(zlib.crc32(b.tobytes())).integers(0, 256, (len(b), nb), dtype=np.uint8)
-
-    def set_d(d):
-        bits = np.asarray(d, np.float16).view(np.uint16).astype(np.uint32)
-        if wd == "iq1_m":
-            for j, at in enumerate((49, 51, 53, 55)):
-                raw[:, at] = (raw[:, at] & 15) | (((bits >> (4 * j)) & 15) << 4).astype(np.uint8)
-        else:
-            raw[:, 0], raw[:, 1] = (bits & 255).astype(np.uint8), (bits >> 8).astype(np.uint8)
-    set_d(np.ones(len(b)))
-    w = quant.dequantize(raw, wd, B).astype(np.float64)
-    set_d(np.sqrt((b.astype(np.float64) ** 2).mean(1) / np.maximum((w ** 2).mean(1), 1e-30)))
-    return raw.reshape(w32.shape[0], -1)
-
-
 def stored(w32, wd):
     """float32 [rows, cols] -> (stored array, row scales or None, logical shape) in weight type wd."""
-    from colibri_edge.model import quant
-    if wd == "int8":
-        q, sc = quantize_rows(w32)
-    elif wd in quant.BLOCK and wd not in quant.QUANTIZERS:
-        q, sc = lattice_blocks(w32, wd), None
-    else:
-        q, sc = narrow(w32, wd), None
+    from helpers import stored_weights
+    q, sc = stored_weights(w32, wd)
     return q, sc, w32.shape
 
 

@@ -949,6 +949,7 @@ def _rowdot4_int_codegen(ntok):
         zero = ir.Constant(vec(F32, 8), [0.0] * 8)
         acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(ntok)] for _ in range(4)]
         acca = [[cgutils.alloca_once_value(builder, zero) for _ in range(ntok)] for _ in range(4)]
+        acc16 = [[cgutils.alloca_once_value(builder, zero) for _ in range(ntok)] for _ in range(4)]
         with cgutils.for_range(builder, ngroups) as loop:
             g = loop.index
             k = builder.mul(g, c64(256))                        # weight index of the group
@@ -975,12 +976,14 @@ def _rowdot4_int_codegen(ntok):
                         lanes = [2 * c] * 4 + [2 * c + 1] * 4 if q6 else [c] * 8
                         a = builder.fadd(a, builder.fmul(s8, builder.shuffle_vector(m, m, cvec(I32, lanes)), flags=fast),
                                          flags=fast)
-                    if add16:
-                        am = builder.fmul(add, builder.shuffle_vector(dx[t], dx[t], cvec(I32, [i // 2 for i in range(16)])))
-                        for c in range(8):
-                            a = builder.fadd(a, builder.fmul(xsum[t][c], builder.shuffle_vector(
-                                am, am, cvec(I32, [2 * c] * 4 + [2 * c + 1] * 4)), flags=fast), flags=fast)
                     builder.store(a, acc[r][t])
+                    if add16:           # its own chain, no reassociation: the same sums in every tile shape
+                        am = builder.fmul(add, builder.shuffle_vector(dx[t], dx[t], cvec(I32, [i // 2 for i in range(16)])))
+                        m16 = builder.load(acc16[r][t])
+                        for c in range(8):
+                            m16 = builder.fadd(m16, builder.fmul(xsum[t][c], builder.shuffle_vector(
+                                am, am, cvec(I32, [2 * c] * 4 + [2 * c + 1] * 4))))
+                        builder.store(m16, acc16[r][t])
                     if add is not None and not add16:
                         builder.store(builder.fadd(builder.load(acca[r][t]), builder.fmul(add, xs[t], flags=fast),
                                                    flags=fast), acca[r][t])
@@ -1009,6 +1012,8 @@ def _rowdot4_int_codegen(ntok):
         for r in range(4):
             for t in range(ntok):
                 s = builder.fadd(reduce_add(builder, builder.load(acc[r][t])), reduce_add(builder, builder.load(acca[r][t])))
+                if add16:
+                    s = builder.fadd(s, reduce_add(builder, builder.load(acc16[r][t])))
                 sums.append(builder.fadd(s, builder.load(tails[r][t])))
         return context.make_tuple(builder, sig.return_type, sums)
     return codegen
