@@ -441,7 +441,7 @@ class Backend:
         starts [S+1], slots [S], positions [T] int32 (S sequences in the step: len(slots))."""
         raise NotImplementedError
 
-    def delta_rule(self, out, qkv, a, b, a_neg, dt_bias, state, starts, slots, positions, heads):
+    def delta_rule(self, out, qkv, a, b, a_neg, dt_bias, state, starts, slots, positions, heads, stepwise=False):
         """The gated delta rule (Qwen3.5 / Qwen3-Next linear attention) over each sequence, its
         recurrent state S [Hv, dk, dv] carried in the state slot. heads = (Hk, Hv, dk, dv, group): value
         head h reads key head (h // group) % Hk (group Hv / Hk: the checkpoint's grouped order, where
@@ -456,7 +456,9 @@ class Backend:
         S starts at 0 for a sequence whose step starts at position 0, else at state[slot]; the final S
         is written back. A backend may run a sequence's tokens in chunks of C (the chunked form: the
         intra-chunk work as C x C and C x dk products, S carried between chunks) instead of one at a
-        time: the same function (the reference runs both: reference.delta_rule_recurrent)."""
+        time: the same function (the reference runs both: reference.delta_rule_recurrent). stepwise: every
+        sequence runs its tokens one at a time, as decode runs one (a verification of drafted tokens, so
+        its outputs and state are decode's bit for bit where decode is batch invariant)."""
         raise NotImplementedError
 
     def gate_mul(self, out, x, gate, act: str):

@@ -317,3 +317,30 @@ def stored_weights(w32, wd):
     if wd in quant.BLOCK and wd not in quant.QUANTIZERS:
         return lattice_blocks(w32, wd), None
     return narrow(w32, wd), None
+
+
+class OracleDrafter:
+    """A drafter (requests/draft.py's interface) that knows the sequence the model will produce: it
+    proposes the continuation of `target` (prompt + the undrafted output) from the position it has seen,
+    with every `wrong`-th proposed position replaced by another token (a miss the verifier must reject
+    and roll back), so a test reaches accepted runs, rejections and the bonus token at will. Registered
+    in draft.DRAFTERS by the tests under a name of their own."""
+    targets: dict = {}                  # tuple(prompt) -> the whole sequence (prompt + greedy output)
+    wrong = 3
+
+    def __init__(self):
+        self.seq = []
+
+    def extend(self, tokens):
+        self.seq.extend(int(t) for t in tokens)
+
+    def propose(self, k):
+        for prompt, target in self.targets.items():
+            n = len(prompt)
+            if tuple(self.seq[:n]) == prompt and self.seq == list(target[:len(self.seq)]):
+                out = list(target[len(self.seq):len(self.seq) + k])
+                for j in range(len(out)):
+                    if (len(self.seq) + j) % self.wrong == 0:
+                        out[j] = (out[j] + 1) % 7 + 3
+                return out
+        return []

@@ -103,6 +103,42 @@ def test_delta_rule(kernel_backend, heads, lengths, at, rng):
     close(states[1], states[0], 1e-4)
 
 
+@pytest.mark.parametrize("heads", [(2, 6, 16, 12, 3), (1, 1, 8, 8, 1)], ids=lambda h: "x".join(map(str, h)))
+def test_stepwise_delta_rule_is_decode(kernel_backend, heads, rng):
+    """stepwise (a verification of drafted tokens): sequences of 5, 1 and 17 tokens, one of them new,
+    run token by token in one call: outputs and state equal the backend's own decode steps, one token
+    per call, bit for bit on the batch-invariant backends (within its tolerance elsewhere), and the
+    reference's recurrence."""
+    ref, be = backend(kernel_backend)
+    Hv, dv = heads[1], heads[3]
+    starts, pos, slots, qkv, a, b, a_neg, dt, state = delta_case(heads, [5, 1, 17], [9, 3, 0], rng)
+    T = qkv.shape[0]
+    results = []
+    for bk in (ref, be):
+        out, st = bk.alloc((T, Hv * dv)), dev(bk, state)
+        bk.delta_rule(out, dev(bk, qkv), dev(bk, a), dev(bk, b), bk.upload(a_neg), bk.upload(dt), st,
+                      dev(bk, starts), dev(bk, slots), dev(bk, pos), heads, True)
+        results.append((bk.download(out), bk.download(st)))
+    # decode: token t of sequence s alone in its call, in order
+    one_out, one_st = be.alloc((1, Hv * dv)), dev(be, state)
+    steps = np.zeros((T, Hv * dv), np.float32)
+    wa, wd = be.upload(a_neg), be.upload(dt)
+    for s_ in range(len(slots)):
+        for t in range(starts[s_], starts[s_ + 1]):
+            be.delta_rule(one_out, dev(be, qkv[t:t + 1]), dev(be, a[t:t + 1]), dev(be, b[t:t + 1]), wa, wd, one_st,
+                          dev(be, np.array([0, 1], np.int32)), dev(be, slots[s_:s_ + 1]), dev(be, pos[t:t + 1]), heads)
+            steps[t] = be.download(one_out)[0]
+    got_out, got_st = results[1]
+    if kernel_backend[0] == "cpu":
+        np.testing.assert_array_equal(got_out, steps)
+        np.testing.assert_array_equal(got_st, be.download(one_st))
+    else:
+        close(got_out, steps, 1e-5)
+        close(got_st, be.download(one_st), 1e-5)
+    close(got_out, results[0][0], 1e-4)
+    close(got_st, results[0][1], 1e-4)
+
+
 @pytest.mark.parametrize("n", [1, 5, 15, 16, 17, 33, 70])
 @pytest.mark.parametrize("heads", [(1, 1, 8, 8, 1), (2, 6, 16, 12, 3), (2, 6, 16, 12, 1), (3, 3, 32, 20, 1)],
                          ids=lambda h: "x".join(map(str, h)))

@@ -498,14 +498,14 @@ class Backend(BackendBase):
                                          np.zeros((n, 2, C, C), np.float32), np.zeros((n, 2, C), np.float32))
         return s
 
-    def delta_rule(self, out, qkv, a, b, a_neg, dt_bias, state, starts, slots, positions, heads):
+    def delta_rule(self, out, qkv, a, b, a_neg, dt_bias, state, starts, slots, positions, heads, stepwise=False):
         """Parallel over (sequence, value head) pairs: one token by the recurrence, more in chunks of 16
-        (recurrent.delta_rule)."""
+        (recurrent.delta_rule), or token by token when stepwise."""
         self._use_threads()
         Hk, Hv, dk, dv = heads[:4]
         group = heads[4] if len(heads) > 4 else Hv // Hk        # value head h reads key head (h // group) % Hk
         self.r.delta_rule(out, qkv, a, b, a_neg.data, dt_bias.data, state, starts, slots, positions, int(Hk),
-                          int(group), self.work, self.threads, *self._delta_scratch(int(dk), int(dv)))
+                          int(group), bool(stepwise), self.work, self.threads, *self._delta_scratch(int(dk), int(dv)))
 
     def gate_mul(self, out, x, gate, act):
         self._use_threads()

@@ -264,13 +264,15 @@ def delta_chunks(out, qkv, a, b, a_neg, dt_bias, St, r0, r1, h, qo, ko, vo, qsca
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=REDUCE, error_model="numpy")
-def delta_rule(out, qkv, a, b, a_neg, dt_bias, state, starts, slots, positions, Hk, group, work, nw, ck, cv, cc, cg):
+def delta_rule(out, qkv, a, b, a_neg, dt_bias, state, starts, slots, positions, Hk, group, stepwise, work, nw, ck, cv,
+               cc, cg):
     """The gated delta rule (base.delta_rule) over every (sequence, value head) pair:
         q = l2(q part) / sqrt(dk),  k = l2(k part) (key head (h // group) % Hk),  v: value head h
         beta = sigmoid(b),  g = a_neg[h] softplus(a + dt_bias[h])
         S = e^g S;  S += k (beta (v - S^T k))^T;  out[t, h] = S^T q
     S = state[slot, h] [dk, dv], in place: zeroed first when the sequence starts at position 0, else
-    continued. One token: delta_step (its scratch vector X: cv[c, 0]); more: delta_chunks on worker c's
+    continued. One token, or every token when stepwise (a verification of drafted tokens: decode's
+    arithmetic): delta_step (its scratch vector X: cv[c, 0]); more: delta_chunks on worker c's
     scratch ck[c] = (Q, K, W) [3, C, dk], cv[c] = U [C, dv], cc[c] = (A, M) [2, C, C], cg[c] = (G, beta) [2, C].
         qkv [T, 2*Hk*dk + Hv*dv]; a, b [T, Hv]; a_neg, dt_bias float32 [Hv]; out [T, Hv*dv];
         state [slots, Hv, dk, dv]; starts [S+1], slots [S], positions [T] int32
@@ -295,8 +297,9 @@ def delta_rule(out, qkv, a, b, a_neg, dt_bias, state, starts, slots, positions, 
                 St[:, :] = F0
             kh = (h // group) % Hk
             qo, ko, vo = kh * dk, (Hk + kh) * dk, 2 * Hk * dk + h * dv
-            if r1 - r0 == 1:
-                delta_step(out, qkv, a, b, a_neg, dt_bias, St, r0, h, qo, ko, vo, qscale, cv[c, 0])
+            if r1 - r0 == 1 or stepwise:
+                for t in range(r0, r1):
+                    delta_step(out, qkv, a, b, a_neg, dt_bias, St, t, h, qo, ko, vo, qscale, cv[c, 0])
             else:
                 delta_chunks(out, qkv, a, b, a_neg, dt_bias, St, r0, r1, h, qo, ko, vo, qscale,
                              ck[c, 0], ck[c, 1], ck[c, 2], cv[c], cc[c, 0], cc[c, 1], cg[c, 0], cg[c, 1])

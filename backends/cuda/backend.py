@@ -215,7 +215,7 @@ class Backend(CudaRuntime):
                          (out, x, weight.data, state, starts, slots, positions, _i32(C), _i32(K)))
 
     @guarded
-    def delta_rule(self, out, qkv, a, b, a_neg, dt_bias, state, starts, slots, positions, heads):
+    def delta_rule(self, out, qkv, a, b, a_neg, dt_bias, state, starts, slots, positions, heads, stepwise=False):
         Hk, Hv, dk, dv = (int(h) for h in heads[:4])
         group = int(heads[4]) if len(heads) > 4 else Hv // max(Hk, 1)   # value head h reads key head (h//group) % Hk
         T, S = qkv.shape[0], slots.shape[0]
@@ -235,7 +235,8 @@ class Backend(CudaRuntime):
         if T and S:
             self._launch("delta_rule", (Hv, S), (cdiv(dv, 32) * 32,),
                          (out, qkv, a, b, *(w.data if isinstance(w, Weight) else w for w in vecs), state, starts,
-                          slots, positions, _i32(Hk), _i32(Hv), _i32(dk), _i32(dv), _i32(group), _f32(dk ** -0.5)))
+                          slots, positions, _i32(Hk), _i32(Hv), _i32(dk), _i32(dv), _i32(group), _f32(dk ** -0.5),
+                          _i32(bool(stepwise))))
 
     @guarded
     def gate_mul(self, out, x, gate, act):

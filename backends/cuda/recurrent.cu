@@ -160,7 +160,7 @@ CE_DEV void delta_load_rows(float* sq, float* sk, float* sg, float* sbeta, float
 extern "C" __global__ void delta_rule(float* out, const float* qkv, const float* a, const float* b, const float* a_neg,
                                       const float* dt_bias, float* state, const int* starts, const int* slots,
                                       const int* positions, int Hk, int Hv, int dk, int dv, int group,
-                                      float qscale) {
+                                      float qscale, int stepwise) {
     __shared__ float sq[DELTA_CHUNK * DELTA_MAX_DK];     // the chunk's q rows [n, dk]; then W
     __shared__ float sk[DELTA_CHUNK * DELTA_MAX_DK];     // its k rows [n, dk]
     __shared__ float sA[DELTA_CHUNK][DELTA_CHUNK];       // A = strictly_lower((beta k) k^T * D)
@@ -182,24 +182,29 @@ extern "C" __global__ void delta_rule(float* out, const float* qkv, const float*
     bool fresh = positions[r0] == 0;                 // S = 0: its slot is never read
     const float ah = a_neg[h], dth = dt_bias[h];
 
-    if (r1 - r0 == 1) {                              // decode: the recurrence, one token
-        delta_load_rows(sq, sk, sg, sbeta, seG, sdec, snorm, qkv, a, b, ah, dth, r0, 1, h, kh, Hk, Hv, dk, width,
-                        qscale);
-        if (!own) return;                            // no barrier after this point
-        const float eg = seG[0], beta = sbeta[0];
-        // kv_j = sum_i (e^g S[i,j]) k_i;   d_j = beta (v_j - kv_j)
-        float kv = 0.f;
-        if (!fresh)
-            for (int i = 0; i < dk; ++i) kv += Sj[(size_t)i * dv] * eg * sk[i];
-        const float d = beta * (qkv[(size_t)r0 * width + voff + j] - kv);
-        // S[i,j] = e^g S[i,j] + k_i d_j;   o_j = sum_i S[i,j] q_i
-        float o = 0.f;
-        for (int i = 0; i < dk; ++i) {
-            const float x = (fresh ? 0.f : Sj[(size_t)i * dv] * eg) + sk[i] * d;
-            Sj[(size_t)i * dv] = x;
-            o += x * sq[i];
+    if (r1 - r0 == 1 || stepwise) {                  // decode: the recurrence, token by token (stepwise: a
+        for (int t = r0; t < r1; ++t) {              // verification of drafted tokens, decode's arithmetic)
+            delta_load_rows(sq, sk, sg, sbeta, seG, sdec, snorm, qkv, a, b, ah, dth, t, 1, h, kh, Hk, Hv, dk,
+                            width, qscale);
+            if (own) {
+                const float eg = seG[0], beta = sbeta[0];
+                // kv_j = sum_i (e^g S[i,j]) k_i;   d_j = beta (v_j - kv_j)
+                float kv = 0.f;
+                if (!fresh)
+                    for (int i = 0; i < dk; ++i) kv += Sj[(size_t)i * dv] * eg * sk[i];
+                const float d = beta * (qkv[(size_t)t * width + voff + j] - kv);
+                // S[i,j] = e^g S[i,j] + k_i d_j;   o_j = sum_i S[i,j] q_i
+                float o = 0.f;
+                for (int i = 0; i < dk; ++i) {
+                    const float x = (fresh ? 0.f : Sj[(size_t)i * dv] * eg) + sk[i] * d;
+                    Sj[(size_t)i * dv] = x;
+                    o += x * sq[i];
+                }
+                out[(size_t)t * Hv * dv + (size_t)h * dv + j] = o;
+            }
+            fresh = false;
+            __syncthreads();                         // every reader of this token's rows is done
         }
-        out[(size_t)r0 * Hv * dv + (size_t)h * dv + j] = o;
         return;
     }
 

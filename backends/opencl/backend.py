@@ -275,7 +275,7 @@ class Backend(OpenCLRuntime):
         the per-token G, beta and norms [4 DELTA_CHUNK], the reduction's [L] (floats)."""
         return 4 * (3 * Cm * dk + 2 * Cm * Cm + 4 * DELTA_CHUNK + L)
 
-    def delta_rule(self, out, qkv, a, b, a_neg, dt_bias, state, starts, slots, positions, heads):
+    def delta_rule(self, out, qkv, a, b, a_neg, dt_bias, state, starts, slots, positions, heads, stepwise=False):
         Hk, Hv, dk, dv = (int(v) for v in heads[:4])
         # value head h reads key head (h // group) % Hk: group Hv / Hk (grouped, the default) or 1 (tiled)
         group = int(heads[4]) if len(heads) > 4 else Hv // max(Hk, 1)
@@ -303,7 +303,7 @@ class Backend(OpenCLRuntime):
                                f"local memory (chunks of {Cm} tokens), the OpenCL device has {self.local_mem}")
         lm = self.cl.LocalMemory
         self._launch(k, (L * Hv, S), (L, 1), out, qkv, a, b, an, dt, state, starts, slots, positions,
-                     Hk, Hv, dk, dv, group, float(np.float32(dk ** -0.5)),
+                     Hk, Hv, dk, dv, group, float(np.float32(dk ** -0.5)), int(bool(stepwise)),
                      lm(4 * Cm * dk), lm(4 * Cm * dk), lm(4 * Cm * dk), lm(4 * Cm * Cm), lm(4 * Cm * Cm),
                      lm(4 * 4 * DELTA_CHUNK), lm(4 * L))
 

@@ -178,7 +178,7 @@ inline void delta_load(__global const float* qkv, __global const float* a, __glo
 __kernel void delta_rule(ARG(float, out), CARG(float, qkv), CARG(float, a), CARG(float, b), CARG(float, a_neg),
                          CARG(float, dt_bias), ARG(float, state), CARG(int, starts), CARG(int, slots),
                          CARG(int, positions), const int Hk, const int Hv, const int dk, const int dv,
-                         const int group, const float qscale, __local float* q_loc, __local float* k_loc,
+                         const int group, const float qscale, const int stepwise, __local float* q_loc, __local float* k_loc,
                          __local float* w_loc, __local float* a_loc, __local float* qk_loc, __local float* tok_loc,
                          __local float* red)
 {
@@ -203,11 +203,12 @@ __kernel void delta_rule(ARG(float, out), CARG(float, qkv), CARG(float, a), CARG
      * 1 or 2) when decode and prefill each call delta_load in their own branch, and writes out of
      * bounds when a column loop after the barriers is written `for (j = lid; j < dv; j += L)`. Hence one
      * loop and one delta_load for both, and the column loops as `j = j0 + lid ... continue`. */
-    const int n = r1 - r0;
-    for (int t0 = r0; t0 < r1; t0 += DELTA_CHUNK) {
-        const int C = min(DELTA_CHUNK, r1 - t0);
+    /* stepwise (a verification of drafted tokens): every token by the recurrence, decode's arithmetic */
+    const int one = stepwise || r1 - r0 == 1;
+    for (int t0 = r0; t0 < r1; t0 += one ? 1 : DELTA_CHUNK) {
+        const int C = one ? 1 : min(DELTA_CHUNK, r1 - t0);
         delta_load(qkv, a, b, a_neg, dt_bias, t0, C, h, hk, Hk, Hv, dk, ld, qscale, q_loc, k_loc, tok_loc, red);
-        if (n == 1) {
+        if (one) {
             /* decode: the recurrence, one token */
             const float eg = exp(G[0]), bt = beta[0];
             for (int j0 = 0; j0 < dv; j0 += L) {
@@ -220,7 +221,7 @@ __kernel void delta_rule(ARG(float, out), CARG(float, qkv), CARG(float, a), CARG
                 if (!fresh)
                     for (int i = 0; i < dk; ++i)
                         kv += (eg * Sj[(size_t)i * dv]) * k_loc[i];
-                const float d = bt * (qkv[(size_t)r0 * ld + voff + j] - kv);
+                const float d = bt * (qkv[(size_t)t0 * ld + voff + j] - kv);
                 /* S[i, j] = e^g S[i, j] + k_i d_j,  o_j = sum_i S[i, j] q_i */
                 float o = 0.0f;
                 for (int i = 0; i < dk; ++i) {
@@ -228,7 +229,7 @@ __kernel void delta_rule(ARG(float, out), CARG(float, qkv), CARG(float, a), CARG
                     Sj[(size_t)i * dv] = sij;
                     o += sij * q_loc[i];
                 }
-                out[(size_t)r0 * ldo + h * dv + j] = o;
+                out[(size_t)t0 * ldo + h * dv + j] = o;
             }
         } else {
             /* prefill: the chunked form */

@@ -305,7 +305,7 @@ class Backend(BackendBase):
 
     delta_chunk = DELTA_CHUNK
 
-    def delta_rule(self, out, qkv, a, b, a_neg, dt_bias, state, starts, slots, positions, heads):
+    def delta_rule(self, out, qkv, a, b, a_neg, dt_bias, state, starts, slots, positions, heads, stepwise=False):
         Hk, Hv, dk, dv = heads[:4]
         for s in range(len(slots)):
             r0, r1 = int(starts[s]), int(starts[s + 1])
@@ -313,7 +313,7 @@ class Backend(BackendBase):
                 continue
             S = np.zeros((Hv, dk, dv), np.float32) if positions[r0] == 0 else state[slots[s]].copy()
             q, k, v, g, beta = delta_inputs(qkv[r0:r1], a[r0:r1], b[r0:r1], a_neg, dt_bias, heads)
-            o = delta_rule_recurrent(q, k, v, g, beta, S) if r1 - r0 == 1 else \
+            o = delta_rule_recurrent(q, k, v, g, beta, S) if r1 - r0 == 1 or stepwise else \
                 delta_rule_chunked(q, k, v, g, beta, S, self.delta_chunk)
             out[r0:r1] = o.reshape(r1 - r0, Hv * dv)
             state[slots[s]] = S

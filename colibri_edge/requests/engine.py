@@ -86,6 +86,7 @@ GEN_ARGS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "
 SAMPLING_EXTRAS = {"min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
                    "top_logprobs"}
 GRAMMAR_ARGS = ("response_format", "grammar", "regex", "json_schema", "lark")     # constrain.grammar_spec
+DRAFT_ARGS = ("draft", "draft_tokens")          # speculative decoding per request (draft.py)
 STEP_WINDOW = 4096     # decode steps whose times the step percentiles cover (the latest ones)
 
 
@@ -114,15 +115,33 @@ class Stats:
     first_token_seconds: float = 0.0
     prompt_tokens: int = 0          # prompt tokens of the generation requests admitted
     cached_tokens: int = 0          # ... of which found in the prefix cache (not prefilled)
+    draft_proposed: int = 0         # drafted tokens verified (speculative decoding)
+    draft_accepted: int = 0         # ... of which the model agreed with (each a token gained)
+    draft_steps: int = 0            # verifications (a request's drafts in a step)
     step_seconds: np.ndarray = field(default_factory=lambda: np.zeros(STEP_WINDOW), repr=False)
 
-    def add_decode_step(self, seconds: float, tokens: int):
-        """One decode step: its time goes into a fixed ring (the latest STEP_WINDOW steps; nothing
-        is allocated per step)."""
+    def add_decode_step(self, seconds: float, tokens: int, rows: int | None = None):
+        """One decode step of `rows` requests emitting `tokens` (more than rows when drafts were
+        accepted): its time goes into a fixed ring (the latest STEP_WINDOW steps; nothing is allocated
+        per step)."""
         self.step_seconds[self.decode_steps % STEP_WINDOW] = seconds
         self.decode_seconds += seconds
         self.decode_tokens += tokens
+        self.decode_rows += tokens if rows is None else rows
         self.decode_steps += 1
+
+    decode_rows: int = 0            # decode entries over all decode steps (request-steps)
+
+    @property
+    def tokens_per_stream_step(self) -> float:
+        """Tokens a request gets per decode step it takes part in: 1 without drafts, 1 + accepted drafts
+        per verification with them (0 before any)."""
+        return self.decode_tokens / self.decode_rows if self.decode_rows else 0.0
+
+    @property
+    def acceptance(self) -> float:
+        """Drafted tokens accepted / drafted tokens verified (0 before any)."""
+        return self.draft_accepted / self.draft_proposed if self.draft_proposed else 0.0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -146,7 +165,8 @@ class Engine:
                  int8_activations=None,
                  device=None, max_queue=1024, interleave=2.0, core_thread=None, memory_budget=None, top_k=None,
                  chat_template=None, prefix_cache=True, kv_dtype=None, state_snapshots=None, snapshot_every=1024,
-                 settle_replies=False, profile=False, adapters=None, adapter_dtype="auto"):
+                 settle_replies=False, profile=False, adapters=None, adapter_dtype="auto", draft="off",
+                 draft_tokens=5):
         # chat_template: a Jinja file's path or the template text, over the model's own (textio.load_chat_template);
         # a model with neither renders chats as ChatML, with a warning (textio.FALLBACK_CHAT_TEMPLATE)
         from .textio import load_chat_template
@@ -216,11 +236,16 @@ class Engine:
         # memory_budget: bytes the engine may allocate (arena, KV pool, expert slots); kept for the dashboard
         self.memory_budget = None if memory_budget is None else sampling.integer("memory_budget", memory_budget, 1,
                                                                                  1 << 60)
+        # speculative decoding (draft.py): every request's default (a request may choose its own); on a
+        # model with recurrent layers, drafting needs a copy of each state to roll back to (allocated here)
+        from .draft import check_draft
+        self.draft, self.draft_tokens = check_draft(draft, draft_tokens)
         self.runner = Runner(self.model, self.backend, rows, self.max_batch, self.max_seq_len,
                              -(-int(kv_cache_tokens) // block), block, snapshots=snapshots,
                              snapshot_every=snapshot_every,
                              expert_slots=slots or None, slot_policy=policy,
-                             memory_budget=self.memory_budget, kv_dtype=self.kv_dtype)
+                             memory_budget=self.memory_budget, kv_dtype=self.kv_dtype,
+                             draft_states=self.draft != "off")
         # prefix caching (runtime/state.py States.adopt_prefix): a request starts from the longest
         # prefix of whole KV blocks an earlier one left in the pool, prefilling only the rest
         if not use_prefix:
@@ -493,7 +518,7 @@ class Engine:
         unknown = sorted(set(extra) - SAMPLING_EXTRAS)
         if unknown:
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"unknown generation argument {unknown[0]!r}; "
-                               f"known: {', '.join(sorted(SAMPLING_EXTRAS | set(GEN_ARGS) | set(GRAMMAR_ARGS)))}")
+                               f"known: {', '.join(sorted(SAMPLING_EXTRAS | set(GEN_ARGS) | set(GRAMMAR_ARGS) | set(DRAFT_ARGS)))}")
         p = sampling.SamplingParams.make(self.config["vocab_size"], self.eos_token_ids, max_new_tokens, temperature,
                                          top_p, top_k, seed, stop, ignore_eos, **extra)
         if p.stops:
@@ -525,6 +550,15 @@ class Engine:
         reqs = self._submit([prompt] * n, priority, notify, _share=True, **gen)
         return reqs
 
+    def _draft_mode(self, mode, k) -> tuple:
+        from .draft import check_draft
+        mode, k = check_draft(mode, k)
+        if mode != "off" and self.runner.states.fixed and self.runner.kept is None:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"draft={mode!r}: this model has recurrent layers, and "
+                               "drafting on them keeps a copy of each sequence's state to roll back to; open the "
+                               "engine with draft='ngram' or draft='auto' (it allocates the copies)")
+        return mode, k
+
     def _grammars(self):
         """The engine's grammar engine (constrain.Grammars), built on first use from tokenizer.json."""
         if self._grammar_engine is None:
@@ -539,12 +573,16 @@ class Engine:
         lora = self._adapter(gen.pop("adapter", None))
         from .constrain import grammar_spec
         spec = grammar_spec(**{k: gen.pop(k) for k in GRAMMAR_ARGS if k in gen})
+        mode, k = self._draft_mode(gen.pop("draft", self.draft), gen.pop("draft_tokens", self.draft_tokens))
         params = self._params(**gen)
         pri = priority if isinstance(priority, (list, tuple)) else [priority] * len(prompts)
         pri = [sampling.integer("priority", x, -(1 << 20), 1 << 20) for x in pri]
         reqs = [Request(self._prompt_ids(p), params, pri[i], i, notify) for i, p in enumerate(prompts)]
         for r in reqs:
             r.adapter = lora
+            if mode != "off":
+                from .draft import DraftState
+                r.draft = DraftState(mode, k, r.prompt)
         if spec is not None:
             first = self._grammars().matcher(spec)        # a grammar that does not compile: raised here
             for i, r in enumerate(reqs):

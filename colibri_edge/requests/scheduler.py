@@ -155,6 +155,9 @@ class Request:
         self.adapter = None             # its LoRA adapter (runtime/lora.Loaded), or None: the base model
         self.score = False              # a scoring request (Engine.infer / trace): every prompt token's
         self.chunks: list = []          # logits, gathered chunk by chunk; it finishes when the prompt is in
+        self.draft = None               # draft.DraftState: speculative decoding (None: off)
+        self.refeed: list = []          # produced tokens a rejected draft rolled out of a recurrent state:
+                                        # fed again, before the pending one, by the next step
 
     @property
     def hash_seed(self) -> bytes:
@@ -458,7 +461,7 @@ class Core:
             v.produced.append(v.pending)
             v.counts[v.pending] = v.counts.get(v.pending, 0) + 1
         v.ctx = np.concatenate([v.prompt, np.asarray(v.produced, np.int32)]) if v.produced else v.prompt
-        v.pos, v.pending = 0, None
+        v.pos, v.pending, v.refeed = 0, None, []
         v.hashes = []
         v.chunks.clear()
         with self.cond:
@@ -486,7 +489,7 @@ class Core:
                 continue
             while True:
                 try:
-                    runner.reserve(r.seq, 1)
+                    runner.reserve(r.seq, 1 + len(r.refeed))
                     decode.append(r)
                     break
                 except ColibriError as err:
@@ -498,8 +501,17 @@ class Core:
                                      "runs alone: the pool cannot hold its context)"))
                         break
         decode = [r for r in decode if r in self.running]
+        recurrent = bool(runner.states.fixed)
+        feeds = {id(r): r.refeed + [r.pending] for r in decode}
+        drafts = self._drafts(decode, feeds, recurrent) if decode else {}
+        for r in decode:
+            feeds[id(r)] += drafts.get(id(r), [])
+        ndec_tok = sum(len(f) for f in feeds.values())
+        # a recurrent layer verifies token by token (its decode arithmetic, so drafting changes no token);
+        # such a step carries no prefill chunk (those run the chunked form)
+        stepwise = recurrent and ndec_tok > len(decode)
         # 2. prefill chunks under the token budget
-        budget = min(runner.max_rows - len(decode), e.prefill_chunk)
+        budget = 0 if stepwise else min(runner.max_rows - ndec_tok, e.prefill_chunk)
         t_dec = self.cost(len(decode)) if decode and e.interleave > 0 and budget > 1 else None
         if t_dec is not None:
             # the prefill part may take (interleave - 1) decode steps, or, when more requests wait for
@@ -509,9 +521,8 @@ class Core:
             share = max(e.interleave - 1, prefilling / len(decode))
             fits = self.cost(np.arange(len(decode) + 1, len(decode) + budget + 1)) <= t_dec * (1 + 0.9 * share)
             budget = max(1, int(np.argmin(fits)) if not fits.all() else budget)   # 0.9: a margin for noise
-        entries = [(r.seq, [r.pending]) for r in decode]
+        entries = [(r.seq, feeds[id(r)]) for r in decode]
         owners = [(r, True) for r in decode]
-        recurrent = bool(runner.states.fixed)
         for r in sorted(self.running, key=lambda q: q.score == SETTLE):     # re-prefills of replies last
             if r.pending is not None or r.pos >= len(r.ctx) or budget <= 0 or len(entries) >= e.max_batch:
                 continue
@@ -531,19 +542,23 @@ class Core:
             budget -= n
         if not entries:
             return
-        # a scoring request's chunk wants the logits of every token it feeds; every other entry its last
-        scoring = [r.score in (True, "hidden") for r, _ in owners]
+        # a scoring request's chunk wants the logits of every token it feeds, and so does a decode entry
+        # verifying drafts (or feeding tokens again); every other entry its last
+        scoring = [r.score in (True, "hidden") or (d and len(t) > 1) for (r, d), (_, t) in zip(owners, entries)]
         scoring = scoring if any(scoring) else False
+        bases = [r.seq.cached for r in decode]
+        if stepwise:
+            for r in decode:
+                if len(feeds[id(r)]) > 1 + len(r.refeed):
+                    runner.keep_state(r.seq)             # the state to roll back to when a draft is rejected
         t0 = time.perf_counter()
-        logits = e.backend.host_view(runner.step(entries, all_logits=scoring))
+        logits = e.backend.host_view(runner.step(entries, all_logits=scoring, stepwise=stepwise))
         hidden = e.backend.host_view(runner.hidden) if scoring and any(r.score == "hidden" for r, _ in owners) \
             else None
         dt = time.perf_counter() - t0
         ndec = len(decode)
         npre = sum(len(t) for _, t in entries[ndec:])
-        self.cost.add(ndec + npre, dt)
-        if ndec:
-            e.stats.add_decode_step(dt, ndec)
+        self.cost.add(ndec_tok + npre, dt)
         settled = sum(len(t) for (r, _), (_, t) in zip(owners, entries) if r.score == SETTLE)
         e.stats.settle_tokens += settled
         npre -= settled
@@ -553,7 +568,13 @@ class Core:
         # 3. sample: decode rows, and prefill chunks that completed their context
         row = 0
         B = runner.states.prefix_block
-        for (r, was_decode), (_, toks) in zip(owners, entries):
+        emitted = 0
+        for i, ((r, was_decode), (_, toks)) in enumerate(zip(owners, entries)):
+            if was_decode and len(toks) > 1:             # drafts to verify, or tokens fed again
+                emitted += self._verify(r, logits[row:row + len(toks)], toks, bases[i], recurrent)
+                row += len(toks)
+                continue
+            emitted += was_decode
             if B and r.seq.cached // B > len(r.hashes):
                 self._publish(r, was_decode)
                 if not was_decode and runner.states.snapshots is not None:
@@ -577,6 +598,105 @@ class Core:
             elif r.pos < len(r.ctx):
                 continue                                 # more of the prompt next step
             self._sample(r, logits[row - 1])
+        if ndec:
+            e.stats.add_decode_step(dt, emitted, ndec)
+
+    def _drafts(self, decode: list, feeds: dict, recurrent: bool) -> dict:
+        """The drafted tokens each decoding request verifies this step (draft.py): id(request) -> list.
+        A request drafts when it asked to (draft != "off"), follows no grammar, has room for them (tokens
+        left to generate, max_seq_len, KV blocks: a draft never preempts anyone) and, on a model with
+        recurrent layers, no request waits for prefill (a verifying step carries no prefill chunk).
+        "auto" sizes each draft by the step-cost curve and the request's acceptance (draft.choose_drafts)."""
+        from .draft import choose_drafts
+        e = self.e
+        wants = []
+        if recurrent and any(r.pending is None and r.seq is not None and r.pos < len(r.ctx) for r in self.running):
+            return {}
+        room = e.runner.max_rows - sum(len(f) for f in feeds.values())
+        for r in decode:
+            st = r.draft
+            if st is None or r.constraint is not None:
+                continue
+            m = len(st.seq) - len(r.prompt)              # it has seen prompt + produced[:m]
+            st.extend(r.produced[m:] + [r.pending])
+            st.check_shadow()
+            k = min(st.k, r.params.max_new_tokens - len(r.produced) - 2,
+                    e.max_seq_len - r.seq.cached - len(feeds[id(r)]) - 1)
+            prop = [int(t) for t in st.drafter.propose(k)][:k] if k > 0 else []
+            if prop:
+                wants.append((r, st, prop))
+        if not wants:
+            return {}
+        if any(st.mode == "auto" for _, st, _ in wants):
+            ks = choose_drafts(self.cost, sum(len(f) for f in feeds.values()), [(st, p) for _, st, p in wants])
+        else:
+            ks = [len(p) for _, _, p in wants]
+        out = {}
+        for (r, st, prop), k in zip(wants, ks):
+            if st.mode == "auto" and k == 0:
+                st.shadow, st.shadow_at = list(prop), len(st.seq)   # checked once the tokens exist
+                continue
+            k = min(k, room)
+            if k <= 0:
+                continue
+            try:
+                e.runner.reserve(r.seq, len(feeds[id(r)]) + k)
+            except ColibriError:
+                continue                                 # no room for the drafts: this step decodes plainly
+            out[id(r)] = prop[:k]
+            room -= k
+        return out
+
+    def _verify(self, r: Request, rows, toks, base: int, recurrent: bool) -> int:
+        """A decode entry of several tokens: r.refeed (fed again, logits unused), the pending token, then
+        drafts. Row j of the pending token and drafts is sampled as a decode step would sample it (the
+        same RNG draw, penalties, stops, logprobs); draft j is accepted when the model's token equals
+        it, which for a proposal without a distribution (prompt lookup) is the speculative-sampling rule
+        itself: accepted with probability p(d), else a token from p with d removed, renormalised. The
+        first miss ends the run: its token becomes the pending one and the positions past it are rolled
+        back (KV: the sequence's length; a recurrent state: restored from before the step, and the kept
+        tokens fed again, token by token, by the next step). -> tokens emitted."""
+        e, states = self.e, self.e.runner.states
+        nref = len(r.refeed)
+        drafts = list(toks[nref + 1:])
+        k = len(drafts)
+        r.refeed = []
+        r.produced.append(r.pending)
+        r.counts[r.pending] = r.counts.get(r.pending, 0) + 1
+        r.pending = None
+        B = states.prefix_block
+        accepted, emitted = 0, 0
+        for j in range(k + 1):
+            r.seq.cached = base + nref + 1 + j
+            if B and not recurrent and r.seq.cached // B > len(r.hashes):
+                self._publish(r, False)
+            d = drafts[j] if j < k else None
+            self._sample(r, rows[nref + j])
+            emitted += 1
+            if r.finished or d is None or r.pending != d:
+                break
+            accepted += 1
+            r.produced.append(d)
+            r.counts[d] = r.counts.get(d, 0) + 1
+            r.pending = None
+        if k:
+            e.stats.draft_proposed += k
+            e.stats.draft_accepted += accepted
+            e.stats.draft_steps += 1
+            if r.draft is not None:
+                r.draft.observe(k, accepted)
+        if r.finished or r.seq is None:
+            return emitted
+        if recurrent and accepted < k:
+            kept = list(toks[:nref + 1 + accepted])
+            e.runner.restore_kept(r.seq)
+            r.seq.cached = base
+            r.refeed = kept
+        else:
+            r.seq.cached = base + nref + 1 + accepted
+            if B and r.seq.cached // B > len(r.hashes):
+                self._publish(r, False)
+        return emitted
 
     def _publish(self, r: Request, was_decode: bool):
         """Name r's newly whole blocks by their prefix hashes (prefix caching). The sequence holds

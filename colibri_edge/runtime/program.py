@@ -217,7 +217,7 @@ class GatedDeltaNet:
                 s.lora.linear(out, s.h, w)
         be.causal_conv(L.conv, L.qkv, self.conv, self.conv_state, s.starts, slots, s.pos)
         be.delta_rule(L.core, L.conv, L.a, L.b, self.a_neg, self.dt_bias, self.ssm_state, s.starts, slots, s.pos,
-                      self.heads)
+                      self.heads, s.stepwise)
         be.rmsnorm(L.core_heads, L.core_heads, self.norm, self.eps)
         be.gate_mul(L.core_heads, L.core_heads, L.z_heads, "silu")
         be.matmul(s.o, L.core, self.wo)

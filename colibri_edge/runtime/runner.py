@@ -86,6 +86,7 @@ class StepViews:
         self.y_dense, self.scratch_dense, self.zeros = a["y"][:T], a["scratch"][:T], a["zeros"][:T]
         self.pred_router, self.pred_ids, self.pred_w = a["pred_router"][:T], a["pred_ids"][:T], a["pred_w"][:T]
         self.rows, self.sel, self.logits = inputs["rows"][:nrows], a["sel"][:nrows], a["logits"][:nrows]
+        self.stepwise = False           # recurrent layers run every token by the recurrence (drafts' verification)
         self.dense_plan = None          # the 1-expert plan of shared experts and dense MLPs, per step
         self.lora = None                # the step's adapters (runtime/lora.py StepLora), or None
         self.mla = LatentViews(a, cfg, T) if cfg.get("latent_attention") else None
@@ -138,8 +139,11 @@ class Runner:
     def __init__(self, model: ModelDir, backend, max_rows: int, max_batch: int,
                  max_seq_len: int, num_kv_blocks: int, block_size: int,
                  expert_slots: int | None = None, slot_policy: str = "lru", memory_budget: int | None = None,
-                 kv_dtype: str = "float32", snapshots: int = 0, snapshot_every: int = 0):
+                 kv_dtype: str = "float32", snapshots: int = 0, snapshot_every: int = 0, draft_states: bool = False):
         self.model, self.be, self.cfg = model, backend, model.config
+        # draft_states: a copy of each sequence's recurrent state, taken before a step verifies its drafts
+        # (speculative decoding on models with recurrent layers: the state to roll back to)
+        self.draft_states = bool(draft_states)
         cfg = self.cfg
         self.max_rows, self.max_batch, self.max_seq_len = max_rows, max_batch, max_seq_len
         self.block_size = block_size
@@ -217,6 +221,8 @@ class Runner:
         be = self.be
         need = {"arena (max_batch, prefill_chunk)": arena.nbytes(self.spec),
                 "KV cache (kv_cache_tokens)": self.states.nbytes()}
+        if self.draft_states and self.states.fixed:
+            need["recurrent state copies (draft)"] = self._draft_bytes()
         if expert_slots is not None:
             need["expert slots (expert_slots)"] = int(expert_slots) * max(e.weight_size for e in self.model.experts)
         if be.copies_weights:
@@ -260,6 +266,9 @@ class Runner:
         for layer in self.program.layers:
             layer.mixer.bind(self.state_storage, layer.index)
         self.state_bytes_per_seq = sum(p.bytes_per_seq() for p in self.states.fixed)
+        # the drafts' rollback copies: the first fixed pool's tensors, one slot per state slot
+        self.kept = {key: be.alloc(*self.states.buffers()[key]["data"]) for key in self._fixed_storage()} \
+            if self.draft_states and self.states.fixed else None
         for moe in self.program.moe:
             moe.tally = a["expert_counts"][moe.index]
 
@@ -278,6 +287,29 @@ class Runner:
         states = self.states
         fi, si = states.pools.index(states.fixed[0]), states.pools.index(states.snapshots)
         return [((fi, *k), (si, *k)) for k in states.fixed[0].storage()]
+
+    def _fixed_storage(self) -> list:
+        """The storage keys of the (first) fixed pool's tensors: the recurrent state a step updates."""
+        fi = self.states.pools.index(self.states.fixed[0])
+        return [(fi, *k) for k in self.states.fixed[0].storage()]
+
+    def _draft_bytes(self) -> int:
+        return self.states.fixed[0].nbytes()
+
+    def keep_state(self, seq):
+        """Copy seq's recurrent state aside (before a step that verifies drafts; restore_kept undoes it)."""
+        if self.kept is None:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, "drafting on a model with recurrent layers needs the "
+                               "engine opened with draft='ngram' or 'auto' (it keeps a copy of each state)")
+        slot = seq.slots[0]
+        for key, copy in self.kept.items():
+            self.be.copy_into(copy[slot], self.state_storage[key][slot])
+
+    def restore_kept(self, seq):
+        """seq's recurrent state back to the copy keep_state took."""
+        slot = seq.slots[0]
+        for key, copy in self.kept.items():
+            self.be.copy_into(self.state_storage[key][slot], copy[slot])
 
     def restore(self, seq):
         """seq (reserved) starts from the snapshot adopt_prefix chose: copied into its fixed slot."""
@@ -324,11 +356,12 @@ class Runner:
                                              nrows, fixed, nseq)
         return v
 
-    def step(self, entries, all_logits=False):
+    def step(self, entries, all_logits=False, stepwise=False):
         """entries: list of (SeqState, token ids) whose state is reserved.
         Returns logits [rows, V] (a view into the arena, valid until the next step): every token's
         when all_logits, else each entry's last token's, in entry order; all_logits may also be one
-        bool per entry (a scoring request's chunk beside decode rows)."""
+        bool per entry (a scoring request's chunk beside decode rows). stepwise: recurrent layers run
+        each sequence's tokens one at a time, as decode does (a verification of drafted tokens)."""
         T = sum(len(t) for _, t in entries)
         if T > self.max_rows or len(entries) > self.max_batch:
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"step of {T} tokens / {len(entries)} sequences "
@@ -384,7 +417,7 @@ class Runner:
         self.be.begin_step()
         self.be.upload_into(self.a["inputs"], self.h_inputs)
         s = self.views(T, nrows, len(entries))
-        s.lora = lora
+        s.lora, s.stepwise = lora, bool(stepwise)
         if lora is None and all_logits is False and nrows == T and not self.hooks and self.slot_pool is None:
             # a decode step (one token per sequence): a GPU backend captures it once per shape and
             # replays it (CUDA graphs); only when nothing needs the host inside the step

@@ -278,7 +278,7 @@ def _open_kw(a) -> dict:
     """Engine.open arguments of the engine flags (_add_engine_args)."""
     kw = dict(backend=a.backend, max_seq_len=a.max_seq_len, expert_slots=a.expert_slots,
               slot_policy=a.slot_policy, top_k=a.experts_per_token, num_threads=a.threads,
-              chat_template=a.chat_template, kv_dtype=a.kv_dtype)
+              chat_template=a.chat_template, kv_dtype=a.kv_dtype, draft=a.draft, draft_tokens=a.draft_tokens)
     if getattr(a, "lora", None):
         kw["adapters"] = {"lora": a.lora}
     return kw
@@ -312,6 +312,11 @@ def _cmd_run(a):
         print(f"\n[colibri] backend {eng.backend.name}: prefill {st.prefill_tokens} tok at {pre:.1f} tok/s, "
               f"decode {st.decode_tokens} tok at {dec:.1f} tok/s, wall {time.perf_counter() - t0:.2f}s",
               file=sys.stderr)
+        if st.draft_proposed or eng.draft != "off":
+            print(f"[colibri] drafts ({eng.draft}, up to {eng.draft_tokens}): {st.draft_accepted} of "
+                  f"{st.draft_proposed} drafted tokens accepted ({100 * st.acceptance:.0f}%) in {st.draft_steps} "
+                  f"verifications; {st.tokens_per_stream_step:.2f} tokens per decode step",
+                  file=sys.stderr)
         counts = eng.expert_counts
         print("[colibri] experts fired per layer (tokens routed to each expert):", file=sys.stderr)
         for l in eng.config["layers"]:
@@ -760,6 +765,12 @@ def _add_engine_args(p, per_model=False):
     p.add_argument("--kv-dtype", default=None, choices=list(KV_DTYPES),
                    help="the KV cache's storage type: float32, float16 (half the bytes) or q8_0 (about a quarter; "
                         "reference and cpu backends) (default: COLIBRI_KV_DTYPE or float32)", **act)
+    p.add_argument("--draft", default="off", choices=["off", "ngram", "auto"],
+                   help="speculative decoding: ngram (prompt lookup: drafts what followed the last tokens earlier "
+                        "in the prompt or output, verified in one step), auto (ngram only while the measured step "
+                        "costs say it pays), off (default)", **act)
+    p.add_argument("--draft-tokens", type=int, default=5, metavar="N",
+                   help="drafted tokens verified per step at most (default 5)", **act)
 
 
 def _add_sampling_args(p, max_new=48):
@@ -780,7 +791,8 @@ PER_MODEL = {"backend": "backend", "max_seq_len": "max_seq_len", "expert_slots":
              "slot_policy": "slot_policy", "experts_per_token": "top_k", "threads": "num_threads",
              "chat_template": "chat_template", "max_batch": "max_batch", "kv_cache_tokens": "kv_cache_tokens",
              "prefill_chunk": "prefill_chunk", "interleave": "interleave", "kv_dtype": "kv_dtype",
-             "state_snapshots": "state_snapshots", "snapshot_every": "snapshot_every"}
+             "state_snapshots": "state_snapshots", "snapshot_every": "snapshot_every", "draft": "draft",
+             "draft_tokens": "draft_tokens"}
 
 
 class _PerModel(argparse.Action):

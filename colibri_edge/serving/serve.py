@@ -85,7 +85,11 @@ class _Metrics:
                     ("expert_slot_hit_rate", "Expert slot pool hit rate (1 when every expert is resident)"),
                     ("kv_blocks_cached", "KV blocks named in the prefix cache (held or idle)"),
                     ("state_snapshots_held", "Recurrent-state snapshots kept for prefix caching (hybrid models)"),
-                    ("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens admitted"))}
+                    ("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens admitted"),
+                    ("draft_tokens_proposed", "Drafted tokens verified (speculative decoding; a counter)"),
+                    ("draft_tokens_accepted", "Drafted tokens the model agreed with (a counter)"),
+                    ("draft_acceptance", "Drafted tokens accepted / drafted tokens verified"),
+                    ("decode_tokens_per_step", "Tokens emitted per decode step and request stream: 1 without drafts"))}
                 for name, h in hosts.items():
                     e = h.engine
                     if e.closed:
@@ -104,6 +108,10 @@ class _Metrics:
                     snaps = e.runner.states.snapshots
                     g["state_snapshots_held"].add_metric([name], 0 if snaps is None else snaps.usage()["held"])
                     g["prefix_cache_hit_rate"].add_metric([name], e.stats.prefix_hit_rate)
+                    g["draft_tokens_proposed"].add_metric([name], e.stats.draft_proposed)
+                    g["draft_tokens_accepted"].add_metric([name], e.stats.draft_accepted)
+                    g["draft_acceptance"].add_metric([name], e.stats.acceptance)
+                    g["decode_tokens_per_step"].add_metric([name], e.stats.tokens_per_stream_step)
                 return list(g.values())
         r.register(Pools())
 
