@@ -125,6 +125,37 @@ def test_auto_drafts_only_when_the_cost_curve_says_it_pays():
     assert draft.choose_drafts(moe, 1, [(st(0.2), prop)]) == [0]
     assert draft.choose_drafts(moe, 1, [(st(0.95), prop)])[0] > 0
     assert draft.choose_drafts(None, 1, [(st(0.9), prop)]) == [0]        # nothing measured yet
+    # exploration: a step size the curve has not measured for EXPLORE_AGE steps is tried once, with the
+    # smallest draft that reaches it, by a request that accepts well; not again until it ages again
+    linear.age[1:] = draft.EXPLORE_AGE
+    assert draft.choose_drafts(linear, 1, [(st(0.9), prop)]) == [1]
+    assert draft.choose_drafts(linear, 1, [(st(0.9), prop)]) == [3]      # the next stale size (3 tokens: 2's bucket)
+    assert draft.choose_drafts(linear, 1, [(st(0.3), prop)]) == [0]      # acceptance too low to explore
+    # refresh: the plain step's point PLAIN_REFRESH steps old: a step without drafts, however good they look
+    flat.age[0] = draft.PLAIN_REFRESH
+    assert draft.choose_drafts(flat, 1, [(st(0.9), prop)]) == [0]
+    flat.add(1, 1.0)
+    assert draft.choose_drafts(flat, 1, [(st(0.9), prop)]) == [4]
+
+
+def test_auto_stops_where_drafting_steps_deliver_less_than_plain_ones():
+    """The realized check: once decode steps with verifications yield fewer tokens per second than plain
+    ones, auto drafts only to explore, whatever the curve promises."""
+    c = StepCost(64)
+    for n in (1, 2, 4, 8):
+        c.add(n, 1.0)                                   # a flat curve: drafting looks free
+    s = draft.DraftState("auto", 4, [1, 2, 3])
+    s.accept = 0.9
+    real = draft.Realized()
+    for _ in range(draft.REALIZED_MIN):
+        real.add(False, 1, 0.02)                        # plain: 50 tok/s
+        real.add(True, 3, 0.10)                         # drafting: 30 tok/s
+    assert real.losing()
+    assert draft.choose_drafts(c, 1, [(s, [5, 6, 7, 8])], real) == [0]
+    for _ in range(30):
+        real.add(True, 5, 0.05)                         # drafting pays again (explorations measured it)
+    assert not real.losing()
+    assert draft.choose_drafts(c, 1, [(s, [5, 6, 7, 8])], real) == [4]
 
 
 def test_auto_stops_drafting_what_fails_and_learns_from_shadow_proposals():
@@ -158,3 +189,23 @@ def test_draft_arguments_are_checked(model_cache):
         with pytest.raises(ColibriError) as e:
             eng.generate([3, 4, 5], max_new_tokens=2, draft="ngram")
         assert e.value.code == COLIBRI_ERR_INVALID_ARGUMENT and "draft='ngram'" in e.value.message
+
+
+def test_ngram_memory_drafts_what_an_earlier_request_produced(model_cache):
+    """The engine's n-gram memory: the same prompt again, on an engine that ran it once, drafts the
+    earlier output (its own sequence has no match) and nearly every draft is accepted; the tokens are
+    the undrafted ones. The table alone: chained lookups of the last MEM_N tokens."""
+    mem = draft.NgramMemory(n=3, slots=1 << 10)
+    mem.add([1, 2, 3, 4, 5, 6, 7])
+    assert mem.propose([9, 2, 3, 4], 3) == [5, 6, 7] and mem.propose([3, 2, 1], 2) == []
+    _, col = convert_case(model_cache, "qwen3_moe")
+    prompt = [int(t) for t in np.random.default_rng(5).integers(3, 40, 12)]
+    with Engine.open(col, backend="cpu", max_batch=2, max_seq_len=96) as eng:
+        want = eng.generate(prompt, max_new_tokens=40, ignore_eos=True)
+    with Engine.open(col, backend="cpu", max_batch=2, max_seq_len=96, draft="ngram", draft_tokens=8) as eng:
+        first = eng.generate(prompt, max_new_tokens=40, ignore_eos=True)
+        p0, a0 = eng.stats.draft_proposed, eng.stats.draft_accepted
+        again = eng.generate(prompt, max_new_tokens=40, ignore_eos=True)
+        p1, a1 = eng.stats.draft_proposed - p0, eng.stats.draft_accepted - a0
+    assert list(first) == list(want) and list(again) == list(want)
+    assert a1 >= 30 and a1 >= 0.9 * p1 and a1 > a0, (p0, a0, p1, a1)

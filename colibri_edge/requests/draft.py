@@ -32,8 +32,10 @@ from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_UNA
 MAX_DRAFT_TOKENS = 16
 NGRAM_MAX, NGRAM_MIN = 4, 2         # the suffix lengths matched, longest first (vLLM's prompt lookup defaults)
 ACCEPT_PRIOR = 0.5                  # a request's acceptance before it has any (auto's first guess)
-ACCEPT_DECAY = 0.8                  # weight of the old acceptance per verification (exponential average)
+ACCEPT_DECAY = 0.8                  # weight of the old counts per verification (exponential forgetting)
 DRAFT_MARGIN = 1.05                 # auto drafts only when the predicted tokens/s beats not drafting by 5%
+EXPLORE_AGE = 128                   # auto re-measures a step size the curve last saw this many steps ago ...
+EXPLORE_ACCEPT = 0.5                # ... for a request whose acceptance is at least this
 
 
 def check_draft(mode, tokens, has_mtp: bool = False) -> tuple:
@@ -98,37 +100,94 @@ class NgramDrafter:
         return []
 
 
-# drafter name -> class (adding a drafter is one class with extend and propose); "auto" uses "ngram"
+class NgramMemory:
+    """The engine's memory of the sequences it ran (prompts and outputs): for every MEM_N tokens, the token
+    that followed them, in a fixed table of MEM_SLOTS entries indexed by the n-gram's hash (a collision
+    overwrites: a wrong guess is only a rejected draft). A prompt-lookup drafter with no match in its own
+    sequence chains lookups here (the last MEM_N tokens, then those shifted by the guess, ...), so a
+    request that repeats what an earlier one produced (a regenerated answer, a recurring tool-call
+    format, boilerplate) drafts it: llama.cpp's ngram-mod, bounded at 4 MiB."""
+
+    def __init__(self, n: int = 0, slots: int = 0):
+        import numpy as np
+        self.n = int(n or MEM_N)
+        self.table = np.full(int(slots or MEM_SLOTS), -1, np.int32)
+        self.mask = len(self.table) - 1
+
+    def add(self, seq):
+        n, t, m = self.n, self.table, self.mask
+        seq = [int(x) for x in seq]
+        for j in range(n, len(seq)):
+            t[hash(tuple(seq[j - n:j])) & m] = seq[j]
+
+    def propose(self, seq, k: int) -> list:
+        n = self.n
+        if len(seq) < n:
+            return []
+        ctx, out = list(seq[-n:]), []
+        for _ in range(k):
+            g = int(self.table[hash(tuple(ctx)) & self.mask])
+            if g < 0:
+                break
+            out.append(g)
+            ctx = ctx[1:] + [g]
+        return out
+
+
+MEM_N = 8                           # the n-gram the engine's memory keys on
+MEM_SLOTS = 1 << 20                 # its table's entries (int32: 4 MiB)
+
+
+# drafter name -> class (adding a drafter is one class with extend and propose)
 DRAFTERS = {"ngram": NgramDrafter}
+AUTO_DRAFTER = "ngram"              # the drafter "auto" sizes and switches (benchmarks may name another)
 
 
 class DraftState:
     """One request's drafting: its mode, the drafter, the sequence it has seen (seq: prompt, produced
     tokens, the pending one), acceptance, and the shadow proposal auto checks while it is not drafting."""
 
-    def __init__(self, mode: str, k: int, prompt):
+    def __init__(self, mode: str, k: int, prompt, memory: NgramMemory | None = None):
         self.mode, self.k = mode, int(k)
-        self.drafter = DRAFTERS["ngram" if mode == "auto" else mode]()
+        self.drafter = DRAFTERS[AUTO_DRAFTER if mode == "auto" else mode]()
+        self.memory = memory if isinstance(self.drafter, NgramDrafter) else None
         self.seq = [int(t) for t in prompt]
         self.drafter.extend(self.seq)
-        self.accept = ACCEPT_PRIOR
+        self.hits, self.tries = ACCEPT_PRIOR, 1.0   # forgetful counts of accepted / tried positions
         self.shadow: list = []                    # auto, not drafting: what it would have proposed
         self.shadow_at = 0                        # ... after this many tokens of the sequence
 
+    @property
+    def accept(self) -> float:
+        """The per-token acceptance estimate: accepted / tried positions over the verifications, older
+        ones forgotten by ACCEPT_DECAY each (a run ends at the first miss, so a verification tried
+        accepted + 1 positions, or all it had; pooling the counts is the maximum-likelihood rate of those
+        geometric runs, where averaging each run's accepted / tried would be biased low: 0.31 for 0.5)."""
+        return self.hits / self.tries
+
+    @accept.setter
+    def accept(self, a: float):
+        self.hits, self.tries = float(a), 1.0
+
     def observe(self, proposed: int, accepted: int):
         """A verification (or a shadow proposal checked) of `proposed` tokens, `accepted` of them agreed
-        with the model: the per-token acceptance estimate, from accepted / tried positions (a run ends at
-        the first miss, so the tried positions are accepted + 1, or all of them)."""
+        with the model."""
         if proposed <= 0:
             return
         tried = min(proposed, accepted + 1)
-        rate = accepted / tried
-        self.accept = ACCEPT_DECAY * self.accept + (1.0 - ACCEPT_DECAY) * rate
+        self.hits = ACCEPT_DECAY * self.hits + accepted
+        self.tries = ACCEPT_DECAY * self.tries + tried
 
     def extend(self, tokens):
         tokens = [int(t) for t in tokens]
         self.seq.extend(tokens)
         self.drafter.extend(tokens)
+
+    def propose(self, k: int) -> list:
+        """Prompt lookup: the engine's memory's guess when it has one (it matched MEM_N tokens, longer
+        than any n-gram of the sequence's own), else the sequence's own; other drafters: theirs."""
+        out = self.memory.propose(self.seq, k) if self.memory is not None else []
+        return out or [int(t) for t in self.drafter.propose(k)][:k]
 
     def check_shadow(self):
         """auto: score the shadow proposal against what the sequence now holds past its point."""
@@ -145,17 +204,60 @@ class DraftState:
         self.shadow = []
 
 
-def choose_drafts(cost, base_tokens: int, wants: list) -> list:
+class Realized:
+    """The throughput decode steps actually reached, with verifications in them and without (decode-only
+    steps: tokens emitted / seconds, older steps forgotten by REALIZED_DECAY each): auto's check of its
+    own predictions. A step's cost depends on more than its token count where experts stream through a
+    slot pool (which experts miss), so the curve can promise a gain the steps do not deliver (measured:
+    0.91x of off at acceptance 0.8 with 24 of 64 experts resident); while drafting steps yield fewer
+    tokens per second than plain ones, auto drafts only to explore."""
+
+    def __init__(self):
+        self.tok = [0.0, 0.0]
+        self.sec = [0.0, 0.0]
+        self.n = [0, 0]
+
+    def add(self, drafted: bool, tokens: int, seconds: float):
+        i = int(bool(drafted))
+        self.tok[i] = REALIZED_DECAY * self.tok[i] + tokens
+        self.sec[i] = REALIZED_DECAY * self.sec[i] + seconds
+        self.n[i] += 1
+
+    def losing(self) -> bool:
+        if min(self.n) < REALIZED_MIN:
+            return False
+        return self.tok[1] * self.sec[0] < self.tok[0] * self.sec[1]
+
+
+REALIZED_DECAY = 0.9
+PLAIN_REFRESH = 16                  # auto decodes plainly when the curve has not seen a plain step for this long
+REALIZED_MIN = 4                    # steps of each kind before the realized rates are trusted
+
+
+def choose_drafts(cost, base_tokens: int, wants: list, realized: Realized | None = None) -> list:
     """auto's packing: wants is [(DraftState, proposal)] in step order; returns how many tokens of each
     proposal to verify (0: none). Greedy over the requests: each takes the k in 0..len(proposal) that
     maximises the step's expected tokens per predicted second, given the drafts taken before it, and
-    only when that beats its k = 0 by DRAFT_MARGIN. cost: StepCost (None before any step: no drafts)."""
+    only when that beats its k = 0 by DRAFT_MARGIN. cost: StepCost (None before any step: no drafts).
+
+    Refresh: drafting every step would leave the curve's point for a plain step (and the realized plain
+    rate) as measured before it started, for good; so when that point is PLAIN_REFRESH steps old, the
+    step drafts nothing (a plain step is never worse than draft="off").
+
+    Exploration: the curve learns a step size only when steps of that size run, so a point measured
+    once in a bad moment (a cold slot pool's first prefill) would keep drafting off for good. A request
+    whose acceptance is at least EXPLORE_ACCEPT verifies, once every EXPLORE_AGE steps, the smallest
+    draft whose step size the curve has not measured for that long: at most one step in 128 costs what
+    the curve feared (measured: within 3% of off where drafts fail, bench results/draft.md)."""
     out = [0] * len(wants)
     if cost is None or base_tokens <= 0:
         return out
     t0 = cost(base_tokens)
     if t0 is None or t0 <= 0:
         return out
+    losing = realized is not None and realized.losing()
+    if hasattr(cost, "age") and cost.age[cost.bucket(base_tokens)] >= PLAIN_REFRESH:
+        return out                  # a plain step now and then keeps the curve's no-draft point current
     fed, gain = base_tokens, float(base_tokens)
     for i, (st, prop) in enumerate(wants):
         off = gain / float(cost(fed))
@@ -164,7 +266,15 @@ def choose_drafts(cost, base_tokens: int, wants: list) -> list:
             r = (gain - 1.0 + expected_tokens(st.accept, k)) / float(cost(fed + k))
             if r > best:
                 best_k, best = k, r
-        if best_k and best > off * DRAFT_MARGIN:
+        if losing or not (best_k and best > off * DRAFT_MARGIN):
+            best_k = 0
+            if st.accept >= EXPLORE_ACCEPT and hasattr(cost, "age"):
+                best_k = next((k for k in range(1, len(prop) + 1)
+                               if cost.age[cost.bucket(fed + k)] >= EXPLORE_AGE or not cost.seen[cost.bucket(fed + k)]),
+                              0)
+                if best_k:
+                    cost.age[cost.bucket(fed + best_k)] = 0      # one exploration per bucket and window
+        if best_k:
             out[i] = best_k
             fed += best_k
             gain += expected_tokens(st.accept, best_k) - 1.0

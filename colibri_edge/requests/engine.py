@@ -264,6 +264,7 @@ class Engine:
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"interleave={interleave}: use 0 (no cap) or a "
                                "number above 1 (a step with prefill may take that many decode steps' time)")
         self._next_seq = 0
+        self._memory = None
         self._codec = None
         self._grammar_engine = None
         self.closed = False
@@ -550,6 +551,14 @@ class Engine:
         reqs = self._submit([prompt] * n, priority, notify, _share=True, **gen)
         return reqs
 
+    def _ngram_memory(self):
+        """The engine's n-gram memory of finished sequences (draft.NgramMemory), made at the first drafting
+        request."""
+        if self._memory is None:
+            from .draft import NgramMemory
+            self._memory = NgramMemory()
+        return self._memory
+
     def _draft_mode(self, mode, k) -> tuple:
         from .draft import check_draft
         mode, k = check_draft(mode, k)
@@ -582,7 +591,7 @@ class Engine:
             r.adapter = lora
             if mode != "off":
                 from .draft import DraftState
-                r.draft = DraftState(mode, k, r.prompt)
+                r.draft = DraftState(mode, k, r.prompt, self._ngram_memory())
         if spec is not None:
             first = self._grammars().matcher(spec)        # a grammar that does not compile: raised here
             for i, r in enumerate(reqs):

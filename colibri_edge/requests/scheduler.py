@@ -48,6 +48,9 @@ from . import sampling
 from ..runtime.state import DELTA_CHUNK, block_hashes
 from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_OUT_OF_MEMORY, COLIBRI_ERR_UNAVAILABLE, nonfinite
 
+STALE_STEPS = 32       # a StepCost bucket unmeasured for this many steps is replaced by its next measurement
+
+
 class StepCost:
     """A step's wall time as a function of the tokens it carries, learnt from the steps run.
 
@@ -66,10 +69,17 @@ class StepCost:
         self.n = np.zeros(k)
         self.t = np.zeros(k)
         self.seen = np.zeros(k, bool)
+        self.age = np.zeros(k, np.int64)        # steps since each bucket was last measured
+
+    def bucket(self, n: int) -> int:
+        return min(int(n).bit_length() - 1, len(self.n) - 1)
 
     def add(self, n: int, seconds: float):
-        k = min(int(n).bit_length() - 1, len(self.n) - 1)
-        if not self.seen[k]:
+        k = self.bucket(n)
+        stale = self.age[k] >= STALE_STEPS
+        self.age += 1
+        self.age[k] = 0
+        if not self.seen[k] or stale:           # a point not measured for a while: replaced, not averaged
             self.n[k], self.t[k], self.seen[k] = n, seconds, True
         else:
             self.n[k] = 0.8 * self.n[k] + 0.2 * n
@@ -208,6 +218,8 @@ class Core:
         self.preemptions = 0
         self.settles = 0                   # replies re-prefilled for their snapshot (_settle)
         self.cost = StepCost(engine.runner.max_rows)     # seconds per step by its token count
+        from .draft import Realized
+        self.realized = Realized()                          # drafting's tokens/s against plain decode's
 
     # -- callers' side ------------------------------------------------------------------------
     def _start(self):
@@ -352,6 +364,8 @@ class Core:
             r.seq = None
         r.finished = True
         r.finish_no = next(self._finished)
+        if r.draft is not None and r.draft.memory is not None and error is None and r.produced:
+            r.draft.memory.add(r.draft.seq + r.produced[len(r.draft.seq) - len(r.prompt):])
         r.chunks = []
         if error is None and reason in ("stop", "length") and not r.score and len(r.produced) > 1 \
                 and self.e.settle_replies:
@@ -600,6 +614,8 @@ class Core:
             self._sample(r, logits[row - 1])
         if ndec:
             e.stats.add_decode_step(dt, emitted, ndec)
+            if not npre:
+                self.realized.add(ndec_tok > ndec, emitted, dt)
 
     def _drafts(self, decode: list, feeds: dict, recurrent: bool) -> dict:
         """The drafted tokens each decoding request verifies this step (draft.py): id(request) -> list.
@@ -622,13 +638,14 @@ class Core:
             st.check_shadow()
             k = min(st.k, r.params.max_new_tokens - len(r.produced) - 2,
                     e.max_seq_len - r.seq.cached - len(feeds[id(r)]) - 1)
-            prop = [int(t) for t in st.drafter.propose(k)][:k] if k > 0 else []
+            prop = st.propose(k) if k > 0 else []
             if prop:
                 wants.append((r, st, prop))
         if not wants:
             return {}
         if any(st.mode == "auto" for _, st, _ in wants):
-            ks = choose_drafts(self.cost, sum(len(f) for f in feeds.values()), [(st, p) for _, st, p in wants])
+            ks = choose_drafts(self.cost, sum(len(f) for f in feeds.values()), [(st, p) for _, st, p in wants],
+                               self.realized)
         else:
             ks = [len(p) for _, _, p in wants]
         out = {}
