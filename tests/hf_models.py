@@ -163,6 +163,16 @@ FAMILY_CASES.update({
                                            layer_types=["linear_attention", "linear_attention", "full_attention"],
                                            num_hidden_layers=3, num_attention_heads=3, num_key_value_heads=1)),
 })
+# Qwen3-Next (issue 49): Qwen3.5's layer with the fused in_proj_qkvz / in_proj_ba (2 key heads for 4 value
+# heads, dk != dv), a dense layer among the sparse ones (mlp_only_layers), top-2 of 5 not renormalised
+FAMILY_CASES["qwen3_next"] = ("qwen3_next", dict(
+    vocab_size=101, hidden_size=48, intermediate_size=56, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=12, linear_value_head_dim=8,
+    linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=20, shared_expert_intermediate_size=32,
+    num_experts=5, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[2], decoder_sparse_step=1,
+    max_position_embeddings=256, tie_word_embeddings=False,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)))
 QWEN35_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=48, patch_size=4,
                      temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
 GEMMA4_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -181,7 +191,7 @@ def config_for(model_type: str, **overrides):
            "deepseek_v3": transformers.DeepseekV3Config, "glm4_moe_lite": transformers.Glm4MoeLiteConfig,
            "gemma4": lambda **kw: transformers.Gemma4Config(text_config=kw, vision_config=GEMMA4_VISION,
                                                             audio_config=None),
-           "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig,
+           "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig, "qwen3_next": transformers.Qwen3NextConfig,
            "qwen3_5_moe": lambda **kw: transformers.Qwen3_5MoeConfig(text_config=kw, vision_config=QWEN35_VISION,
                                                                     tie_word_embeddings=False)}[model_type]
     return cls(**overrides)
@@ -222,7 +232,7 @@ def build_hf(path: str, case: str, dtype: str = "float32", seed: int = 0, **over
     eos = cfg_kw.get("eos_token_id", 2)
     model.generation_config = GenerationConfig(eos_token_id=eos, bos_token_id=cfg_kw.get("bos_token_id", 1))
     model.save_pretrained(path)
-    if model_type in ("qwen3_5_moe", "qwen3_5_moe_text"):
+    if model_type in ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"):
         add_mtp_weights(path, getattr(cfg, "text_config", cfg))
     return path
 

@@ -119,6 +119,9 @@ SUITE = {
     "qwen3_5_moe": Family(**QWEN35, slot_pool=True, greedy_open={"max_seq_len": 128, "kv_block_size": 7},
                           greedy={f"chunk{c}": {"prefill_chunk": c} for c in (1, 5, 64)}),
     "qwen3_5_moe_vl": Family(**QWEN35),
+    "qwen3_next": Family(**{**QWEN35, "router_of": lambda layer: getattr(layer.mlp, "gate", None)},
+                         greedy={f"chunk{c}": {"prefill_chunk": c} for c in (1, 5, 64)},
+                         greedy_open={"max_seq_len": 128, "kv_block_size": 7}),
 }
 
 

@@ -126,14 +126,14 @@ def sources(cfg: dict) -> dict:
 
 
 
-def gguf_config(m) -> dict:
+def gguf_config(m, arch: str = "qwen35moe") -> dict:
     """llama.cpp's qwen35moe metadata -> a qwen3_5_moe_text config (translate's input): the
     recurrent_layers array (the gated delta-nets), ssm.* (conv_kernel, state_size = key head dim,
     group_count = key heads, time_step_rank = value heads, inner_size = value heads x value dim), partial
     rotary (rope.dimension_count of key_length), the shared expert. The appended multi-token-prediction
     layers (nextn_predict_layers) are not in the plan. llama.cpp stores the value heads tiled by key head
     (value head j * Hk + k reads key head k) where Hk < Hv: kept as stored (linear_value_head_order)."""
-    a, g, L, H, nh = decoder_shape(m, "qwen35moe")
+    a, g, L, H, nh = decoder_shape(m, arch)
     nextn = g("nextn_predict_layers", required=False, default=0)
     nkv = pos(m, a + "attention.head_count_kv", g("attention.head_count_kv", required=False, default=nh), 1, nh)
     hd = pos(m, a + "attention.key_length", g("attention.key_length", required=False, default=H // nh))
@@ -230,7 +230,7 @@ class Qwen35Moe(Family):
         return m
 
     def gguf_config(self, m, arch):
-        return gguf_config(m)
+        return gguf_config(m, arch)
 
     def gguf_layer_names(self, m, cfg, p, b):
         m[p + "post_attention_norm"] = b + "post_attention_norm.weight"
