@@ -40,6 +40,19 @@ def top_k_gap(mod, out):
     return idx.numpy().copy(), _gap(scores, mod.top_k)
 
 
+def sigmoid_bias_gap(mod, out):
+    """MiniMax-M2's router: (logits, weights, ids), the choice by sigmoid(logit) + the block's
+    e_score_correction_bias (minimax_router_of hands it to the router module as _bias)."""
+    import torch
+    logits, _, idx = out
+    return idx.numpy().copy(), _gap(torch.sigmoid(logits.float()) + mod._bias.float(), mod.top_k)
+
+
+def minimax_router_of(layer):
+    layer.mlp.gate._bias = layer.mlp.e_score_correction_bias
+    return layer.mlp.gate
+
+
 def gemma4_gap(mod, out):
     """Gemma 4's router: (probabilities, weights, ids), k from the config."""
     probs, _, idx = out
@@ -119,6 +132,7 @@ SUITE = {
     "qwen3_5_moe": Family(**QWEN35, slot_pool=True, greedy_open={"max_seq_len": 128, "kv_block_size": 7},
                           greedy={f"chunk{c}": {"prefill_chunk": c} for c in (1, 5, 64)}),
     "qwen3_5_moe_vl": Family(**QWEN35),
+    "minimax_m2": Family(minimax_router_of, sigmoid_bias_gap, seed=5, greedy=BLOCKS, slot_pool=True),
     "qwen3_next": Family(**{**QWEN35, "router_of": lambda layer: getattr(layer.mlp, "gate", None)},
                          greedy={f"chunk{c}": {"prefill_chunk": c} for c in (1, 5, 64)},
                          greedy_open={"max_seq_len": 128, "kv_block_size": 7}),

@@ -380,6 +380,7 @@ class Family:
     gguf_yarn = False               # YaRN rope scaling accepted
     gguf_window = False             # a sliding window accepted
     gguf_interleaved = False        # q/k rows stored with adjacent rope pairs (un-permuted on import)
+    gguf_partial_rotary = False     # rope.dimension_count < key_length accepted (the family reorders the rows)
 
     def gguf_config(self, m, arch: str) -> dict:
         """The Hugging Face-shaped config the {arch}.* metadata describes (translate's input, so that a
@@ -411,7 +412,7 @@ class Family:
             raise invalid_model(m.path, a + "attention.value_length", f"{vdim} differs from key_length {head_dim}; "
                                 "Colibri's attention needs them equal")
         rot = g("rope.dimension_count", required=False, default=head_dim)
-        if rot != head_dim:
+        if rot != head_dim and not (self.gguf_partial_rotary and 2 <= rot < head_dim and rot % 2 == 0):
             raise invalid_model(m.path, a + "rope.dimension_count", f"{rot} of {head_dim}: partial rotary "
                                 "embeddings are not implemented")
         scaling = g("rope.scaling.type", str, required=False, default="none")
@@ -450,6 +451,8 @@ class Family:
               "max_position_embeddings": ctx, "rope_theta": theta, "rms_norm_eps": eps, "num_experts_per_tok": k,
               "tie_word_embeddings": "output.weight" not in m.tensors,
               "norm_topk_prob": g("expert_weights_norm", bool, required=False, default=self.gguf_norm_topk)}
+        if rot != head_dim:             # the first rot dims of a head rotate (half-split pairs)
+            hf["rope_parameters"] = {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": rot / head_dim}
         self.gguf_fields(m, g, hf, dict(a=a, L=L, E=E, k=k, ff=ff, ff_exp=ff_exp, dense=dense, theta=theta,
                                         scaling=scaling, factor=factor, window=window))
         return hf

@@ -1,0 +1,110 @@
+"""The families of issue 49 from GGUF: llama.cpp's own converter's files (f32, q8_0) of tiny random
+checkpoints against transformers, on every backend, and the q8_0 files' blocks as stored.
+  * Qwen3-Next (families/qwen3_next.py, qwen3next): fused in_proj_qkvz cut by the converter, in_proj_ba
+    kept whole as ssm_ba and cut on import, value heads grouped, the multi-token-prediction layer skipped;
+  * MiniMax-M2 (families/minimax_m2.py, minimax-m2): partial rotary's q/k rows and norm weights reordered
+    on import, exp_probs_b the sigmoid router's choice bias.
+The checkpoint paths run in test_family_suite.py (parity, routing, greedy, slot pool)."""
+import numpy as np
+import pytest
+
+from colibri_edge import Engine
+from helpers import fp32
+from hf_models import FAMILY_CASES
+
+
+# case -> overrides of its FAMILY_CASES config for llama.cpp's converter: Qwen3-Next without its dense layer
+# (the qwen3next converter maps no dense MLP), with norm_topk_prob (its graph always renormalises); 64 wide
+# (rows of a multiple of 32 columns: q8_0 blocks, not the converter's f16 fallback)
+GGUF_CASES = {"qwen3_next": dict(mlp_only_layers=[], norm_topk_prob=True, hidden_size=64),
+              "minimax_m2": {}}
+
+
+@pytest.fixture(scope="module")
+def family_ggufs(tmp_path_factory):
+    """case -> (checkpoint dir, tokenizer, f32 GGUF, q8_0 GGUF); one converter process for all."""
+    import torch
+    import gguf_models as gm
+    import llamacpp_convert
+    from hf_models import add_mtp_weights, config_for, randomize
+    from transformers import AutoModelForCausalLM
+    d = tmp_path_factory.mktemp("gguf_families3")
+    jobs, built = [], {}
+    for case, over in GGUF_CASES.items():
+        hf = str(d / case)
+        ft = gm.build_tokenizer(hf)
+        mt, kw = FAMILY_CASES[case]
+        cfg = config_for(mt, **dict(kw, vocab_size=len(ft), **over))
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+        randomize(model, cfg)
+        model.save_pretrained(hf)
+        if mt == "qwen3_next":
+            add_mtp_weights(hf, cfg)
+        built[case] = (hf, ft)
+        jobs += [(hf, str(d / f"{case}-f32.gguf"), "f32", "gpt-2"), (hf, str(d / f"{case}-q8.gguf"), "q8_0", "gpt-2")]
+    paths = llamacpp_convert.convert_many(jobs)
+    return {case: (*built[case], paths[2 * i], paths[2 * i + 1]) for i, case in enumerate(GGUF_CASES)}
+
+
+@pytest.mark.parametrize("case", sorted(GGUF_CASES))
+def test_gguf_matches_transformers(backend_name, case, family_ggufs, tmp_path):
+    from colibri_edge.model.convert import convert
+    from hf_models import hf_logits
+    hf, ft, f32, _ = family_ggufs[case]
+    cfg = convert(f32, str(tmp_path / "m"), progress=False)
+    assert cfg["model_type"] == case
+    if case == "qwen3_next":
+        assert cfg["norm_topk_prob"] and cfg["layer_types"] == FAMILY_CASES[case][1]["layer_types"]
+        assert cfg["linear_attention"].get("value_head_order", "grouped") == "grouped"
+    else:
+        assert cfg["rope_dim"] == 8 and cfg["router_score"] == "sigmoid" and cfg["router_choice_bias"]
+    ids = np.random.default_rng(3).integers(0, len(ft), size=(2, 19))
+    want = hf_logits(hf, ids)
+    with Engine.open(str(tmp_path / "m"), backend=backend_name, max_seq_len=64, **fp32(backend_name)) as eng:
+        assert np.abs(eng.infer(ids) - want).max() / np.abs(want).max() < 1e-4
+
+
+def test_gguf_q8_0_runs_as_stored(backend_name, family_ggufs, tmp_path):
+    """The q8_0 files: Qwen3-Next's ssm_ba rows cut into b and a (per key head, whole rows: never
+    requantised) and attn_qkv as stored, MiniMax-M2's attn_q rows reordered for partial rotary, each equal
+    to the file's decoded rows; every backend equal to the reference backend on the same file (float32
+    activations)."""
+    import gguf
+    from colibri_edge.model.convert import convert
+    from colibri_edge.model.dtypes import widen
+    from colibri_edge.model.modeldir import ModelDir
+    from colibri_edge.model.families.common import rope_dim_order
+    _, _, _, mq8 = family_ggufs["minimax_m2"]
+    mcfg = convert(mq8, str(tmp_path / "mq8"), progress=False)
+    mm = ModelDir(str(tmp_path / "mq8"))
+    q = {x.name: x for x in gguf.GGUFReader(mq8).tensors}["blk.1.attn_q.weight"]
+    D = mcfg["head_dim"]
+    rows = gguf.dequantize(q.data, q.tensor_type).reshape(mcfg["num_attention_heads"], D, -1)[:, rope_dim_order(D, 8)]
+    assert mm.tensor_dtype("layers.1.attn.wq") == "q8_0"
+    assert (widen(mm.raw_tensor("layers.1.attn.wq"), "q8_0") == rows.reshape(-1, rows.shape[-1])).all()
+    hf, ft, _, q8 = family_ggufs["qwen3_next"]
+    out = str(tmp_path / "q8")
+    cfg = convert(q8, out, progress=False)
+    m = ModelDir(out)
+    assert cfg["model_type"] == "qwen3_next" and m.tensor_dtype("layers.0.lin.wqkv") == "q8_0"
+    t = {x.name: x for x in gguf.GGUFReader(q8).tensors}
+    lin = cfg["linear_attention"]
+    Hk, Hv = lin["num_key_heads"], lin["num_value_heads"]
+    ba = gguf.dequantize(t["blk.0.ssm_ba.weight"].data, t["blk.0.ssm_ba.weight"].tensor_type)
+    ba = ba.reshape(Hk, 2, Hv // Hk, -1)
+    for ours, j in (("layers.0.lin.wb", 0), ("layers.0.lin.wa", 1)):
+        got = widen(m.raw_tensor(ours), m.tensor_dtype(ours))
+        assert (got == ba[:, j].reshape(Hv, -1)).all(), ours
+    qkv = gguf.dequantize(t["blk.0.attn_qkv.weight"].data, t["blk.0.attn_qkv.weight"].tensor_type)
+    assert (widen(m.raw_tensor("layers.0.lin.wqkv"), "q8_0") == qkv).all()
+    ids = np.random.default_rng(4).integers(0, len(ft), size=(1, 17))
+    from colibri_edge.backends import backend_class
+    opts = dict(fp32(backend_name), **({"int8_activations": False} if "int8_activations" in
+                                       backend_class(backend_name).OPTIONS else {}))
+    for model in (out, str(tmp_path / "mq8")):
+        with Engine.open(model, backend="reference", max_seq_len=64) as eng:
+            ref = eng.infer(ids)
+        with Engine.open(model, backend=backend_name, max_seq_len=64, **opts) as eng:
+            got = eng.infer(ids)
+        assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-4, model
