@@ -180,6 +180,12 @@ FAMILY_CASES["minimax_m2"] = ("minimax_m2", dict(
     num_key_value_heads=2, head_dim=16, num_local_experts=6, num_experts_per_tok=3, max_position_embeddings=256,
     tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, rotary_dim=8,
     rope_parameters=dict(rope_type="default", rope_theta=10000.0)))
+# Hunyuan-MoE (issue 49): q/k norms after rope, NTK-alpha rope, top-2 of 4 renormalised, a shared MLP
+FAMILY_CASES["hunyuan_v1_moe"] = ("hunyuan_v1_moe", dict(
+    vocab_size=97, hidden_size=48, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=12, num_experts=4, moe_topk=2, max_position_embeddings=256,
+    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    rope_parameters=dict(type="dynamic", alpha=50.0, factor=1.0, rope_theta=10000.0)))
 QWEN35_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=48, patch_size=4,
                      temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
 GEMMA4_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -199,7 +205,7 @@ def config_for(model_type: str, **overrides):
            "gemma4": lambda **kw: transformers.Gemma4Config(text_config=kw, vision_config=GEMMA4_VISION,
                                                             audio_config=None),
            "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig, "qwen3_next": transformers.Qwen3NextConfig,
-           "minimax_m2": transformers.MiniMaxM2Config,
+           "minimax_m2": transformers.MiniMaxM2Config, "hunyuan_v1_moe": transformers.HunYuanMoEV1Config,
            "qwen3_5_moe": lambda **kw: transformers.Qwen3_5MoeConfig(text_config=kw, vision_config=QWEN35_VISION,
                                                                     tie_word_embeddings=False)}[model_type]
     return cls(**overrides)

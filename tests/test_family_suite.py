@@ -132,6 +132,7 @@ SUITE = {
     "qwen3_5_moe": Family(**QWEN35, slot_pool=True, greedy_open={"max_seq_len": 128, "kv_block_size": 7},
                           greedy={f"chunk{c}": {"prefill_chunk": c} for c in (1, 5, 64)}),
     "qwen3_5_moe_vl": Family(**QWEN35),
+    "hunyuan_v1_moe": Family(lambda layer: layer.mlp.gate, top_k_gap, seed=3, greedy=BLOCKS, slot_pool=True),
     "minimax_m2": Family(minimax_router_of, sigmoid_bias_gap, seed=5, greedy=BLOCKS, slot_pool=True),
     "qwen3_next": Family(**{**QWEN35, "router_of": lambda layer: getattr(layer.mlp, "gate", None)},
                          greedy={f"chunk{c}": {"prefill_chunk": c} for c in (1, 5, 64)},

@@ -39,7 +39,7 @@ YARN_FIELDS = ("rope_type", "factor", "beta_fast", "beta_slow", "original_max_po
 
 
 ROUTER_MODES = ("topk", "gated")
-QK_NORMS = ("none", "per_head", "full")
+QK_NORMS = ("none", "per_head", "full", "per_head_after_rope")
 WEIGHT_TYPES = dtypes.WEIGHT_DTYPES
 WEIGHT_LABELS = WEIGHT_TYPES + dtypes.MIXES + ("mixed",)      # config.json's weight_dtype: what it was made as
 

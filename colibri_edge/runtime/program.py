@@ -61,7 +61,7 @@ class Attention:
     bo: Weight | None           # [H]      (attention_out_bias)
     q_norm: Weight | None       # [D] per head, or [Hq*D] over the whole projection
     k_norm: Weight | None       # [D] per head, or [Hkv*D]
-    qk_norm: str                # "none" | "per_head" | "full"
+    qk_norm: str                # "none" | "per_head" | "full" | "per_head_after_rope" (Hunyuan: rope, then norm)
     rope_theta: float
     scale: float                # softmax scale, D^-0.5
     eps: float                  # of the q/k norms
@@ -101,6 +101,9 @@ class Attention:
             be.rmsnorm(g.v_heads, g.v_heads, self.v_norm, self.eps)
         be.rope(g.q, g.q, s.pos, self.rope_theta, self.inv_freq)
         be.rope(g.k, g.k, s.pos, self.rope_theta, self.inv_freq)
+        if self.qk_norm == "per_head_after_rope":         # a rotation keeps the pairs' norm, not the weights'
+            be.rmsnorm(g.q_heads, g.q_heads, self.q_norm, self.eps)
+            be.rmsnorm(g.k_heads, g.k_heads, self.k_norm, self.eps)
         be.kv_write(self.K, self.V, g.k, g.v, s.slots[self.pool])
         be.paged_attention(g.attn, g.q, self.K, self.V, s.tables[self.pool], s.seq, s.pos, self.block_size,
                            self.scale, self.window, self.sinks)
