@@ -94,9 +94,9 @@ def serve(spec):
                           prefill_chunk=max(16, spec["prompt_len"]), **kw)
         runner, inner, times = eng.runner, eng.runner.step, []
 
-        def timed(entries, all_logits=False):
+        def timed(entries, all_logits=False, stepwise=False):
             t0 = time.perf_counter()
-            out = inner(entries, all_logits=all_logits)
+            out = inner(entries, all_logits=all_logits, stepwise=stepwise)
             if all(len(t) == 1 for _, t in entries):
                 times.append(time.perf_counter() - t0)
             return out

@@ -72,13 +72,13 @@ def profile(engine, prompt, steps: int, batch: list | None = None) -> dict:
     step_times, sizes = [], []
     inner = runner.step
 
-    def timed_step(entries, all_logits=False):
+    def timed_step(entries, all_logits=False, stepwise=False):
         on["v"] = all(len(t) == 1 for _, t in entries)   # timers on for the steps that only decode
         if on["v"] and batch is not None:
             sizes.append(len(entries))
         cur.clear()
         t0 = time.perf_counter()
-        r = inner(entries, all_logits=all_logits)
+        r = inner(entries, all_logits=all_logits, stepwise=stepwise)
         if on["v"]:
             step_times.append(time.perf_counter() - t0)
             per_step.append(dict(cur))

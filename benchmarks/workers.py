@@ -208,9 +208,9 @@ class StepTimer:
         self.runner, self.inner, self.decode = runner, runner.step, []
         runner.step = self
 
-    def __call__(self, entries, all_logits=False):
+    def __call__(self, entries, all_logits=False, stepwise=False):
         t0 = time.perf_counter()
-        out = self.inner(entries, all_logits=all_logits)
+        out = self.inner(entries, all_logits=all_logits, stepwise=stepwise)
         if all(len(t) == 1 for _, t in entries):
             self.decode.append((len(entries), time.perf_counter() - t0))
         return out

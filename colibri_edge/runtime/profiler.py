@@ -93,11 +93,11 @@ class StepProfiler:
             return r
         return timed
 
-    def _timed_step(self, entries, all_logits=False):
+    def _timed_step(self, entries, all_logits=False, stepwise=False):
         for p in PHASES:
             self.cur[p] = 0.0
         t0 = time.perf_counter()
-        r = self._step(entries, all_logits=all_logits)
+        r = self._step(entries, all_logits=all_logits, stepwise=stepwise)
         if self.sync:
             self.be.synchronize()
         total = time.perf_counter() - t0
