@@ -156,6 +156,11 @@ QWEN35_TEXT = dict(vocab_size=97, hidden_size=64, num_hidden_layers=4, num_atten
                                         mrope_section=[1, 1, 0], mrope_interleaved=True))
 FAMILY_CASES.update({
     "qwen3_5_moe": ("qwen3_5_moe_text", QWEN35_TEXT),
+    # multi-token-prediction heads (speculative decoding): Qwen3.5's mtp.* kept (mtp_num_hidden_layers);
+    # DeepSeek-V3's and a Mixtral's nextn layer after the decoder's (add_nextn_weights)
+    "qwen3_5_moe_mtp": ("qwen3_5_moe_text", dict(QWEN35_TEXT, mtp_num_hidden_layers=1)),
+    "deepseek_v3_mtp": (FAMILY_CASES["deepseek_v3"][0], dict(FAMILY_CASES["deepseek_v3"][1], num_nextn_predict_layers=1)),
+    "mixtral_mtp": ("mixtral", dict(CASES["mixtral"][1], num_nextn_predict_layers=1)),
     "qwen3_5_moe_4k": ("qwen3_5_moe_text", dict(QWEN35_TEXT, max_position_embeddings=4096)),   # memory plans
     "qwen3_5_moe_vl": ("qwen3_5_moe", dict(QWEN35_TEXT, vocab_size=89, hidden_size=48, linear_num_key_heads=1,
                                            linear_num_value_heads=3, linear_key_head_dim=16, linear_value_head_dim=16,
@@ -248,7 +253,30 @@ def build_hf(path: str, case: str, dtype: str = "float32", seed: int = 0, **over
     model.save_pretrained(path)
     if model_type in ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"):
         add_mtp_weights(path, getattr(cfg, "text_config", cfg))
+    elif case.endswith("_mtp"):
+        add_nextn_weights(path, cfg)
     return path
+
+
+def add_nextn_weights(path: str, cfg):
+    """DeepSeek-V3's multi-token-prediction layer as its checkpoints store it, after the decoder's layers
+    (model.layers.L.: enorm, hnorm, eh_proj [H, 2H], shared_head.norm, and a decoder layer shaped as
+    the last one): random tensors added to the saved file (transformers ignores them). Norm weights
+    around 1, matrices scaled by 1/sqrt(fan-in)."""
+    from safetensors.numpy import load_file, save_file
+    f = os.path.join(path, "model.safetensors")
+    t = load_file(f)
+    H, L, rng = cfg.hidden_size, cfg.num_hidden_layers, np.random.default_rng(2)
+    dt = t["model.embed_tokens.weight"].dtype
+    last, new = f"model.layers.{L - 1}.", f"model.layers.{L}."
+    extra = {new + "eh_proj.weight": (H, 2 * H), new + "enorm.weight": (H,), new + "hnorm.weight": (H,),
+             new + "shared_head.norm.weight": (H,)}
+    extra.update({new + n[len(last):]: t[n].shape for n in t if n.startswith(last)})
+    for name, shape in extra.items():
+        a = 1 + 0.2 * rng.standard_normal(shape) if "norm" in name else \
+            0.1 * rng.standard_normal(shape) if "bias" in name else rng.standard_normal(shape) / np.sqrt(shape[-1])
+        t[name] = a.astype(np.float32).astype(dt)
+    save_file(t, f, metadata={"format": "pt"})
 
 
 def model_class(model_type: str):

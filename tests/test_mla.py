@@ -73,9 +73,11 @@ def test_mla_configs_refused_by_name(case, kw, field):
     assert e.value.code == COLIBRI_ERR_INVALID_MODEL and field in str(e.value)
 
 
-def test_mtp_layers_skipped_with_a_note(model_cache, tmp_path, capsys):
-    """A V3-style checkpoint's multi-token-prediction layer (model.layers.L.*) is skipped with a note
-    on stderr, not refused; the model converts to the same weights as without it."""
+def test_mtp_layer_refused_when_partial_and_left_out_on_request(model_cache, tmp_path, capsys):
+    """A V3-style checkpoint's multi-token-prediction layer (model.layers.L.*) is converted as the MTP
+    head (test_mtp.py); one that lacks its tensors is refused, naming the first missing; with
+    mtp=False (convert --no-mtp) it is skipped with a note on stderr, and the model converts to the
+    same weights as without it."""
     from safetensors.numpy import load_file, save_file
     from colibri_edge.model.convert import convert
     hf, col = convert_case(model_cache, "deepseek_v3")
@@ -92,8 +94,11 @@ def test_mtp_layers_skipped_with_a_note(model_cache, tmp_path, capsys):
     save_file(state, str(src / "model.safetensors"))
     cfg["num_nextn_predict_layers"] = 1
     json.dump(cfg, open(src / "config.json", "w"))
+    with pytest.raises(ColibriError) as e:
+        convert(str(src), str(tmp_path / "bad"), progress=False)
+    assert e.value.code == COLIBRI_ERR_INVALID_MODEL and f"model.layers.{L}.enorm.weight" in e.value.message
     capsys.readouterr()
-    convert(str(src), str(tmp_path / "col"), progress=True)
+    convert(str(src), str(tmp_path / "col"), progress=True, mtp=False)
     assert "2 tensors of 1 multi-token-prediction layer(s) skipped" in capsys.readouterr().err
     assert open(tmp_path / "col" / "colibri_weights.bin", "rb").read() == \
         open(os.path.join(col, "colibri_weights.bin"), "rb").read()

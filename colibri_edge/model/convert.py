@@ -17,10 +17,11 @@ import numpy as np
 from tqdm import tqdm
 
 from .dtypes import MIXES, WEIGHT_DTYPES, block_of, fits, is_block, narrow, nbytes, widen
+from .layerplan import all_layers
 from .quant import QUANTIZERS
 from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, invalid_model
 from . import families
-from .families.common import row_permutations, unpermute
+from .families.common import prepare_mtp, row_permutations, unpermute
 from .gguf_import import convert_gguf
 from .modeldir import ALIGN, ModelWriter, check_disk, expected_tensors, expert_blob_bytes
 
@@ -136,7 +137,8 @@ class SafetensorsIndex:
 def translate_config(hf: dict, gen: dict, path: str = "config.json", dtype: str | None = None) -> dict:
     """Hugging Face config.json (+ generation_config.json) -> Colibri config.json, by the family of its
     model_type (an unknown one refused, COLIBRI_ERR_INVALID_MODEL_TYPE, with the supported list)."""
-    return families.for_model_type(hf.get("model_type"), path).translate(hf, gen, path, dtype)
+    from .families.common import add_mtp
+    return add_mtp(families.for_model_type(hf.get("model_type"), path).translate(hf, gen, path, dtype), hf)
 
 
 
@@ -214,11 +216,12 @@ def _finite(hf_dir, name, arr):
 
 
 def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool = True, lora=None,
-            lora_scale: float = 1.0) -> dict:
+            lora_scale: float = 1.0, mtp: bool = True) -> dict:
     """Convert a Hugging Face checkpoint directory, or a GGUF file (gguf_import.py); returns the
     Colibri config written. lora: a PEFT LoRA adapter directory merged into the weights (model/lora.py:
     W + lora_scale s B A per matrix and per expert, in float32, before the family's layout changes and
-    the requested dtype)."""
+    the requested dtype). mtp=False: a multi-token-prediction head the checkpoint stores is left out
+    (it drafts for speculative decoding, draft="mtp"; kept by default)."""
     hf_dir, out_dir = os.fspath(hf_dir), os.fspath(out_dir)
     if lora is not None and os.path.isfile(hf_dir) and hf_dir.endswith(".gguf"):
         raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, "--lora merges into a Hugging Face checkpoint; a GGUF model "
@@ -248,7 +251,8 @@ def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool 
     cfg = translate_config(hf, gen, cpath, dtype)
     src = SafetensorsIndex(hf_dir)
     fam = families.for_model_type(cfg["model_type"], cpath)
-    fam.prepare_source(src, hf, cfg, progress)   # wrapped models' text weights; towers, MTP layers skipped
+    fam.prepare_source(src, hf, cfg, progress)   # wrapped models' text weights; towers skipped; MTP names
+    prepare_mtp(src, cfg, {**hf, "_path": cpath}, progress, keep=mtp)
     if cfg["weight_dtype"] is None:   # keep the checkpoint's precision
         cfg["weight_dtype"] = src.dtype("model.embed_tokens.weight") if "model.embed_tokens.weight" in src else "float32"
     emb = "model.embed_tokens.weight"
@@ -269,18 +273,18 @@ def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool 
     plan = FormatPlan(cfg, cfg["weight_dtype"])
     wanted = expected_tensors(cfg, plan)
     H, I = cfg["hidden_size"], cfg["moe_intermediate_size"]
-    expert_fmts = {l["layer_id"]: plan.expert(l["layer_id"], H, I) for l in cfg["layers"] if l["type"] != "dense"}
+    expert_fmts = {l["layer_id"]: plan.expert(l["layer_id"], H, I) for l in all_layers(cfg) if l["type"] != "dense"}
     packed = {l for l in expert_fmts if fam.packed_experts(src, l)}
     if packed and dtype is None:        # packed (MXFP4) experts stay MXFP4 (ggml's layout), the rest as stored
         expert_fmts.update({l: ("mxfp4",) * 3 for l in packed})
     used = set()
     need = sum(nbytes(f, s) + ALIGN for s, f in wanted.values())
     need += sum(expert_blob_bytes(H, I, expert_fmts[l["layer_id"]]) + ALIGN
-                for l in cfg["layers"] if l["type"] != "dense" for _ in range(l["moe_num_experts"]))
+                for l in all_layers(cfg) if l["type"] != "dense" for _ in range(l["moe_num_experts"]))
     check_disk(out_dir, need)
     w = ModelWriter(out_dir, cfg)
     jobs = [("tensor", n) for n in wanted]
-    jobs += [("expert", (l["layer_id"], j)) for l in cfg["layers"] if l["type"] != "dense"
+    jobs += [("expert", (l["layer_id"], j)) for l in all_layers(cfg) if l["type"] != "dense"
              for j in range(l["moe_num_experts"])]
     for kind, what in tqdm(jobs, desc="convert", unit="tensor", disable=not progress):
         if kind == "tensor" and what.endswith(".scales"):

@@ -10,9 +10,20 @@ def geometry(cfg: dict, layer: dict) -> tuple:
 
 
 def is_linear(cfg: dict, layer: dict) -> bool:
-    """Whether a layer's mixer is a recurrent one (gated delta-net: layer_types "linear_attention")."""
+    """Whether a layer's mixer is a recurrent one (gated delta-net: layer_types "linear_attention"; the
+    MTP head's layer, past layer_types, attends)."""
     types = cfg.get("layer_types")
-    return bool(types) and types[layer["layer_id"]] == "linear_attention"
+    return bool(types) and layer["layer_id"] < len(types) and types[layer["layer_id"]] == "linear_attention"
+
+
+def mtp_layers(cfg: dict) -> list:
+    """The multi-token-prediction head's layer specs (config "mtp"; [] when the model has none)."""
+    return list(cfg.get("mtp", {}).get("layers", []))
+
+
+def all_layers(cfg: dict) -> list:
+    """The decoder's layers, then the MTP head's: every layer whose weights the directory holds."""
+    return list(cfg["layers"]) + mtp_layers(cfg)
 
 
 def geometries(cfg: dict) -> set:

@@ -166,7 +166,17 @@ def tensor_roles(cfg: dict) -> dict:
     if not cfg["tie_word_embeddings"]:
         t["lm_head"] = ((V, H), W)
     sandwich = cfg.get("norm_layout") == "sandwich"
-    for layer in cfg["layers"]:
+    mtp = cfg.get("mtp")
+    if mtp:                                      # the MTP head: x = e_proj enorm(embed(t)) + h_proj hnorm(h)
+        for n in ("enorm", "hnorm", "norm"):
+            t["mtp." + n] = ((H,), f32)
+        t["mtp.e_proj"] = ((H, H), W)
+        t["mtp.h_proj"] = ((H, H), W)
+        if mtp.get("own_head"):
+            t["mtp.head"] = ((V, H), W)
+        if mtp.get("own_embed"):
+            t["mtp.embed"] = ((V, H), W)
+    for layer in layerplan.all_layers(cfg):
         p = f"layers.{layer['layer_id']}."
         t[p + "input_norm"] = ((H,), f32)
         t[p + "post_attention_norm"] = ((H,), f32)
@@ -476,7 +486,7 @@ class ModelDir:
         cfg = self.config
         if not isinstance(experts, list):
             raise invalid_model(path, "(root)", "expected a list of expert records")
-        want = [(l["layer_id"], j) for l in cfg["layers"] if l["type"] != "dense"
+        want = [(l["layer_id"], j) for l in layerplan.all_layers(cfg) if l["type"] != "dense"
                 for j in range(l["moe_num_experts"])]
         if len(experts) != len(want):
             raise invalid_model(path, "(length)", f"{len(experts)} records, the layer plan needs {len(want)}")
@@ -563,7 +573,9 @@ class ModelDir:
         return self.mmap[e.weight_offset:e.weight_offset + e.weight_size]
 
     def expert_record(self, layer: int, local_id: int) -> ExpertRecord:
-        start = self.config["layers"][layer]["moe_expert_start"]
+        cfg = self.config
+        spec = cfg["layers"][layer] if layer < len(cfg["layers"]) else layerplan.mtp_layers(cfg)[0]
+        start = spec["moe_expert_start"]
         return self.experts[start + local_id]
 
     @property

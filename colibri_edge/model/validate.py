@@ -193,7 +193,11 @@ CONFIG_FIELDS = (
     "layer_types", "sliding_window", "attention_sinks", "rope_scaling", "router_bias", "expert_bias", "expert_act",
     "swiglu_alpha", "swiglu_limit", "norm_layout", "ffn_act", "embed_scale", "final_logit_softcap", "v_norm",
     "layer_scalar", "router_input_norm", "expert_scale", "latent_attention", "router_score", "router_groups",
-    "routed_scaling_factor", "linear_attention", "attention_output_gate", "rope_dim")
+    "routed_scaling_factor", "linear_attention", "attention_output_gate", "rope_dim", "mtp")
+# mtp: the model's multi-token-prediction head (DeepSeek-V3's nextn layer, Qwen3.5's mtp.*): {"layers": [one
+# layer spec, layer_id num_hidden_layers, its experts after the decoder's], "own_head", "own_embed"}; its
+# tensors mtp.enorm / mtp.hnorm [H], mtp.e_proj / mtp.h_proj [H, H] (eh_proj's halves), mtp.norm [H],
+# mtp.head [V, H] / mtp.embed [V, H] when own_*, and layers.L.* as a decoder layer's
 # linear_attention (Qwen3.5 / Qwen3-Next): the layers of layer_types "linear_attention" are gated delta-nets
 # with a fixed-size state per sequence: conv_kernel K (a depthwise causal conv over the q|k|v channels, its
 # last K-1 inputs kept), num_key_heads Hk, num_value_heads Hv, key_head_dim dk, value_head_dim dv (a recurrent
@@ -226,7 +230,8 @@ OPTIONAL = ("architectures", "bos_token_id", "attention_scale", "folded_multipli
             "router_bias", "expert_bias", "expert_act", "swiglu_alpha", "swiglu_limit", "norm_layout", "ffn_act",
             "embed_scale", "final_logit_softcap", "v_norm", "layer_scalar", "router_input_norm", "expert_scale",
             "latent_attention", "router_score", "router_groups", "routed_scaling_factor", "linear_attention",
-            "attention_output_gate", "rope_dim")
+            "attention_output_gate", "rope_dim", "mtp")
+MTP_FIELDS = ("layers", "own_head", "own_embed")
 LINEAR_FIELDS = ("conv_kernel", "num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim",
                  "value_head_order")    # optional: grouped (value head h reads key head h // (Hv/Hk), HF's
                                         # layout) or tiled (h % Hk: llama.cpp's GGUF files)
@@ -312,37 +317,54 @@ def config(cfg, path: str = "config.json", model_types: tuple | None = None) -> 
         raise invalid_model(path, "layers", f"has {len(layers)} entries, num_hidden_layers is {L}")
     next_expert = 0
     for i, layer in enumerate(layers):
-        f = f"layers[{i}]"
-        _obj(path, f, layer)
-        for k in ("layer_id", "type", "moe_expert_start", "moe_num_experts"):
-            if k not in layer:
-                raise invalid_model(path, f"{f}.{k}", "missing")
-        _known(path, f"{f}.", layer, LAYER_FIELDS + LAYER_OPTIONAL)
-        _layer_attention(path, f, cfg, layer)
-        if _int(path, f"{f}.layer_id", layer["layer_id"], 0, MAX_LAYERS) != i:
-            raise invalid_model(path, f"{f}.layer_id", f"expected {i}, got {layer['layer_id']}")
-        kind = _enum(path, f"{f}.type", layer["type"], LAYER_TYPES)
-        start = _int(path, f"{f}.moe_expert_start", layer["moe_expert_start"], 0, MAX_LAYERS * MAX_EXPERTS)
-        n = _int(path, f"{f}.moe_num_experts", layer["moe_num_experts"], 0, MAX_EXPERTS)
-        if kind == "dense":
-            if n != 0:
-                raise invalid_model(path, f"{f}.moe_num_experts", "a dense layer has 0 experts")
-            if cfg["intermediate_size"] < 1:
-                raise invalid_model(path, "intermediate_size", "must be positive with dense layers")
-        else:
-            if n != E or E < 1:
-                raise invalid_model(path, f"{f}.moe_num_experts", f"expected experts_per_layer={E} (at least 1)")
-            if start != next_expert:
-                raise invalid_model(path, f"{f}.moe_expert_start", f"expected {next_expert}")
-            if cfg["moe_intermediate_size"] < 1:
-                raise invalid_model(path, "moe_intermediate_size", "must be positive with MoE layers")
-            next_expert += n
-        if kind == "moe_shared" and cfg["shared_expert_intermediate_size"] < 1:
-            raise invalid_model(path, "shared_expert_intermediate_size", "must be positive with moe_shared layers")
-        if kind == "moe_dense" and cfg["intermediate_size"] < 1:
-            raise invalid_model(path, "intermediate_size", "must be positive with moe_dense layers")
-        if kind == "moe_dense" and cfg.get("norm_layout") != "sandwich":
-            raise invalid_model(path, f"{f}.type", "moe_dense layers need norm_layout 'sandwich' (Gemma 4)")
+        next_expert = _layer(path, f"layers[{i}]", cfg, layer, i, next_expert)
+    if "mtp" in cfg:
+        m = _obj(path, "mtp", cfg["mtp"])
+        _known(path, "mtp.", m, MTP_FIELDS)
+        for k in ("own_head", "own_embed"):
+            if k in m:
+                _bool(path, f"mtp.{k}", m[k])
+        extra = _list(path, "mtp.layers", m.get("layers"), 1)
+        if len(extra) != 1:
+            raise invalid_model(path, "mtp.layers", "expected one layer (the head's)")
+        _layer(path, "mtp.layers[0]", cfg, extra[0], L, next_expert)
+    return cfg
+
+
+def _layer(path, f, cfg, layer, want_id, next_expert) -> int:
+    """One layer spec (the decoder's layer want_id, or the MTP head's); -> the next expert id."""
+    E = cfg["experts_per_layer"]
+    _obj(path, f, layer)
+    for k in ("layer_id", "type", "moe_expert_start", "moe_num_experts"):
+        if k not in layer:
+            raise invalid_model(path, f"{f}.{k}", "missing")
+    _known(path, f"{f}.", layer, LAYER_FIELDS + LAYER_OPTIONAL)
+    _layer_attention(path, f, cfg, layer)
+    if _int(path, f"{f}.layer_id", layer["layer_id"], 0, MAX_LAYERS) != want_id:
+        raise invalid_model(path, f"{f}.layer_id", f"expected {want_id}, got {layer['layer_id']}")
+    kind = _enum(path, f"{f}.type", layer["type"], LAYER_TYPES)
+    start = _int(path, f"{f}.moe_expert_start", layer["moe_expert_start"], 0, MAX_LAYERS * MAX_EXPERTS)
+    n = _int(path, f"{f}.moe_num_experts", layer["moe_num_experts"], 0, MAX_EXPERTS)
+    if kind == "dense":
+        if n != 0:
+            raise invalid_model(path, f"{f}.moe_num_experts", "a dense layer has 0 experts")
+        if cfg["intermediate_size"] < 1:
+            raise invalid_model(path, "intermediate_size", "must be positive with dense layers")
+    else:
+        if n != E or E < 1:
+            raise invalid_model(path, f"{f}.moe_num_experts", f"expected experts_per_layer={E} (at least 1)")
+        if start != next_expert:
+            raise invalid_model(path, f"{f}.moe_expert_start", f"expected {next_expert}")
+        if cfg["moe_intermediate_size"] < 1:
+            raise invalid_model(path, "moe_intermediate_size", "must be positive with MoE layers")
+        next_expert += n
+    if kind == "moe_shared" and cfg["shared_expert_intermediate_size"] < 1:
+        raise invalid_model(path, "shared_expert_intermediate_size", "must be positive with moe_shared layers")
+    if kind == "moe_dense" and cfg["intermediate_size"] < 1:
+        raise invalid_model(path, "intermediate_size", "must be positive with moe_dense layers")
+    if kind == "moe_dense" and cfg.get("norm_layout") != "sandwich":
+        raise invalid_model(path, f"{f}.type", "moe_dense layers need norm_layout 'sandwich' (Gemma 4)")
+    return next_expert
     return cfg
 
 

@@ -9,6 +9,8 @@ rolled back (scheduler.Core._verify). Greedy output is the undrafted output toke
 batch-invariant backends (reference, cpu: a row's logits do not depend on the rows beside it).
 
 Drafters:
+    MtpDrafter     the model's own multi-token-prediction head (DeepSeek-V3's nextn layer, Qwen3.5's mtp.*,
+                   the demo model's): run by the request core after each step, chained for k drafts
     NgramDrafter   prompt lookup (vLLM's "ngram", transformers' prompt_lookup_num_tokens, llama.cpp's
                    ngram drafts): the longest suffix of n_max .. n_min tokens that occurred before in
                    the prompt or the output, and the tokens that followed it then. No model, no memory
@@ -50,7 +52,8 @@ def check_draft(mode, tokens, has_mtp: bool = False) -> tuple:
                            f"[1, {MAX_DRAFT_TOKENS}]")
     if mode == "mtp" and not has_mtp:
         raise ColibriError(COLIBRI_ERR_UNAVAILABLE, "draft='mtp': this model has no multi-token-prediction head "
-                           "(Colibri converts none yet); use draft='ngram' or draft='auto'")
+                           "(convert a checkpoint that stores one: DeepSeek-V3 / GLM nextn layers, Qwen3.5's mtp.*); "
+                           "use draft='ngram' or draft='auto'")
     return mode, tokens
 
 
@@ -139,6 +142,28 @@ MEM_SLOTS = 1 << 20                 # its table's entries (int32: 4 MiB)
 
 
 # drafter name -> class (adding a drafter is one class with extend and propose)
+class MtpDrafter:
+    """The model's multi-token-prediction head (runtime/program.MTPHead). The request core runs the head
+    after each step (scheduler.Core._mtp): over the positions the step kept (the head's KV, beside the
+    model's), then chained from the last one: proposal = its drafts of the tokens after the pending one,
+    made when the sequence held `at` tokens. propose() hands it out while the sequence still holds that
+    many (the drafts are greedy: the head's argmax, a proposal without a distribution, so verification
+    by equality is the speculative-sampling rule, as for prompt lookup)."""
+
+    def __init__(self):
+        self.n = 0                  # tokens of the sequence seen (prompt, produced, the pending one)
+        self.proposal: list = []
+        self.at = -1
+        self.mtp_at = 0             # the first position whose head KV this request has not written
+        self.chain = 1              # drafts the head chains next time (auto: one more than last taken)
+
+    def extend(self, tokens):
+        self.n += len(tokens)
+
+    def propose(self, k: int) -> list:
+        return self.proposal[:k] if self.at == self.n else []
+
+
 DRAFTERS = {"ngram": NgramDrafter}
 AUTO_DRAFTER = "ngram"              # the drafter "auto" sizes and switches (benchmarks may name another)
 
@@ -147,9 +172,11 @@ class DraftState:
     """One request's drafting: its mode, the drafter, the sequence it has seen (seq: prompt, produced
     tokens, the pending one), acceptance, and the shadow proposal auto checks while it is not drafting."""
 
-    def __init__(self, mode: str, k: int, prompt, memory: NgramMemory | None = None):
+    def __init__(self, mode: str, k: int, prompt, memory: NgramMemory | None = None, mtp: bool = False):
         self.mode, self.k = mode, int(k)
-        self.drafter = DRAFTERS[AUTO_DRAFTER if mode == "auto" else mode]()
+        # "mtp", and "auto" on an engine running the model's MTP head, draft with the head
+        self.drafter = MtpDrafter() if mode == "mtp" or (mode == "auto" and mtp) else \
+            DRAFTERS[AUTO_DRAFTER if mode == "auto" else mode]()
         self.memory = memory if isinstance(self.drafter, NgramDrafter) else None
         self.seq = [int(t) for t in prompt]
         self.drafter.extend(self.seq)

@@ -19,7 +19,7 @@ import numpy as np
 from .. import knobs
 from . import sampling
 from .scheduler import DONE, ERROR, TOKEN, Core, Event, Request, text_piece
-from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, nonfinite
+from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, nonfinite, COLIBRI_ERR_UNAVAILABLE
 from ..model.modeldir import ModelDir
 from ..runtime.runner import Runner
 
@@ -203,13 +203,11 @@ class Engine:
         kv_cache_tokens = sampling.integer("kv_cache_tokens", kv_cache_tokens, 1, 1 << 40)
         missing = sorted(self.model.formats - set(cls.weight_dtypes))
         if missing:
-            from ..errors import COLIBRI_ERR_UNAVAILABLE
             raise ColibriError(COLIBRI_ERR_UNAVAILABLE, f"backend {backend_name!r} does not run {', '.join(missing)} "
                                f"weights (it runs {', '.join(cls.weight_dtypes)}); re-convert with "
                                f"`colibri convert --dtype ...` or pick another backend")
         splits = [] if cls.mixed_gate_up else self.model.gate_up_splits
         if splits:
-            from ..errors import COLIBRI_ERR_UNAVAILABLE
             where, g, u = splits[0]
             raise ColibriError(COLIBRI_ERR_UNAVAILABLE, f"backend {backend_name!r} runs an FFN's gate and up "
                                f"projections in one format, and {where} stores gate as {g} and up as {u} "
@@ -239,13 +237,23 @@ class Engine:
         # speculative decoding (draft.py): every request's default (a request may choose its own); on a
         # model with recurrent layers, drafting needs a copy of each state to roll back to (allocated here)
         from .draft import check_draft
-        self.draft, self.draft_tokens = check_draft(draft, draft_tokens)
+        has_mtp = bool(cfg.get("mtp"))
+        self.draft, self.draft_tokens = check_draft(draft, draft_tokens, has_mtp)
+        # the model's MTP head runs when drafting may use it ("mtp"; "auto" on a model with one): its layer's
+        # KV beside the model's, written at every position the engine computes
+        mtp = has_mtp and self.draft in ("mtp", "auto")
+        if mtp and slots:
+            if self.draft == "mtp":
+                raise ColibriError(COLIBRI_ERR_UNAVAILABLE, "draft='mtp' with expert_slots: the MTP head's experts "
+                                   "would need slots of their own; open the engine without expert_slots, or draft "
+                                   "with 'ngram' (or 'auto', which then uses it)")
+            mtp = False
         self.runner = Runner(self.model, self.backend, rows, self.max_batch, self.max_seq_len,
                              -(-int(kv_cache_tokens) // block), block, snapshots=snapshots,
                              snapshot_every=snapshot_every,
                              expert_slots=slots or None, slot_policy=policy,
                              memory_budget=self.memory_budget, kv_dtype=self.kv_dtype,
-                             draft_states=self.draft != "off")
+                             draft_states=self.draft != "off", mtp=mtp)
         # prefix caching (runtime/state.py States.adopt_prefix): a request starts from the longest
         # prefix of whole KV blocks an earlier one left in the pool, prefilling only the rest
         if not use_prefix:
@@ -561,7 +569,11 @@ class Engine:
 
     def _draft_mode(self, mode, k) -> tuple:
         from .draft import check_draft
-        mode, k = check_draft(mode, k)
+        mode, k = check_draft(mode, k, bool(self.config.get("mtp")))
+        if mode == "mtp" and not self.runner.mtp:
+            raise ColibriError(COLIBRI_ERR_UNAVAILABLE, "draft='mtp': the engine was opened without the model's MTP "
+                               "head (it runs its layer, and keeps that layer's KV, from the start); open it with "
+                               "draft='mtp' or draft='auto'")
         if mode != "off" and self.runner.states.fixed and self.runner.kept is None:
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"draft={mode!r}: this model has recurrent layers, and "
                                "drafting on them keeps a copy of each sequence's state to roll back to; open the "
@@ -591,7 +603,7 @@ class Engine:
             r.adapter = lora
             if mode != "off":
                 from .draft import DraftState
-                r.draft = DraftState(mode, k, r.prompt, self._ngram_memory())
+                r.draft = DraftState(mode, k, r.prompt, self._ngram_memory(), mtp=self.runner.mtp)
         if spec is not None:
             first = self._grammars().matcher(spec)        # a grammar that does not compile: raised here
             for i, r in enumerate(reqs):

@@ -561,6 +561,7 @@ class Core:
         scoring = [r.score in (True, "hidden") or (d and len(t) > 1) for (r, d), (_, t) in zip(owners, entries)]
         scoring = scoring if any(scoring) else False
         bases = [r.seq.cached for r in decode]
+        firsts = [seq.cached for seq, _ in entries]      # each entry's first position (the MTP head's rows)
         if stepwise:
             for r in decode:
                 if len(feeds[id(r)]) > 1 + len(r.refeed):
@@ -612,10 +613,73 @@ class Core:
             elif r.pos < len(r.ctx):
                 continue                                 # more of the prompt next step
             self._sample(r, logits[row - 1])
+        if runner.mtp:
+            dt += self._mtp(owners, entries, firsts)
         if ndec:
             e.stats.add_decode_step(dt, emitted, ndec)
             if not npre:
                 self.realized.add(ndec_tok > ndec, emitted, dt)
+
+    def _mtp(self, owners, entries, firsts) -> float:
+        """The MTP head after a step (draft.MtpDrafter): for each request drafting with it, the head runs
+        over the positions the step computed and kept whose next token is known (its KV at those
+        positions; the model's hidden rows of this step are its input), and from the last of them chains
+        the drafts of the tokens after the pending one: d1 from that row, then d_j+1 from (d_j, the
+        head's own h') one position on. The chain's positions need KV blocks (reserved here; a sequence
+        that cannot get them drafts fewer). -> seconds spent."""
+        from .draft import MtpDrafter
+        runner = self.e.runner
+        t0 = time.perf_counter()
+        work, chains = [], []
+        for (r, _), (seq, toks), p0 in zip(owners, entries, firsts):
+            st = r.draft
+            if st is None or not isinstance(st.drafter, MtpDrafter) or r.seq is not seq or r.finished:
+                continue
+            dr = st.drafter
+            known = self._known(r)
+            end = min(p0 + len(toks), seq.cached + len(r.refeed), len(known) - 1)
+            start = max(p0, dr.mtp_at)
+            if start >= end:
+                continue
+            dr.mtp_at = end
+            work.append((seq, start, known[start + 1:end + 1], runner.row_of[id(seq)] + np.arange(start - p0, end - p0)))
+            chains.append((r, dr, end, len(known)))
+        if not work:
+            return 0.0
+        host = self.e.backend.host_view
+        first = host(runner.mtp_step(work)).argmax(axis=1)
+        live = []
+        for (r, dr, end, n), d in zip(chains, first):
+            dr.proposal, dr.at = [int(d)], n
+            if r.pending is not None and r.constraint is None:        # decoding: it may draft next step
+                want = r.draft.k if r.draft.mode == "mtp" else min(r.draft.k, dr.chain)
+                live.append((r, dr, end, want))
+        for j in range(1, max((w for *_, w in live), default=1)):
+            live = [c for c in live if c[3] > j and self._room(c[0].seq, c[2] + j)]
+            if not live:
+                break
+            logits = host(runner.mtp_step([(c[0].seq, c[2] - 1 + j, [c[1].proposal[-1]], [i])
+                                           for i, c in enumerate(live)]))
+            for c, d in zip(live, logits.argmax(axis=1)):
+                c[1].proposal.append(int(d))
+        return time.perf_counter() - t0
+
+    def _room(self, seq, upto: int) -> bool:
+        """seq holds KV blocks for positions < upto (reserved now when it can; False when it cannot)."""
+        need = upto - seq.cached
+        if need <= 0:
+            return True
+        try:
+            self.e.runner.reserve(seq, need)
+            return True
+        except ColibriError:
+            return False
+
+    @staticmethod
+    def _known(r: Request) -> np.ndarray:
+        """r's tokens so far, by position: its context, the tokens produced past it, the pending one."""
+        tail = r.produced[len(r.ctx) - len(r.prompt):] + ([r.pending] if r.pending is not None else [])
+        return np.concatenate([r.ctx, np.asarray(tail, np.int32)]) if tail else np.asarray(r.ctx)
 
     def _drafts(self, decode: list, feeds: dict, recurrent: bool) -> dict:
         """The drafted tokens each decoding request verifies this step (draft.py): id(request) -> list.
@@ -623,7 +687,7 @@ class Core:
         left to generate, max_seq_len, KV blocks: a draft never preempts anyone) and, on a model with
         recurrent layers, no request waits for prefill (a verifying step carries no prefill chunk).
         "auto" sizes each draft by the step-cost curve and the request's acceptance (draft.choose_drafts)."""
-        from .draft import choose_drafts
+        from .draft import MtpDrafter, choose_drafts
         e = self.e
         wants = []
         if recurrent and any(r.pending is None and r.seq is not None and r.pos < len(r.ctx) for r in self.running):
@@ -650,6 +714,8 @@ class Core:
             ks = [len(p) for _, _, p in wants]
         out = {}
         for (r, st, prop), k in zip(wants, ks):
+            if isinstance(st.drafter, MtpDrafter):       # the MTP head chains one more than auto took
+                st.drafter.chain = min(st.k, k + 1)
             if st.mode == "auto" and k == 0:
                 st.shadow, st.shadow_at = list(prop), len(st.seq)   # checked once the tokens exist
                 continue

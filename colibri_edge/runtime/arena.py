@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..backends.base import plan_buffers
-from ..model.layerplan import geometries
+from ..model.layerplan import geometries, mtp_layers
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ class Limits:
     table_width: int    # W
     paged_pools: int    # P
     fixed_pools: int = 0    # F: fixed-size state pools (recurrent layers)
+    mtp: bool = False       # the MTP head runs (drafting): its hidden rows and their source rows
 
 
 def fan(cfg: dict) -> int:
@@ -44,6 +45,8 @@ def input_layout(lim: Limits) -> dict:
         parts += [(f"slots{p}", (R,)), (f"tables{p}", (S, W))]
     if lim.fixed_pools:                         # each sequence's tokens starts[s]..starts[s+1]-1, its slots
         parts += [("starts", (S + 1,))] + [(f"fslots{p}", (S,)) for p in range(lim.fixed_pools)]
+    if lim.mtp:                                 # the MTP head's step: which mtp_h row each token reads
+        parts += [("hrows", (R,))]
     out, off = {}, 0
     for name, shape in parts:
         out[name] = (off, shape)
@@ -58,8 +61,9 @@ def buffers(cfg: dict, lim: Limits) -> dict:
     geo = geometries(cfg)                               # (Hq, Hkv, D) of each attention geometry
     QW, KW = max([nh * hd for nh, _, hd in geo], default=1), max([nkv * hd for _, nkv, hd in geo], default=1)
     E, k = max(cfg["experts_per_layer"], 1), fan(cfg)
-    M = sum(1 for l in cfg["layers"] if l["type"] != "dense")
-    types = {l["type"] for l in cfg["layers"]}          # the widest FFN the plan runs (sizes it does not use
+    specs = cfg["layers"] + (mtp_layers(cfg) if lim.mtp else [])
+    M = sum(1 for l in specs if l["type"] != "dense")
+    types = {l["type"] for l in specs}                  # the widest FFN the plan runs (sizes it does not use
     inter = max([cfg["intermediate_size"]] * bool(types & {"dense", "moe_dense"}) + [cfg["moe_intermediate_size"]] * (M > 0) +
                 [cfg["shared_expert_intermediate_size"]] * ("moe_shared" in types) + [1])   # are never allocated)
     f32, i32 = np.float32, np.int32
@@ -76,6 +80,8 @@ def buffers(cfg: dict, lim: Limits) -> dict:
         "expert_counts": ((max(M, 1), E), i32),                                 # tokens routed, on the device
         "inputs": ((sum(math.prod(s) for _, s in input_layout(lim).values()),), i32),
     }
+    if lim.mtp:                                                                 # the model's final-normed rows
+        spec["mtp_h"] = ((R, H), f32)                                           # (every token), the head's input
     if cfg.get("attention_output_gate"):
         spec["attn_gate"] = ((R, QW), f32)                                      # sigmoid gate of attention's output
     lin = cfg.get("linear_attention")

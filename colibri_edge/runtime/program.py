@@ -31,7 +31,7 @@ import numpy as np
 from . import rope
 from ..backends.base import FFN, Act, Weight
 from ..errors import ColibriError, COLIBRI_ERR_UNAVAILABLE
-from ..model.layerplan import geometry
+from ..model.layerplan import geometry, mtp_layers
 
 
 def lora(s, out, x, w: Weight):
@@ -385,6 +385,25 @@ class Layer:
 
 
 @dataclass
+class MTPHead:
+    """A multi-token-prediction head (DeepSeek-V3 report, section 2.2; Qwen3.5's mtp.*; llama.cpp's nextn):
+    from the model's final-normed hidden h_i at position i and the next token t_{i+1}, the logits of
+    t_{i+2}:
+        x   = e_proj @ rmsnorm(embed[t_{i+1}]) * enorm + h_proj @ rmsnorm(h_i) * hnorm   (= eh_proj [e; h])
+        x   = layer(x)                          (a decoder layer at position i, its KV beside the model's)
+        h'  = rmsnorm(x) * norm;   logits = head @ h'
+    Chained drafts feed h' back as the next position's h (llama.cpp's chaining)."""
+    enorm: Weight               # [H]
+    hnorm: Weight               # [H]
+    e_proj: Weight              # [H, H]  eh_proj's columns over the embedding
+    h_proj: Weight              # [H, H]  ... over the hidden state
+    layer: object               # Layer (layer_id num_hidden_layers)
+    norm: Weight                # [H]  shared_head.norm
+    head: Weight                # [V, H] the model's lm_head unless the head has its own
+    embed: Weight               # [V, H] the model's embeddings unless the head has its own
+
+
+@dataclass
 class Program:
     embed: Weight               # [V, H]
     layers: list
@@ -394,6 +413,7 @@ class Program:
     embed_scale: float = 1.0    # x = embed_scale * embed[tok] (Gemma: sqrt(H))
     softcap: float = 0.0        # logits = cap tanh(logits / cap) (Gemma's final_logit_softcapping; 0: none)
     named: dict = field(default_factory=dict)   # model tensor name -> its Weight (run-time adapters find theirs)
+    mtp: MTPHead | None = None  # the multi-token-prediction head, when built
     ffn_lists: dict = field(default_factory=dict)   # "layers.N.experts" / ".shared" / ".mlp" -> the FFN list
                                                     # grouped_ffn takes (routed experts; a shared or dense MLP)
 
@@ -403,7 +423,7 @@ class Program:
                 for m in ((p,) if isinstance(p, MoE) else (p.moe,) if isinstance(p, ParallelFFN) and p.moe else ())]
 
 
-def build(model, be, pools, resident: bool, fixed_pools=()) -> Program:
+def build(model, be, pools, resident: bool, fixed_pools=(), mtp: bool = False) -> Program:
     """The program of a model directory with its weights made resident on backend `be`.
     pools: the engine's paged pools (one per attention group); resident: every routed expert on the
     backend (False: the slot pool holds them); fixed_pools: its fixed-size state pools (recurrent
@@ -479,8 +499,8 @@ def build(model, be, pools, resident: bool, fixed_pools=()) -> Program:
         lin_heads += (1 if lin.get("value_head_order") == "tiled" else lin_heads[1] // lin_heads[0],)
     groups = cfg.get("router_groups")
     groups = (groups["n_group"], groups["topk_group"], groups["group_top"]) if groups else None
-    layers, moe_index = [], 0
-    for spec in cfg["layers"]:
+    def make_layer(spec, moe_index):
+        """The Layer of a layer spec, and the next MoE index."""
         i, p = spec["layer_id"], f"layers.{spec['layer_id']}."
         nh, nkv, hd = geometry(cfg, spec)
         theta, inv_freq, attn_factor = rope_of(spec, hd)
@@ -532,7 +552,11 @@ def build(model, be, pools, resident: bool, fixed_pools=()) -> Program:
                 parts += (SharedExpert(ffn(p + "shared"), w(p + "shared.gate_logit")),)
         scalar = float(np.asarray(model.raw_tensor(p + "scalar"), np.float32).reshape(-1)[0]) \
             if model.has(p + "scalar") else 1.0
-        layers.append(Layer(i, w(p + "input_norm"), mixer, w(p + "post_attention_norm"), parts, scalar))
+        return Layer(i, w(p + "input_norm"), mixer, w(p + "post_attention_norm"), parts, scalar), moe_index
+    layers, moe_index = [], 0
+    for spec in cfg["layers"]:
+        layer, moe_index = make_layer(spec, moe_index)
+        layers.append(layer)
     embed = w("embed_tokens")
     prog = Program(embed, layers, w("norm"), embed if cfg["tie_word_embeddings"] else w("lm_head"), eps,
                    float(cfg.get("embed_scale", 1.0)), float(cfg.get("final_logit_softcap", 0.0)), named)
@@ -546,6 +570,12 @@ def build(model, be, pools, resident: bool, fixed_pools=()) -> Program:
             m = part if isinstance(part, MoE) else getattr(part, "moe", None)
             if m is not None:
                 prog.ffn_lists[p + "experts"] = m.experts
+    if mtp and cfg.get("mtp"):
+        layer, _ = make_layer(mtp_layers(cfg)[0], moe_index)
+        own = cfg["mtp"]
+        prog.mtp = MTPHead(w("mtp.enorm"), w("mtp.hnorm"), w("mtp.e_proj"), w("mtp.h_proj"), layer, w("mtp.norm"),
+                           w("mtp.head") if own.get("own_head") else prog.lm_head,
+                           w("mtp.embed") if own.get("own_embed") else embed)
     moe = prog.moe
     for a, b in zip(moe, moe[1:]):
         a.next_layer, a.next_router, a.next_choice_bias = b.layer, b.router, b.choice_bias

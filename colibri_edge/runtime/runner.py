@@ -42,13 +42,14 @@ def linear_widths(cfg: dict) -> list:
 
 
 def layout(cfg: dict, max_rows: int, max_batch: int, max_seq_len: int, num_kv_blocks: int, block_size: int,
-           kv_dtype: str = "float32", snapshots: int = 0, snapshot_every: int = 0):
+           kv_dtype: str = "float32", snapshots: int = 0, snapshot_every: int = 0, mtp: bool = False):
     """The engine's limits and per-sequence state pools (the paged ones in kv_dtype): what the Runner
-    allocates and what `colibri inspect` (analysis/sizing.py) sizes, from the one place."""
-    states = States(state_pools(cfg, num_kv_blocks, block_size, max_batch, kv_dtype, snapshots, snapshot_every),
-                    max_seq_len)
+    allocates and what `colibri inspect` (analysis/sizing.py) sizes, from the one place. mtp: the
+    model's MTP head runs (its layer's KV, its buffers)."""
+    states = States(state_pools(cfg, num_kv_blocks, block_size, max_batch, kv_dtype, snapshots, snapshot_every,
+                                mtp), max_seq_len)
     return arena.Limits(max_rows, max_batch, -(-max_seq_len // block_size), len(states.paged),
-                        len(states.fixed)), states
+                        len(states.fixed), mtp), states
 
 
 class AttnViews:
@@ -86,6 +87,8 @@ class StepViews:
         self.y_dense, self.scratch_dense, self.zeros = a["y"][:T], a["scratch"][:T], a["zeros"][:T]
         self.pred_router, self.pred_ids, self.pred_w = a["pred_router"][:T], a["pred_ids"][:T], a["pred_w"][:T]
         self.rows, self.sel, self.logits = inputs["rows"][:nrows], a["sel"][:nrows], a["logits"][:nrows]
+        self.mtp_h = a["mtp_h"][:T] if "mtp_h" in a else None     # the model's final-normed rows (MTP input)
+        self.hrows = inputs["hrows"][:T] if "hrows" in inputs else None   # MTP step: each token's mtp_h row
         self.stepwise = False           # recurrent layers run every token by the recurrence (drafts' verification)
         self.dense_plan = None          # the 1-expert plan of shared experts and dense MLPs, per step
         self.lora = None                # the step's adapters (runtime/lora.py StepLora), or None
@@ -139,8 +142,13 @@ class Runner:
     def __init__(self, model: ModelDir, backend, max_rows: int, max_batch: int,
                  max_seq_len: int, num_kv_blocks: int, block_size: int,
                  expert_slots: int | None = None, slot_policy: str = "lru", memory_budget: int | None = None,
-                 kv_dtype: str = "float32", snapshots: int = 0, snapshot_every: int = 0, draft_states: bool = False):
+                 kv_dtype: str = "float32", snapshots: int = 0, snapshot_every: int = 0, draft_states: bool = False,
+                 mtp: bool = False):
         self.model, self.be, self.cfg = model, backend, model.config
+        # mtp: the model's multi-token-prediction head runs (mtp_step): its layer's KV and buffers allocated
+        self.mtp = bool(mtp)
+        if self.mtp and not model.config.get("mtp"):
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{model.path}: the model has no MTP head")
         # draft_states: a copy of each sequence's recurrent state, taken before a step verifies its drafts
         # (speculative decoding on models with recurrent layers: the state to roll back to)
         self.draft_states = bool(draft_states)
@@ -150,7 +158,7 @@ class Runner:
         from ..backends import require_kv_dtype
         require_kv_dtype(backend, kv_dtype)
         self.limits, self.states = layout(cfg, max_rows, max_batch, max_seq_len, num_kv_blocks, block_size, kv_dtype,
-                                          snapshots, snapshot_every)
+                                          snapshots, snapshot_every, self.mtp)
         self.top_k = arena.fan(cfg)
         self.spec = arena.buffers(cfg, self.limits)
         self.slot_choice = None
@@ -168,7 +176,7 @@ class Runner:
                                                 linear_widths(cfg)),
                             max_rows)
             self.program = program.build(model, backend, self.states.paged, resident=self.slot_pool is None,
-                                         fixed_pools=self.states.fixed)
+                                         fixed_pools=self.states.fixed, mtp=self.mtp)
             self._alloc()
         except MemoryError:                 # what the check could not see (another process took it)
             raise ColibriError(COLIBRI_ERR_OUT_OF_MEMORY, f"allocating the engine's memory failed: "
@@ -180,6 +188,9 @@ class Runner:
             self.hooks.append(self.slot_pool.prefetch_hook)
         self.ffn_context = program.FFNContext(self.be, self.plan_bufs, self.dense_plan, self.slot_pool,
                                               self.hooks, self.on_route)
+        # the MTP head's layer: no hooks (traces and prefetch see the model's layers), experts resident
+        self.mtp_context = program.FFNContext(self.be, self.plan_bufs, self.dense_plan, None, [], self.on_route)
+        self.row_of = {}                 # id(seq) -> its first row in the last step (the MTP head's source rows)
         self._views = {}
         self.adapters = None             # run-time LoRA adapters (lora.Adapters), made at the first load
 
@@ -263,14 +274,18 @@ class Runner:
         self.state_storage = {key: be.alloc_kv(parts, pools[key[0]].kv_dtype) if pools[key[0]].kind == "paged"
                               else be.alloc(*parts["data"]) for key, parts in self.states.buffers().items()}
         self.state_bytes = self.states.nbytes()
-        for layer in self.program.layers:
+        for layer in self.program.layers + ([self.program.mtp.layer] if self.program.mtp else []):
             layer.mixer.bind(self.state_storage, layer.index)
         self.state_bytes_per_seq = sum(p.bytes_per_seq() for p in self.states.fixed)
         # the drafts' rollback copies: the first fixed pool's tensors, one slot per state slot
         self.kept = {key: be.alloc(*self.states.buffers()[key]["data"]) for key in self._fixed_storage()} \
             if self.draft_states and self.states.fixed else None
-        for moe in self.program.moe:
+        for moe in self.program.moe + self._mtp_moe():
             moe.tally = a["expert_counts"][moe.index]
+
+    def _mtp_moe(self) -> list:
+        head = self.program.mtp
+        return [p for p in head.layer.ffns if isinstance(p, program.MoE)] if head is not None else []
 
     # -- per-sequence state -----------------------------------------------------------------
     def new_sequence(self, seq_id):
@@ -426,6 +441,7 @@ class Runner:
             self._forward(s)
         for hook in self.hooks:
             hook.end_step()
+        self.row_of = first
         self.hidden = s.sel         # the final-normed hidden rows behind those logits [nrows, H] (embeddings)
         self.steps += 1
         self.step_tokens.append(T)
@@ -448,11 +464,84 @@ class Runner:
                 part.forward(self.ffn_context, s)
             if layer.scalar != 1.0:
                 be.scale(s.x, s.x, layer.scalar)
+        if s.mtp_h is not None:                 # every row final-normed: the MTP head's input
+            be.rmsnorm(s.mtp_h, s.x, prog.final_norm, eps)
         be.embed(s.sel, s.x, s.rows)            # gather the rows whose logits are wanted
         be.rmsnorm(s.sel, s.sel, prog.final_norm, eps)
         be.matmul(s.logits, s.sel, prog.lm_head)
         if prog.softcap:
             be.scale(s.logits, s.logits, 1.0, prog.softcap)
+
+    # -- the MTP head -------------------------------------------------------------------------
+    def mtp_step(self, entries, all_logits=False):
+        """The MTP head (program.MTPHead) over entries [(seq, first position p0, tokens, source rows)]:
+        token j of an entry sits at position p0 + j and is t_{p0+j+1}, the token after the one the model
+        saw there; source row j is the mtp_h row holding the model's final-normed hidden at p0 + j (the
+        last step's rows: row_of[id(seq)] + offset; after an mtp_step, row e holds entry e's last h', the
+        input of a chained draft). Writes the head's KV at those positions (reserved: the sequence's
+        length is not changed). -> logits [rows, V] of each entry's last token (every token's when
+        all_logits), predicting t_{p+2}; a view into the arena, valid until the next step."""
+        if not self.mtp:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, "the engine was opened without the MTP head")
+        T = sum(len(t) for _, _, t, _ in entries)
+        if T > self.max_rows or len(entries) > self.max_batch:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"MTP step of {T} tokens / {len(entries)} sequences "
+                               f"exceeds the arena ({self.max_rows} / {self.max_batch})")
+        h = self.h
+        t = nrows = 0
+        for e, (seq, p0, toks, src) in enumerate(entries):
+            n = len(toks)
+            h["tok"][t:t + n] = toks
+            p = np.arange(p0, p0 + n, dtype=np.int32)
+            h["pos"][t:t + n] = p
+            h["seq"][t:t + n] = e
+            h["hrows"][t:t + n] = src
+            for pool, slots, tables, tbl in zip(self.states.paged, self.h_slots, self.h_tables, seq.tables):
+                B, row = pool.block_size, tables[e]
+                if (p0 + n - 1) // B >= len(tbl):
+                    raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"MTP step up to position {p0 + n - 1}: the "
+                                       "sequence holds no block there (reserve first)")
+                row[:len(tbl)] = tbl
+                slots[t:t + n] = row[p // B] * B + p % B
+            if all_logits:
+                h["rows"][nrows:nrows + n] = np.arange(t, t + n)
+                nrows += n
+            else:
+                h["rows"][nrows] = t + n - 1
+                nrows += 1
+            t += n
+        self.be.begin_step()
+        self.be.upload_into(self.a["inputs"], self.h_inputs)
+        s = self.views(T, nrows, len(entries))
+        s.lora, s.stepwise = None, False
+        self._mtp_forward(s)
+        return s.logits
+
+    def _mtp_forward(self, s: StepViews):
+        be, prog = self.be, self.program
+        head, eps = prog.mtp, prog.eps
+        s.dense_plan = None
+        be.embed(s.x, head.embed, s.tok)
+        if prog.embed_scale != 1.0:
+            be.scale(s.x, s.x, prog.embed_scale)
+        be.rmsnorm(s.h, s.x, head.enorm, eps)
+        be.matmul(s.x, s.h, head.e_proj)             # x = e_proj enorm(e)
+        be.embed(s.o, self.a["mtp_h"], s.hrows)      # the model's hidden rows
+        be.rmsnorm(s.h, s.o, head.hnorm, eps)
+        be.matmul(s.o, s.h, head.h_proj)
+        be.add(s.x, s.x, s.o)                        #   + h_proj hnorm(h)
+        layer = head.layer
+        be.rmsnorm(s.h, s.x, layer.input_norm, eps)
+        layer.mixer.forward(be, s)
+        be.rmsnorm(s.h, s.x, layer.post_norm, eps)
+        for part in layer.ffns:
+            part.forward(self.mtp_context, s)
+        be.embed(s.sel, s.x, s.rows)
+        be.rmsnorm(s.sel, s.sel, head.norm, eps)     # h' (a chained draft's input)
+        be.matmul(s.logits, s.sel, head.head)
+        if prog.softcap:
+            be.scale(s.logits, s.logits, 1.0, prog.softcap)
+        be.copy_into(self.a["mtp_h"][:s.nrows], s.sel)
 
     def dense_plan(self, s: StepViews):
         """The plan that sends every token to expert 0: how shared experts and dense MLPs run."""

@@ -36,7 +36,7 @@ import numpy as np
 
 from ..backends.base import check_kv_dtype, kv_parts, kv_row_bytes
 from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_OUT_OF_MEMORY
-from ..model.layerplan import geometry, is_linear
+from ..model.layerplan import geometry, is_linear, mtp_layers
 
 
 @dataclass
@@ -554,7 +554,7 @@ class States:
         return {p.name: p.usage() for p in self.pools}
 
 
-def attention_pools(cfg: dict, num_blocks: int, block_size: int, kv_dtype: str = "float32") -> list:
+def attention_pools(cfg: dict, num_blocks: int, block_size: int, kv_dtype: str = "float32", mtp: bool = False) -> list:
     """The pools a model's layer plan needs: a paged KV cache of K and V [Hkv, D] per position for
     the full-attention layers (first: the engine's `pool`), and one for the sliding-window layers
     (config layer_types, sliding_window) when there are any; layers of another attention geometry
@@ -562,18 +562,20 @@ def attention_pools(cfg: dict, num_blocks: int, block_size: int, kv_dtype: str =
     num_blocks blocks: a window pool's sequences hold at most ceil(W / B) + 1 of them between steps.
     Latent attention (every layer): one pool of the latent c [1, kv_lora_rank] and the rope key r
     [1, qk_rope_head_dim] per position: (kv_lora_rank + qk_rope_head_dim) values per token and layer,
-    not heads x (k + v) dims. Every pool stores kv_dtype (PagedPool)."""
+    not heads x (k + v) dims. Every pool stores kv_dtype (PagedPool). mtp: the MTP head's layer (a full
+    attention layer) has its KV in the full-attention pool too, at the same positions as the model's."""
     la = cfg.get("latent_attention")
+    specs = list(cfg["layers"]) + (mtp_layers(cfg) if mtp else [])
     if la:
-        return [PagedPool("latent KV cache", [l["layer_id"] for l in cfg["layers"]], num_blocks, block_size,
+        return [PagedPool("latent KV cache", [l["layer_id"] for l in specs], num_blocks, block_size,
                           shapes={"c": (1, la["kv_lora_rank"]), "r": (1, la["qk_rope_head_dim"])}, kv_dtype=kv_dtype)]
     types = cfg.get("layer_types") or ["full_attention"] * len(cfg["layers"])
     groups = {}                                     # (window, per-token shape) -> layers, full layers first
     for full in (True, False):
-        for l in cfg["layers"]:
+        for l in specs:
             if is_linear(cfg, l):
                 continue
-            if (types[l["layer_id"]] == "full_attention") == full:
+            if (l["layer_id"] >= len(types) or types[l["layer_id"]] == "full_attention") == full:
                 _, nkv, hd = geometry(cfg, l)
                 groups.setdefault((0 if full else cfg["sliding_window"], (nkv, hd)), []).append(l["layer_id"])
     pools = []
@@ -598,13 +600,13 @@ def recurrent_pool(cfg: dict, num_slots: int) -> FixedPool | None:
 
 
 def state_pools(cfg: dict, num_blocks: int, block_size: int, num_slots: int, kv_dtype: str = "float32",
-                snapshots: int = 0, snapshot_every: int = 0) -> list:
+                snapshots: int = 0, snapshot_every: int = 0, mtp: bool = False) -> list:
     """Every per-sequence state pool of a model: the paged KV pools (attention_pools, in kv_dtype), then
     the recurrent layers' fixed slots (num_slots of them: the engine gives max_batch, the sequences that
     run at once; float32) and `snapshots` snapshots of them for prefix caching (SnapshotPool: at every
     snapshot_every tokens of a prefill, rounded up to a multiple of lcm(block_size, DELTA_CHUNK);
     0: only at prompts' last such boundaries)."""
-    pools = attention_pools(cfg, num_blocks, block_size, kv_dtype)
+    pools = attention_pools(cfg, num_blocks, block_size, kv_dtype, mtp)
     fixed = recurrent_pool(cfg, num_slots)
     if fixed is None:
         return pools

@@ -15,9 +15,11 @@ from ..knobs import KV_DTYPES
 
 def _cmd_convert(a):
     from ..model.convert import convert
-    cfg = convert(a.source, a.out_dir, dtype=a.dtype, progress=not a.quiet, lora=a.lora, lora_scale=a.lora_scale)
+    cfg = convert(a.source, a.out_dir, dtype=a.dtype, progress=not a.quiet, lora=a.lora, lora_scale=a.lora_scale,
+                  mtp=not a.no_mtp)
     print(f"wrote {a.out_dir}: {cfg['model_type']}, {cfg['num_hidden_layers']} layers, "
           f"{cfg['experts_per_layer']} experts/layer, top-{cfg['top_k']}, {cfg['weight_dtype']}"
+          + (", MTP head (draft='mtp')" if cfg.get("mtp") else "")
           + (f", LoRA {a.lora} merged (scale {a.lora_scale:g})" if a.lora else ""))
     return 0
 
@@ -765,10 +767,11 @@ def _add_engine_args(p, per_model=False):
     p.add_argument("--kv-dtype", default=None, choices=list(KV_DTYPES),
                    help="the KV cache's storage type: float32, float16 (half the bytes) or q8_0 (about a quarter; "
                         "reference and cpu backends) (default: COLIBRI_KV_DTYPE or float32)", **act)
-    p.add_argument("--draft", default="off", choices=["off", "ngram", "auto"],
+    p.add_argument("--draft", default="off", choices=["off", "ngram", "mtp", "auto"],
                    help="speculative decoding: ngram (prompt lookup: drafts what followed the last tokens earlier "
-                        "in the prompt or output, verified in one step), auto (ngram only while the measured step "
-                        "costs say it pays), off (default)", **act)
+                        "in the prompt or output, verified in one step), mtp (the model's own multi-token-"
+                        "prediction head, when it has one), auto (the head when the model has one, else ngram, "
+                        "only while the measured step costs say it pays), off (default)", **act)
     p.add_argument("--draft-tokens", type=int, default=5, metavar="N",
                    help="drafted tokens verified per step at most (default 5)", **act)
 
@@ -834,6 +837,9 @@ def build_parser():
                    "weights (W + scale B A per matrix and per expert, in float32, before --dtype)")
     c.add_argument("--lora-scale", type=float, default=1.0, metavar="S", help="the merged update's weight "
                    "(default 1)")
+    c.add_argument("--no-mtp", action="store_true", help="leave out the multi-token-prediction head a checkpoint "
+                   "stores (DeepSeek-V3 / GLM nextn layers, Qwen3.5's mtp.*; kept by default: it drafts for "
+                   "--draft mtp)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(fn=_cmd_convert)
     i = sub.add_parser("inspect", help="validate a model directory and print its plan and memory needs")

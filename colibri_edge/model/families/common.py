@@ -15,6 +15,7 @@ import sys
 import numpy as np
 
 from .. import validate
+from ..layerplan import all_layers
 from ..validate import YARN_FIELDS
 from ...errors import ColibriError, COLIBRI_ERR_INVALID_MODEL_TYPE, invalid_model
 
@@ -78,7 +79,7 @@ def row_permutations(cfg: dict) -> dict:
     if cfg.get("rope_pairs") != "interleaved" or cfg.get("latent_attention"):
         return {}                   # latent attention: its rotated rows are permuted by its source map
     out = {}
-    for l in cfg["layers"]:
+    for l in all_layers(cfg):
         p = f"layers.{l['layer_id']}."
         out[p + "attn.wq"] = out[p + "attn.bq"] = cfg["num_attention_heads"]
         out[p + "attn.wk"] = out[p + "attn.bk"] = cfg["num_key_value_heads"]
@@ -125,13 +126,86 @@ def nextn_tensors(m, cfg: dict, arch: str, progress: bool) -> set:
     return set(mtp)
 
 
-def skip_source_layers(src, first: int, count: int, progress: bool):
-    """Drops the tensors of `count` multi-token-prediction layers a checkpoint stores after its decoder
-    layers (model.layers.first..): speculative heads the model runs without."""
-    dropped = src.rebase("", "", tuple(f"model.layers.{first + j}." for j in range(count)))
-    if dropped and progress:
-        print(f"convert: {dropped} tensors of {count} multi-token-prediction layer(s) skipped "
-              "(speculative-decoding heads; the model runs without them)", file=sys.stderr)
+# ----------------------------------------------------------------------------------------------
+# multi-token prediction (speculative decoding's draft head)
+
+def mtp_count(hf: dict) -> int:
+    """The multi-token-prediction layers a checkpoint stores (DeepSeek-V3 / GLM: num_nextn_predict_layers,
+    after the decoder's layers; Qwen3.5 / Qwen3-Next: mtp_num_hidden_layers, under mtp.*)."""
+    names = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers")
+    tc = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
+    return int(get(hf, *names, default=0) or get(tc, *names, default=0) or 0)
+
+
+def add_mtp(cfg: dict, hf: dict) -> dict:
+    """cfg["mtp"] for a checkpoint with an MTP head: its layer a decoder layer like the last one (layer_id
+    num_hidden_layers, its experts after the decoder's); prepare_mtp settles it from the tensors."""
+    if mtp_count(hf) and cfg["layers"]:
+        last, L = cfg["layers"][-1], cfg["num_hidden_layers"]
+        moe = last["type"] != "dense"
+        cfg["mtp"] = {"layers": [{"layer_id": L, "type": last["type"],
+                                  "moe_expert_start": sum(l["moe_num_experts"] for l in cfg["layers"]) if moe else 0,
+                                  "moe_num_experts": last["moe_num_experts"] if moe else 0}]}
+    return cfg
+
+
+def mtp_sources(cfg: dict, norm=None) -> dict:
+    """The MTP head's tensors from DeepSeek-V3's names under model.layers.L. (families with other names
+    rename theirs to these in prepare_source): x = eh_proj [enorm(embed(t)); hnorm(h)] is kept as its two
+    halves e_proj = eh_proj[:, :H], h_proj = eh_proj[:, H:]; shared_head.norm -> mtp.norm. norm: a
+    function applied to the three norms (zero-centred ones: + 1)."""
+    s, H = f"model.layers.{cfg['num_hidden_layers']}.", cfg["hidden_size"]
+    wrap = (lambda n: (n, norm)) if norm else (lambda n: n)
+    return {"mtp.enorm": wrap(s + "enorm.weight"), "mtp.hnorm": wrap(s + "hnorm.weight"),
+            "mtp.norm": wrap(s + "shared_head.norm.weight"),
+            "mtp.e_proj": (s + "eh_proj.weight", lambda a: a[:, :H].copy()),
+            "mtp.h_proj": (s + "eh_proj.weight", lambda a: a[:, H:].copy()),
+            "mtp.head": s + "shared_head.head.weight", "mtp.embed": s + "embed_tokens.weight"}
+
+
+def prepare_mtp(src, cfg: dict, hf: dict, progress: bool, keep: bool = True):
+    """Settles cfg["mtp"] from the checkpoint (its layer's names already DeepSeek's, model.layers.L.): a
+    layer with a plain MLP and no experts is dense; a head or embedding stored again is the model's own
+    when equal to lm_head / embed_tokens (DeepSeek-V3 stores copies; dropped), else kept (own_head /
+    own_embed); further MTP layers (only the first drafts) are dropped with a note. keep=False (convert
+    --no-mtp): every MTP layer dropped with a note, the model converted without its head."""
+    n = mtp_count(hf)
+    if not n or not cfg.get("mtp"):
+        return
+    L = cfg["num_hidden_layers"]
+    s = f"model.layers.{L}."
+    if not any(k.startswith(s) for k in src.entries):
+        del cfg["mtp"]                  # declared, not stored (transformers' DeepSeek-V3 config says 1 by default)
+        return
+    if not keep:
+        del cfg["mtp"]
+        dropped = src.rebase("", "", tuple(f"model.layers.{L + j}." for j in range(n)))
+        if progress:
+            print(f"convert: {dropped} tensors of {n} multi-token-prediction layer(s) skipped (--no-mtp: the "
+                  "model converts without its draft head)", file=sys.stderr)
+        return
+    if n > 1:
+        dropped = src.rebase("", "", tuple(f"model.layers.{L + j}." for j in range(1, n)))
+        if progress:
+            print(f"convert: {dropped} tensors of {n - 1} further multi-token-prediction layer(s) skipped (the "
+                  "first drafts, chained)", file=sys.stderr)
+    if s + "eh_proj.weight" not in src:
+        raise invalid_model(hf.get("_path", "config.json"), "num_nextn_predict_layers",
+                            f"is {n} but the checkpoint has no {s}eh_proj.weight (the MTP head's projection)")
+    spec = cfg["mtp"]["layers"][0]
+    if s + "mlp.gate_proj.weight" in src and not any(k.startswith(s + "mlp.experts.") or
+                                                     k.startswith(s + "block_sparse_moe.") for k in src.entries):
+        spec.update(type="dense", moe_expert_start=0, moe_num_experts=0)
+    for own, name, main in (("own_head", "shared_head.head.weight", "lm_head.weight"),
+                            ("own_embed", "embed_tokens.weight", "model.embed_tokens.weight")):
+        if s + name not in src:
+            continue
+        if main not in src and own == "own_head" and cfg["tie_word_embeddings"]:
+            main = "model.embed_tokens.weight"
+        if main in src and np.array_equal(src.raw(s + name), src.raw(main)):
+            src.rebase("", "", (s + name,))
+        else:
+            cfg["mtp"][own] = True
 
 
 # ----------------------------------------------------------------------------------------------
@@ -302,7 +376,9 @@ class Family:
         tensor, or (name, fn) for a function of it (non-expert tensors). src, when given, picks between
         a checkpoint's naming variants."""
         m = {"embed_tokens": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
-        for l in cfg["layers"]:
+        if cfg.get("mtp"):
+            m.update(mtp_sources(cfg))
+        for l in all_layers(cfg):
             i = l["layer_id"]
             p, s = f"layers.{i}.", f"model.layers.{i}."
             m[p + "input_norm"] = s + "input_layernorm.weight"
@@ -367,10 +443,6 @@ class Family:
             if fused + "gate_up_proj" in src:
                 return self.fused_gate_up(src, cfg, fused, j)
         raise invalid_model(f"model.layers.{layer}", f"experts.{j}", "expert weights not found in the checkpoint")
-
-    def skipped_layers(self, hf: dict) -> int:
-        """Multi-token-prediction layers the checkpoint stores after its decoder layers (skipped)."""
-        return 0
 
     # -- GGUF files ------------------------------------------------------------------------------
     gguf_ff_required = False        # feed_forward_length must be present

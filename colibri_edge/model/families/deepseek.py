@@ -7,26 +7,19 @@ attn_v_b (or an older file's attn_kv_b, split here); the rotated rows in adjacen
 type NORM), un-permuted; expert_gating_func softmax (V2: groups scored by their best, not renormalised)
 or sigmoid (V3 / GLM: exp_probs_b for the choice, groups scored by their best two), expert_group_count /
 _used_count, expert_weights_scale / _norm; leading dense layers; YaRN's yarn_log_multiplier (0.1
-mscale_all_dim); nextn_predict_layers (multi-token prediction) skipped.
+mscale_all_dim); the first nextn_predict_layers layer (multi-token prediction) converted as the MTP head (from a GGUF file: skipped).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .common import Family, decoder_shape, eos_bos, get, nextn_tensors, pos, refuse, skip_source_layers, unpermute, yarn
+from .common import Family, decoder_shape, eos_bos, get, nextn_tensors, pos, refuse, unpermute, yarn
 from .registry import register
 from .. import validate
 from ..dtypes import narrow
 from ...errors import ColibriError, COLIBRI_ERR_INVALID_MODEL_TYPE, invalid_model
 
 V2, V3, GLM = "deepseek_v2", "deepseek_v3", "glm4_moe_lite"
-
-
-def mtp_layers(hf: dict) -> int:
-    """Multi-token-prediction layers a DeepSeek-V3 / GLM checkpoint stores after its decoder layers
-    (model.layers.L.. ): the converter skips them (speculative heads; the model runs without them)."""
-    return int(get(hf, "num_nextn_predict_layers", "num_mtp_layers", default=0) or 0) \
-        if hf.get("model_type") in (V3, GLM) else 0
 
 
 def translate(hf: dict, gen: dict, path: str, dtype) -> dict:
@@ -275,14 +268,6 @@ class DeepseekV2(Family):
 
     def translate(self, hf, gen, path, dtype):
         return translate(hf, gen, path, dtype)
-
-    def skipped_layers(self, hf):
-        return mtp_layers(hf)
-
-    def prepare_source(self, src, hf, cfg, progress):
-        skip = self.skipped_layers(hf)
-        if skip:              # multi-token-prediction layers after the decoder's: not run, skipped
-            skip_source_layers(src, cfg["num_hidden_layers"], skip, progress)
 
     def layer_sources(self, m, cfg, p, s, src):
         for x in ("gate", "up", "down"):

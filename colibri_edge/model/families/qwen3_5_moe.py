@@ -6,7 +6,7 @@ GGUF qwen35moe: gated delta-nets on attention.recurrent_layers: ssm.* sizes, att
 ssm_alpha / ssm_beta / ssm_a (= -exp(A_log)) / ssm_dt / ssm_conv1d / ssm_norm / ssm_out, value heads kept
 in the file's tiled order; full layers' attn_q rows split into query and output gate per head and the
 partial rotary rows reordered (whole rows); softmax top-k, renormalised, a shared expert with sigmoid
-gate; nextn_predict_layers skipped.
+gate; nextn_predict_layers skipped. From checkpoints the MTP head (mtp.*) is converted (common.mtp_sources).
 """
 from __future__ import annotations
 
@@ -14,12 +14,16 @@ import sys
 
 import numpy as np
 
-from .common import Family, decoder_shape, eos_bos, get, nextn_tensors, pos, refuse, rope_dim_order
+from .common import Family, decoder_shape, eos_bos, get, mtp_sources, nextn_tensors, pos, refuse, rope_dim_order
+from ..layerplan import all_layers, is_linear
 from .registry import register
 from .. import validate
 from ...errors import invalid_model
 
-SKIPPED = ("model.visual.", "mtp.", "model.mtp.")   # the vision tower, multi-token prediction
+SKIPPED = ("model.visual.", "mtp.", "model.mtp.")   # the vision tower, multi-token prediction (when not kept)
+# the MTP head's names -> DeepSeek-V3's under model.layers.L. (common.mtp_sources reads those)
+MTP_RENAMES = {"pre_fc_norm_embedding.weight": "enorm.weight", "pre_fc_norm_hidden.weight": "hnorm.weight",
+               "fc.weight": "eh_proj.weight", "norm.weight": "shared_head.norm.weight"}
 ROWS = ("attn.wq", "attn.wq_gate", "attn.wk", "attn.q_norm", "attn.k_norm")
 
 
@@ -101,12 +105,14 @@ def sources(cfg: dict) -> dict:
     one = lambda a: (a + np.float32(1)).astype(np.float32)           # noqa: E731
     rows = lambda a, n: a.reshape(n, D, -1)[:, order].reshape(a.shape).copy()  # noqa: E731
     m = {"norm": ("model.norm.weight", one)}
-    for l in cfg["layers"]:
+    if cfg.get("mtp"):
+        m.update({k: v for k, v in mtp_sources(cfg, one).items() if k.endswith("norm")})
+    for l in all_layers(cfg):
         i = l["layer_id"]
         p, s = f"layers.{i}.", f"model.layers.{i}."
         m[p + "input_norm"] = (s + "input_layernorm.weight", one)
         m[p + "post_attention_norm"] = (s + "post_attention_layernorm.weight", one)
-        if cfg["layer_types"][i] == "linear_attention":
+        if is_linear(cfg, l):
             a = s + "linear_attn."
             m.update({p + "lin.wqkv": a + "in_proj_qkv.weight", p + "lin.wz": a + "in_proj_z.weight",
                       p + "lin.wa": a + "in_proj_a.weight", p + "lin.wb": a + "in_proj_b.weight",
@@ -207,6 +213,24 @@ def gguf_rows(tz, cfg: dict, what: str, name: str, role):
 
 
 
+def rename_mtp(src, L: int):
+    """Qwen's MTP head (mtp.* or model.mtp.*: fc, pre_fc_norm_embedding / _hidden, norm, layers.j.) read
+    under DeepSeek-V3's names, model.layers.(L + j). (prepare_mtp and mtp_sources take it from there)."""
+    out = {}
+    for n, e in src.entries.items():
+        for pre in ("mtp.", "model.mtp."):
+            if n.startswith(pre):
+                rest = n[len(pre):]
+                if rest.startswith("layers."):
+                    j, tail = rest[len("layers."):].split(".", 1)
+                    n = f"model.layers.{L + int(j)}.{tail}"
+                else:
+                    n = f"model.layers.{L}.{MTP_RENAMES.get(rest, rest)}"
+                break
+        out[n] = e
+    src.entries = out
+
+
 @register
 class Qwen35Moe(Family):
     model_types = ("qwen3_5_moe", "qwen3_5_moe_text")
@@ -219,6 +243,8 @@ class Qwen35Moe(Family):
         return translate(hf, gen, path, dtype)
 
     def prepare_source(self, src, hf, cfg, progress):
+        if cfg.get("mtp"):
+            rename_mtp(src, cfg["num_hidden_layers"])
         dropped = src.rebase("model.language_model.", "model.", SKIPPED)   # wrapped or not, towers skipped
         if dropped and progress:
             print(f"convert: {dropped} vision-tower / multi-token-prediction tensors skipped (Colibri runs the "
