@@ -22,7 +22,12 @@ Rows:
     prompt again in the same engine / server (Colibri's n-gram memory and llama.cpp's ngram-mod table
     hold the earlier runs' output).
 
-    python benchmarks/draft_bench.py [--rounds 3] [--no-llama]
+The demo model with its MTP head (colibri_edge/default_model, trained by toolchains/demo-model/
+mtp_train.py), on English text: DEMO_PROMPTS (none of them in its training text), NEW tokens greedy
+after each, draft=off / mtp with 1, 2, 3 drafts / auto / ngram, summed over the prompts, best of
+--rounds. (llama.cpp runs no MTP head for this architecture: no peer row.)
+
+    python benchmarks/draft_bench.py [--rounds 3] [--no-llama] [--only demo]
 """
 from __future__ import annotations
 
@@ -76,6 +81,37 @@ class Replay:
         return []
 
 
+DEMO_PROMPTS = ["The best thing about working from home is", "Once upon a time, a programmer",
+                "A list in Python is", "If you want to be happy,", "The dictionary's get method",
+                "My cat thinks that"]
+
+
+def demo(rounds):
+    """The demo model's MTP head on English text -> rows (label, result summed over DEMO_PROMPTS)."""
+    from colibri_edge.requests.engine import Engine
+    from colibri_edge.model.demo import SHIPPED
+    out = []
+    for label, mode, k in (("Colibri off", "off", 1), ("mtp, 1 draft", "mtp", 1), ("mtp, 2 drafts", "mtp", 2),
+                           ("mtp, 3 drafts", "mtp", 3), ("auto (up to 3)", "auto", 3), ("ngram (up to 8)", "ngram", 8)):
+        best = None
+        for _ in range(rounds):
+            with Engine.open(SHIPPED, backend="cpu", num_threads=THREADS, max_batch=1,
+                             max_seq_len=512, draft=mode, draft_tokens=k) as eng:
+                eng.generate("Hello", max_new_tokens=4)                # compile, warm
+                eng.stats.__init__()
+                ids = [eng.generate(p, max_new_tokens=NEW, ignore_eos=True) for p in DEMO_PROMPTS]
+                s = eng.stats
+                r = {"tok_s": s.decode_tokens / s.decode_seconds, "proposed": s.draft_proposed,
+                     "accepted": s.draft_accepted, "per_step": s.tokens_per_stream_step, "ids": ids}
+            if best is None or r["tok_s"] > best["tok_s"]:
+                best = r
+        log(f"demo {label}: {best['tok_s']:.1f} tok/s, {best['accepted']}/{best['proposed']}")
+        out.append((label, best))
+    for _, r in out:
+        r["same"] = r["ids"] == out[0][1]["ids"]
+    return out
+
+
 def colibri(col, prompt, mode, k=8, slots=None, runs=1):
     """The prompt `runs` times on one engine (the first: a fresh engine; later ones: its n-gram memory
     holds the earlier runs) -> a result per run."""
@@ -120,7 +156,12 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "draft.md"))
+    ap.add_argument("--only", choices=["demo"], default=None, help="run only the demo model's MTP rows (written "
+                    "to results/draft-demo.md)")
     a = ap.parse_args(argv)
+    if a.only == "demo":
+        write_demo(a, demo(a.rounds), a.out.replace(".md", "-demo.md"))
+        return
     import models
     from colibri_edge.requests import draft
     spec = models.spec(False)
@@ -177,6 +218,32 @@ def main(argv=None):
             log(f"llama-server --spec-type {spec}")
             ll[spec] = llama(exe, gguf, P, spec, a.rounds)
     write(a, rows, ll, repeat)
+    write_demo(a, demo(a.rounds), a.out.replace(".md", "-demo.md"))
+
+
+def write_demo(a, rows, out):
+    from chat_serve import isa
+    from colibri_edge.model.demo import SHIPPED
+    metrics = os.path.join(HERE, "..", "toolchains", "demo-model", "mtp_metrics.json")
+    agree = json.load(open(metrics))["validation_agreement"]["after"] if os.path.exists(metrics) else None
+    base = rows[0][1]["tok_s"]
+    lines = [f"# Speculative decoding: the demo model's MTP head ({time.strftime('%Y-%m-%d')})", "",
+             f"Host {os.uname().nodename}, ISA {isa()}, cpu backend, {THREADS} threads, {SHIPPED} "
+             f"(float16), greedy, {NEW} new tokens after each of {len(DEMO_PROMPTS)} English prompts, summed, best of "
+             f"{a.rounds}. The head's agreement with the model's greedy token on held-out text: "
+             f"{agree if agree is not None else 'n/a'} (mtp_metrics.json). `same`: the tokens equal draft=off's.", "",
+             "| drafting | decode tok/s | x off | drafted | accepted | acceptance | tokens/step | same |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for label, r in rows:
+        acc = r["accepted"] / r["proposed"] if r["proposed"] else 0.0
+        lines.append(f"| {label} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f} | {r['proposed']} | {r['accepted']} | "
+                     f"{acc:.2f} | {r['per_step']:.2f} | {'yes' if r['same'] else 'NO'} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    with open(out, "w") as f:
+        f.write(text)
+    with open(out.replace(".md", ".json"), "w") as f:
+        json.dump([(lab, {k: v for k, v in r.items() if k != "ids"}) for lab, r in rows], f, indent=1)
 
 
 def write(a, rows, ll, repeat):

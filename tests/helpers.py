@@ -344,3 +344,18 @@ class OracleDrafter:
                         out[j] = (out[j] + 1) % 7 + 3
                 return out
         return []
+
+
+def mtp_logits(eng, ids) -> np.ndarray:
+    """The engine's MTP head over a sequence: the model steps ids[:-1], then the head runs at positions
+    0..T-2 on tokens ids[1:] and the model's hidden rows -> [T-1, V] (hf_models.reference_mtp_logits's
+    rows); the engine was opened with draft='mtp' or 'auto'."""
+    r = eng.runner
+    seq = r.new_sequence(0)
+    try:
+        r.reserve(seq, len(ids))
+        r.step([(seq, ids[:-1])])
+        rows = r.row_of[id(seq)] + np.arange(len(ids) - 1)
+        return np.array(eng.backend.host_view(r.mtp_step([(seq, 0, ids[1:], rows)], all_logits=True)))
+    finally:
+        r.free(seq)

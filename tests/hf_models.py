@@ -526,3 +526,66 @@ def peft_logits(hf_dir: str, adapter_dir, ids) -> np.ndarray:
     model.eval()
     with torch.no_grad():
         return model(torch.as_tensor(np.asarray(ids), dtype=torch.long)).logits.float().numpy()
+
+
+def reference_mtp_logits(hf: str, ids: np.ndarray, tmp: str) -> np.ndarray:
+    """The oracle of an MTP head (DeepSeek-V3 report, section 2.2; vLLM's and llama.cpp's graphs), in torch
+    on the checkpoint's own tensors: [T-1, V], row i the head's logits at position i (token ids[i+1], the model's hidden at i). The
+    head's decoder layer is transformers' own: the checkpoint loaded with one more layer (Qwen3.5's
+    mtp.layers.0 renamed to that layer, a full-attention one), so transformers reads its weights."""
+    import copy
+    import shutil
+    import torch
+    from safetensors.numpy import load_file, save_file
+    cls = checkpoint_class(hf)
+    model = cls.from_pretrained(hf, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    cfg = model.config
+    L = cfg.num_hidden_layers
+    raw = load_file(os.path.join(hf, "model.safetensors"))
+    extra = {"num_hidden_layers": L + 1}
+    if any(k.startswith("mtp.") for k in raw):                 # Qwen3.5's names
+        pre = "mtp."
+        names = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc", "norm": "norm"}
+        os.makedirs(tmp, exist_ok=True)
+        for f in os.listdir(hf):
+            if f != "model.safetensors":
+                shutil.copy(os.path.join(hf, f), tmp)
+        save_file({(f"model.layers.{L}." + k[len("mtp.layers.0."):] if k.startswith("mtp.layers.0.") else k): v
+                   for k, v in raw.items()}, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        extra["layer_types"] = list(json.load(open(os.path.join(hf, "config.json")))["layer_types"]) + \
+            ["full_attention"]
+        longer = tmp
+    else:                                                      # DeepSeek-V3's
+        pre = f"model.layers.{L}."
+        names = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "norm": "shared_head.norm"}
+        longer = hf
+    w = {k: torch.from_numpy(raw[pre + v + ".weight"].astype(np.float32)) for k, v in names.items()}
+    if cfg.model_type == "mixtral" and f"model.layers.{L}.mlp.gate_proj.weight" in raw:
+        # a dense head layer on a Mixtral (the demo model's): Mistral's layer, the same attention and a SwiGLU
+        import transformers
+        mcfg = transformers.MistralConfig(**{k: v for k, v in cfg.to_dict().items() if k not in (
+            "model_type", "architectures", "num_local_experts", "num_experts_per_tok", "router_aux_loss_coef",
+            "router_jitter_noise", "output_router_logits")}, )
+        mcfg.num_hidden_layers = L + 1
+        cls = transformers.MistralForCausalLM
+        extra = {"config": mcfg}
+    layer = cls.from_pretrained(longer, dtype=torch.float32, attn_implementation="eager", **extra).model.layers[L]
+    base = model.model
+    seen = {}
+    hook = base.layers[L - 1].register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True)
+    x = torch.as_tensor(ids[None, :-1], dtype=torch.long)
+    with torch.no_grad():
+        h = base(x, use_cache=False).last_hidden_state                          # final-normed, positions 0..T-2
+        hook.remove()
+
+        def norm(v, weight):
+            n = copy.deepcopy(base.norm)
+            n.weight.copy_(weight)
+            return n(v)
+        e = base.embed_tokens(torch.as_tensor(ids[None, 1:], dtype=torch.long))
+        y = torch.cat([norm(e, w["enorm"]), norm(h, w["hnorm"])], dim=-1) @ w["eh_proj"].T
+        y = layer(y, **{k: v for k, v in seen.items() if k not in ("hidden_states", "cache", "past_key_values",
+                                                                   "use_cache")})
+        y = y[0] if isinstance(y, tuple) else y
+        return model.lm_head(norm(y, w["norm"]))[0].numpy()

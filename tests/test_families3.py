@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from colibri_edge import Engine
-from helpers import fp32
+from helpers import fp32, mtp_logits
 from hf_models import FAMILY_CASES
 
 
@@ -50,7 +50,7 @@ def family_ggufs(tmp_path_factory):
 @pytest.mark.parametrize("case", sorted(GGUF_CASES))
 def test_gguf_matches_transformers(backend_name, case, family_ggufs, tmp_path):
     from colibri_edge.model.convert import convert
-    from hf_models import hf_logits
+    from hf_models import hf_logits, reference_mtp_logits
     hf, ft, f32, _ = family_ggufs[case]
     cfg = convert(f32, str(tmp_path / "m"), progress=False)
     assert cfg["model_type"] == case
@@ -63,6 +63,16 @@ def test_gguf_matches_transformers(backend_name, case, family_ggufs, tmp_path):
     want = hf_logits(hf, ids)
     with Engine.open(str(tmp_path / "m"), backend=backend_name, max_seq_len=64, **fp32(backend_name)) as eng:
         assert np.abs(eng.infer(ids) - want).max() / np.abs(want).max() < 1e-4
+    if case == "qwen3_next":
+        # llama.cpp's converter exports the checkpoint's MTP head (blk.L.nextn.*): imported as the head, its
+        # logits the published module's on the checkpoint's own tensors
+        assert cfg["mtp"]["layers"][0]["layer_id"] == cfg["num_hidden_layers"]
+        seqids = ids[0].astype(np.int32)
+        ref = reference_mtp_logits(hf, seqids, str(tmp_path / "ref"))
+        with Engine.open(str(tmp_path / "m"), backend=backend_name, draft="mtp", max_seq_len=64,
+                         **fp32(backend_name)) as eng:
+            got = mtp_logits(eng, seqids)
+        assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-4
 
 
 def test_gguf_q8_0_runs_as_stored(backend_name, family_ggufs, tmp_path):

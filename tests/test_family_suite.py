@@ -21,7 +21,7 @@ import pytest
 
 from colibri_edge import Engine
 from colibri_edge.backends import routing
-from helpers import check_batch_single_ragged, check_slot_pool, fp32
+from helpers import OracleDrafter, check_batch_single_ragged, check_slot_pool, fp32
 from hf_models import FAMILY_CASES, checkpoint_class, convert_case, hf_greedy
 
 
@@ -199,6 +199,31 @@ def test_greedy_matches_transformers(backend_name, case, variant, model_cache):
         got = eng.generate(fam.prompt, max_new_tokens=32, ignore_eos=True)
         assert all_returned(eng)
     assert got == json.load(open(key))
+
+
+@pytest.mark.parametrize("case", sorted(SUITE))
+def test_drafting_matches_transformers(backend_name, case, model_cache):
+    """Speculative decoding on every family: helpers.OracleDrafter proposes transformers' greedy output
+    with every third drafted position wrong, so each step verifies accepted runs, a rejection (KV, and a
+    recurrent state, rolled back) and the bonus token; the tokens still equal transformers'."""
+    from colibri_edge.requests import draft
+    fam = SUITE[case]
+    hf, col = convert_case(model_cache, case)
+    key = os.path.join(model_cache, f"greedy_{case}_{len(fam.prompt)}.json")
+    if not os.path.exists(key):
+        json.dump(hf_greedy(hf, fam.prompt, 32), open(key, "w"))
+    want = json.load(open(key))
+    draft.DRAFTERS["oracle_suite"] = OracleDrafter
+    OracleDrafter.targets = {tuple(fam.prompt): list(fam.prompt) + want}
+    try:
+        with open_engine(col, backend_name, **fam.greedy_open, draft="oracle_suite", draft_tokens=4) as eng:
+            got = eng.generate(fam.prompt, max_new_tokens=32, ignore_eos=True)
+            st = eng.stats
+            assert all_returned(eng)
+    finally:
+        del draft.DRAFTERS["oracle_suite"]
+    assert got == want
+    assert 0 < st.draft_accepted < st.draft_proposed
 
 
 @pytest.mark.parametrize("case", sorted(c for c in SUITE if SUITE[c].slot_pool))

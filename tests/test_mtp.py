@@ -8,7 +8,6 @@ mask): h = the model's final-normed hidden state at position i (transformers' la
     logits(t_{i+2}) = head @ norm(layer(eh_proj [enorm(embed(t_{i+1})); hnorm(h_i)]))
 Checkpoints: a Mixtral and DeepSeek-V3 (latent attention) with a nextn layer after the decoder's, and
 Qwen3.5 (hybrid: recurrent layers; zero-centred norms) with its mtp.* tensors."""
-import copy
 import os
 
 import numpy as np
@@ -16,78 +15,29 @@ import pytest
 
 from colibri_edge.errors import ColibriError, COLIBRI_ERR_UNAVAILABLE
 from colibri_edge.requests.engine import Engine
-from helpers import fp32
-from hf_models import checkpoint_class, convert_case
+from helpers import fp32, mtp_logits
+from hf_models import convert_case, reference_mtp_logits
 
 CASES = ["mixtral_mtp", "deepseek_v3_mtp", "qwen3_5_moe_mtp"]
 
 
-def reference_mtp_logits(hf: str, ids: np.ndarray, tmp: str) -> np.ndarray:
-    """[T-1, V]: row i the head's logits at position i (token ids[i+1], the model's hidden at i). The
-    head's decoder layer is transformers' own: the checkpoint loaded with one more layer (Qwen3.5's
-    mtp.layers.0 renamed to that layer, a full-attention one), so transformers reads its weights."""
-    import json
-    import shutil
-    import torch
-    from safetensors.numpy import load_file, save_file
-    cls = checkpoint_class(hf)
-    model = cls.from_pretrained(hf, dtype=torch.float32, attn_implementation="eager")
-    model.eval()
-    cfg = model.config
-    L = cfg.num_hidden_layers
-    raw = load_file(os.path.join(hf, "model.safetensors"))
-    extra = {"num_hidden_layers": L + 1}
-    if any(k.startswith("mtp.") for k in raw):                 # Qwen3.5's names
-        pre = "mtp."
-        names = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc", "norm": "norm"}
-        os.makedirs(tmp, exist_ok=True)
-        for f in os.listdir(hf):
-            if f != "model.safetensors":
-                shutil.copy(os.path.join(hf, f), tmp)
-        save_file({(f"model.layers.{L}." + k[len("mtp.layers.0."):] if k.startswith("mtp.layers.0.") else k): v
-                   for k, v in raw.items()}, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        extra["layer_types"] = list(json.load(open(os.path.join(hf, "config.json")))["layer_types"]) + \
-            ["full_attention"]
-        longer = tmp
-    else:                                                      # DeepSeek-V3's
-        pre = f"model.layers.{L}."
-        names = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "norm": "shared_head.norm"}
-        longer = hf
-    w = {k: torch.from_numpy(raw[pre + v + ".weight"].astype(np.float32)) for k, v in names.items()}
-    layer = cls.from_pretrained(longer, dtype=torch.float32, attn_implementation="eager", **extra).model.layers[L]
-    base = model.model
-    seen = {}
-    hook = base.layers[L - 1].register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True)
-    x = torch.as_tensor(ids[None, :-1], dtype=torch.long)
-    with torch.no_grad():
-        h = base(x, use_cache=False).last_hidden_state                          # final-normed, positions 0..T-2
-        hook.remove()
-
-        def norm(v, weight):
-            n = copy.deepcopy(base.norm)
-            n.weight.copy_(weight)
-            return n(v)
-        e = base.embed_tokens(torch.as_tensor(ids[None, 1:], dtype=torch.long))
-        y = torch.cat([norm(e, w["enorm"]), norm(h, w["hnorm"])], dim=-1) @ w["eh_proj"].T
-        y = layer(y, **{k: v for k, v in seen.items() if k not in ("hidden_states", "cache", "past_key_values",
-                                                                   "use_cache")})
-        y = y[0] if isinstance(y, tuple) else y
-        return model.lm_head(norm(y, w["norm"]))[0].numpy()
+DEMO_HF = os.path.join(os.path.dirname(__file__), "..", "toolchains", "demo-model", "hf")
 
 
-@pytest.mark.parametrize("case", CASES)
+def _case(model_cache, case):
+    if case == "demo":                      # the embedded model and the checkpoint it was converted from
+        from colibri_edge.model.demo import SHIPPED
+        return DEMO_HF, SHIPPED
+    return convert_case(model_cache, case)
+
+
+@pytest.mark.parametrize("case", CASES + ["demo"])
 def test_mtp_head_equals_the_published_module(backend_name, case, model_cache):
-    hf, col = convert_case(model_cache, case)
+    hf, col = _case(model_cache, case)
     ids = np.random.default_rng(3).integers(3, 80, 12).astype(np.int32)
     want = reference_mtp_logits(hf, ids, os.path.join(model_cache, f"mtp_ref_{case}"))
     with Engine.open(col, backend=backend_name, draft="mtp", max_seq_len=64, **fp32(backend_name)) as eng:
-        runner = eng.runner
-        seq = runner.new_sequence(0)
-        runner.reserve(seq, len(ids))
-        runner.step([(seq, ids[:-1])])
-        rows = runner.row_of[id(seq)] + np.arange(len(ids) - 1)
-        got = np.array(eng.backend.host_view(runner.mtp_step([(seq, 0, ids[1:], rows)], all_logits=True)))
-        runner.free(seq)
+        got = mtp_logits(eng, ids)
     err = np.abs(got - want).max() / np.abs(want).max()
     assert err < 1e-4, err
     assert np.abs(want).max() > 0.5                            # logits of a size that tests something
@@ -118,6 +68,22 @@ def test_mtp_drafting_changes_no_token(backend_name, case, model_cache):
     if backend_name in ("reference", "cpu"):
         assert got == want
     assert st.draft_proposed > 0 and st.draft_steps > 0
+
+
+def test_demo_model_head_drafts_english(backend_name):
+    """The demo model's trained head (toolchains/demo-model/mtp_train.py) on English prompts: the tokens
+    equal the undrafted ones, and the model accepts a good share of its drafts (a random head's are
+    almost never accepted: test_mtp_drafting_changes_no_token's checkpoints accept about none)."""
+    from colibri_edge.model.demo import SHIPPED
+    prompts = ["The best thing about working from home is", "A list in Python is"]
+    opts = dict(backend=backend_name, max_batch=2, max_seq_len=128)
+    with Engine.open(SHIPPED, **opts) as eng:
+        want = [eng.generate(p, max_new_tokens=40, ignore_eos=True) for p in prompts]
+    with Engine.open(SHIPPED, draft="mtp", draft_tokens=2, **opts) as eng:
+        got = [eng.generate(p, max_new_tokens=40, ignore_eos=True) for p in prompts]
+        st = eng.stats
+    assert got == want
+    assert st.draft_accepted > 0.25 * st.draft_proposed > 0, (st.draft_accepted, st.draft_proposed)
 
 
 def test_mtp_needs_a_head_and_an_engine_that_runs_it(model_cache):

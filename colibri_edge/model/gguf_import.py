@@ -33,7 +33,8 @@ import re
 import numpy as np
 from tqdm import tqdm
 
-from .dtypes import is_block, storage_shape, widen
+from .dtypes import block_of, is_block, storage_shape, widen
+from .layerplan import all_layers
 from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, invalid_model
 from . import families
 from .modeldir import ALIGN, HEAD_TYPES, ModelWriter, check_disk, tensor_roles
@@ -319,6 +320,39 @@ def eog_ids(m: GGUFModel) -> list:
 # the conversion
 # the conversion
 
+def gguf_mtp(m: GGUFModel, cfg: dict, arch: str):
+    """cfg["mtp"] from a file whose first nextn layer (blk.L.nextn.*, llama.cpp's converter with its MTP
+    export) is whole: the layer a dense one when it has a plain FFN and no experts; a head / embedding
+    of its own when the file stores one."""
+    nextn = m.get(arch + ".nextn_predict_layers", int, required=False, default=0)
+    L = cfg["num_hidden_layers"]
+    b = f"blk.{L}."
+    if not nextn or b + "nextn.eh_proj.weight" not in m.tensors:
+        return
+    from .families.common import add_mtp
+    add_mtp(cfg, {"num_nextn_predict_layers": nextn})
+    if "mtp" not in cfg:
+        return
+    spec = cfg["mtp"]["layers"][0]
+    if b + "ffn_gate.weight" in m.tensors and not any(n.startswith(b + "ffn_gate_exps") or
+                                                     n.startswith(b + "ffn_gate_up_exps") for n in m.tensors):
+        spec.update(type="dense", moe_expert_start=0, moe_num_experts=0)
+    for own, n in (("own_head", "shared_head_head"), ("own_embed", "embed_tokens")):
+        if b + f"nextn.{n}.weight" in m.tensors:
+            cfg["mtp"][own] = True
+
+
+def eh_half(tz: "_Tensors", name: str, H: int, second: bool) -> tuple:
+    """(data, format) of one half of eh_proj [H, 2H] (columns H.. when second): e_proj over the embedding,
+    h_proj over the hidden state. A block format's row holds whole blocks: cut where a block starts."""
+    data, fmt = tz.stored(name, (H, 2 * H))
+    half = data.shape[-1] // 2
+    if is_block(fmt) and H % block_of(fmt):
+        raise invalid_model(tz.m.tensors[name][1], name, f"{fmt} blocks of {block_of(fmt)} do not end at column {H}; "
+                            "re-quantise the file with the MTP head in a format whose blocks divide the hidden size")
+    return np.ascontiguousarray(data[:, half:] if second else data[:, :half]), fmt
+
+
 def convert_gguf(path: str, out_dir: str, progress: bool = True) -> dict:
     """Convert a GGUF file (or the first part of a split one); returns the config written."""
     m = GGUFModel(path)
@@ -330,6 +364,7 @@ def convert_gguf(path: str, out_dir: str, progress: bool = True) -> dict:
     cfg = families.for_model_type(hf["model_type"], m.path).translate(hf, gen, m.path, label)
     cfg["architectures"] = []
     fam.gguf_fixup(cfg, m)
+    gguf_mtp(m, cfg, arch)
     names = fam.gguf_names(cfg)
     roles = tensor_roles(cfg)
     tz = _Tensors(m)
@@ -339,13 +374,16 @@ def convert_gguf(path: str, out_dir: str, progress: bool = True) -> dict:
             raise invalid_model(m.path, g, f"missing tensor (the metadata implies {ours} {list(shape)})")
     tok = tokenizer(m)
     H, I, E = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["experts_per_layer"]
-    moe = [l["layer_id"] for l in cfg["layers"] if l["type"] != "dense"]
+    moe = [l["layer_id"] for l in all_layers(cfg) if l["type"] != "dense"]
     need = sum(int(t.n_bytes) + ALIGN for t, _ in m.tensors.values()) + len(moe) * E * ALIGN + (1 << 20)
     check_disk(out_dir, need)
     w = ModelWriter(out_dir, cfg)
     jobs = [("tensor", n) for n in roles] + [("experts", l) for l in moe]
     for kind, what in tqdm(jobs, desc="convert", unit="tensor", disable=not progress):
-        if kind == "tensor":                    # as stored, or fixed up by the family (rows whole: no requantising)
+        if kind == "tensor" and what in ("mtp.e_proj", "mtp.h_proj"):
+            data, fmt = eh_half(tz, names[what], H, what == "mtp.h_proj")
+            w.add_tensor(what, data, fmt, shape=roles[what][0])
+        elif kind == "tensor":                  # as stored, or fixed up by the family (rows whole: no requantising)
             data, fmt = fam.gguf_tensor(tz, cfg, what, names[what], roles[what])
             w.add_tensor(what, data, fmt, shape=roles[what][0])
         else:

@@ -155,13 +155,19 @@ class MtpDrafter:
         self.proposal: list = []
         self.at = -1
         self.mtp_at = 0             # the first position whose head KV this request has not written
-        self.chain = 1              # drafts the head chains next time (auto: one more than last taken)
+        self.chain = 1              # drafts the head makes after a step (auto: one more than it last took;
+                                    # 0: auto is not drafting, and the head does not run: see idle)
+        self.idle = 0               # steps the head skipped while auto was not drafting (it probes again
+                                    # after MTP_PROBE: a shadow proposal keeps the acceptance current)
 
     def extend(self, tokens):
         self.n += len(tokens)
 
     def propose(self, k: int) -> list:
         return self.proposal[:k] if self.at == self.n else []
+
+
+MTP_PROBE = 32                      # auto, not drafting with the head: it runs once every this many steps
 
 
 DRAFTERS = {"ngram": NgramDrafter}
@@ -261,11 +267,15 @@ PLAIN_REFRESH = 16                  # auto decodes plainly when the curve has no
 REALIZED_MIN = 4                    # steps of each kind before the realized rates are trusted
 
 
-def choose_drafts(cost, base_tokens: int, wants: list, realized: Realized | None = None) -> list:
+def choose_drafts(cost, base_tokens: int, wants: list, realized: Realized | None = None, head: float = 0.0) -> list:
     """auto's packing: wants is [(DraftState, proposal)] in step order; returns how many tokens of each
     proposal to verify (0: none). Greedy over the requests: each takes the k in 0..len(proposal) that
     maximises the step's expected tokens per predicted second, given the drafts taken before it, and
     only when that beats its k = 0 by DRAFT_MARGIN. cost: StepCost (None before any step: no drafts).
+    head: the measured seconds of one run of the model's MTP head (Core._mtp): a request drafting k
+    with it pays k runs a step (the kept positions, then k - 1 chained drafts) and none while it does
+    not draft (the head then rests: MtpDrafter.idle), so on a shallow model whose head costs a good
+    share of a step (the demo model: 4 layers and the head's 1) the head's drafts must beat that too.
 
     Refresh: drafting every step would leave the curve's point for a plain step (and the realized plain
     rate) as measured before it started, for good; so when that point is PLAIN_REFRESH steps old, the
@@ -285,12 +295,13 @@ def choose_drafts(cost, base_tokens: int, wants: list, realized: Realized | None
     losing = realized is not None and realized.losing()
     if hasattr(cost, "age") and cost.age[cost.bucket(base_tokens)] >= PLAIN_REFRESH:
         return out                  # a plain step now and then keeps the curve's no-draft point current
-    fed, gain = base_tokens, float(base_tokens)
+    fed, gain, extra = base_tokens, float(base_tokens), 0.0
     for i, (st, prop) in enumerate(wants):
-        off = gain / float(cost(fed))
+        off = gain / (float(cost(fed)) + extra)
+        per = head if isinstance(st.drafter, MtpDrafter) else 0.0
         best_k, best = 0, 0.0
         for k in range(1, len(prop) + 1):
-            r = (gain - 1.0 + expected_tokens(st.accept, k)) / float(cost(fed + k))
+            r = (gain - 1.0 + expected_tokens(st.accept, k)) / (float(cost(fed + k)) + extra + per * k)
             if r > best:
                 best_k, best = k, r
         if losing or not (best_k and best > off * DRAFT_MARGIN):
@@ -305,4 +316,5 @@ def choose_drafts(cost, base_tokens: int, wants: list, realized: Realized | None
             out[i] = best_k
             fed += best_k
             gain += expected_tokens(st.accept, best_k) - 1.0
+            extra += per * best_k
     return out

@@ -220,6 +220,7 @@ class Core:
         self.cost = StepCost(engine.runner.max_rows)     # seconds per step by its token count
         from .draft import Realized
         self.realized = Realized()                          # drafting's tokens/s against plain decode's
+        self.head_cost = None                               # seconds of one run of the MTP head (decode rows)
 
     # -- callers' side ------------------------------------------------------------------------
     def _start(self):
@@ -627,7 +628,7 @@ class Core:
         the drafts of the tokens after the pending one: d1 from that row, then d_j+1 from (d_j, the
         head's own h') one position on. The chain's positions need KV blocks (reserved here; a sequence
         that cannot get them drafts fewer). -> seconds spent."""
-        from .draft import MtpDrafter
+        from .draft import MTP_PROBE, MtpDrafter
         runner = self.e.runner
         t0 = time.perf_counter()
         work, chains = [], []
@@ -636,6 +637,11 @@ class Core:
             if st is None or not isinstance(st.drafter, MtpDrafter) or r.seq is not seq or r.finished:
                 continue
             dr = st.drafter
+            if dr.chain == 0 and r.pending is not None:   # auto is not drafting: the head rests, and probes
+                dr.idle += 1
+                if dr.idle < MTP_PROBE:
+                    continue
+                dr.idle = 0
             known = self._known(r)
             end = min(p0 + len(toks), seq.cached + len(r.refeed), len(known) - 1)
             start = max(p0, dr.mtp_at)
@@ -648,11 +654,12 @@ class Core:
             return 0.0
         host = self.e.backend.host_view
         first = host(runner.mtp_step(work)).argmax(axis=1)
+        calls = 1
         live = []
         for (r, dr, end, n), d in zip(chains, first):
             dr.proposal, dr.at = [int(d)], n
             if r.pending is not None and r.constraint is None:        # decoding: it may draft next step
-                want = r.draft.k if r.draft.mode == "mtp" else min(r.draft.k, dr.chain)
+                want = r.draft.k if r.draft.mode == "mtp" else min(r.draft.k, max(dr.chain, 1))
                 live.append((r, dr, end, want))
         for j in range(1, max((w for *_, w in live), default=1)):
             live = [c for c in live if c[3] > j and self._room(c[0].seq, c[2] + j)]
@@ -660,9 +667,13 @@ class Core:
                 break
             logits = host(runner.mtp_step([(c[0].seq, c[2] - 1 + j, [c[1].proposal[-1]], [i])
                                            for i, c in enumerate(live)]))
+            calls += 1
             for c, d in zip(live, logits.argmax(axis=1)):
                 c[1].proposal.append(int(d))
-        return time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        if all(r.pending is not None for r, *_ in chains):      # decode rows only: a run's cost, for auto
+            self.head_cost = dt / calls if self.head_cost is None else 0.8 * self.head_cost + 0.2 * dt / calls
+        return dt
 
     def _room(self, seq, upto: int) -> bool:
         """seq holds KV blocks for positions < upto (reserved now when it can; False when it cannot)."""
@@ -709,13 +720,13 @@ class Core:
             return {}
         if any(st.mode == "auto" for _, st, _ in wants):
             ks = choose_drafts(self.cost, sum(len(f) for f in feeds.values()), [(st, p) for _, st, p in wants],
-                               self.realized)
+                               self.realized, self.head_cost or 0.0)
         else:
             ks = [len(p) for _, _, p in wants]
         out = {}
         for (r, st, prop), k in zip(wants, ks):
-            if isinstance(st.drafter, MtpDrafter):       # the MTP head chains one more than auto took
-                st.drafter.chain = min(st.k, k + 1)
+            if isinstance(st.drafter, MtpDrafter) and st.mode == "auto":
+                st.drafter.chain = min(st.k, k + 1) if k else 0    # one more than auto took; 0: the head rests
             if st.mode == "auto" and k == 0:
                 st.shadow, st.shadow_at = list(prop), len(st.seq)   # checked once the tokens exist
                 continue

@@ -116,13 +116,15 @@ def nextn_tensors(m, cfg: dict, arch: str, progress: bool) -> set:
     """The tensors of the multi-token-prediction layers a file appends after the decoder's
     (nextn_predict_layers): not run, skipped with a note."""
     nextn = m.get(arch + ".nextn_predict_layers", int, required=False, default=0)
-    if not nextn:
+    kept = 1 if cfg.get("mtp") else 0           # the first is the MTP head (gguf_import.gguf_mtp)
+    if nextn <= kept:
         return set()
     L = cfg["num_hidden_layers"]
-    mtp = [n for n in m.tensors if re.match(rf"blk\.({'|'.join(str(L + j) for j in range(nextn))})\.", n)]
+    mtp = [n for n in m.tensors if re.match(rf"blk\.({'|'.join(str(L + j) for j in range(kept, nextn))})\.", n)]
     if progress:
-        print(f"convert: {len(mtp)} tensors of {nextn} multi-token-prediction layer(s) skipped "
-              "(speculative-decoding heads; the model runs without them)", file=sys.stderr)
+        print(f"convert: {len(mtp)} tensors of {nextn - kept} multi-token-prediction layer(s) skipped "
+              "(speculative-decoding heads; " + ("only the first drafts)" if kept else "the model runs without them)"),
+              file=sys.stderr)
     return set(mtp)
 
 
@@ -542,7 +544,13 @@ class Family:
     def gguf_names(self, cfg: dict) -> dict:
         """Our tensor name -> GGUF tensor name (non-expert tensors)."""
         m = {"embed_tokens": "token_embd.weight", "norm": "output_norm.weight", "lm_head": "output.weight"}
-        for layer in cfg["layers"]:
+        if cfg.get("mtp"):                      # llama.cpp's nextn tensors (eh_proj split by gguf_import)
+            n = f"blk.{cfg['num_hidden_layers']}.nextn."
+            m.update({"mtp.enorm": n + "enorm.weight", "mtp.hnorm": n + "hnorm.weight",
+                      "mtp.norm": n + "shared_head_norm.weight", "mtp.e_proj": n + "eh_proj.weight",
+                      "mtp.h_proj": n + "eh_proj.weight", "mtp.head": n + "shared_head_head.weight",
+                      "mtp.embed": n + "embed_tokens.weight"})
+        for layer in all_layers(cfg):
             i = layer["layer_id"]
             p, b = f"layers.{i}.", f"blk.{i}."
             m[p + "input_norm"] = b + "attn_norm.weight"

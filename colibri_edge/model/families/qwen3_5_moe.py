@@ -14,7 +14,8 @@ import sys
 
 import numpy as np
 
-from .common import Family, decoder_shape, eos_bos, get, mtp_sources, nextn_tensors, pos, refuse, rope_dim_order
+from .common import (Family, add_mtp, decoder_shape, eos_bos, get, mtp_sources, nextn_tensors, pos, refuse,
+                     rope_dim_order)
 from ..layerplan import all_layers, is_linear
 from .registry import register
 from .. import validate
@@ -242,7 +243,14 @@ class Qwen35Moe(Family):
     def translate(self, hf, gen, path, dtype):
         return translate(hf, gen, path, dtype)
 
+    mtp_from_tensors = False    # the MTP head counted from mtp.layers.* when the config does not say (Qwen3-Next)
+
     def prepare_source(self, src, hf, cfg, progress):
+        if not cfg.get("mtp") and self.mtp_from_tensors:
+            n = len({k.split(".")[2] for k in src.entries if k.startswith("mtp.layers.")})
+            if n:
+                hf["mtp_num_hidden_layers"] = n
+                add_mtp(cfg, hf)
         if cfg.get("mtp"):
             rename_mtp(src, cfg["num_hidden_layers"])
         dropped = src.rebase("model.language_model.", "model.", SKIPPED)   # wrapped or not, towers skipped

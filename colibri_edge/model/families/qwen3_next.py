@@ -11,7 +11,7 @@ zero-centred norms, routed experts with a gated shared expert), with three diffe
   intermediate_size elsewhere;
 * the router renormalises its top-k when norm_topk_prob (the released config: true).
 
-The multi-token-prediction head (mtp.*) is skipped, as Qwen3.5's.
+The multi-token-prediction head (mtp.*) is converted, counted from its tensors (the configs do not say).
 
 GGUF qwen3next (llama.cpp's converter): Qwen3.5's qwen35moe tensors, except that the converter has
 already cut in_proj_qkvz into attn_qkv and attn_gate (value heads kept grouped, where qwen35moe tiles
@@ -94,6 +94,7 @@ def gguf_ba(tz, cfg: dict, what: str, name: str, role):
 @register
 class Qwen3Next(q35.Qwen35Moe):
     model_types = ("qwen3_next",)
+    mtp_from_tensors = True     # its configs do not say mtp_num_hidden_layers (as llama.cpp's converter finds)
     gguf_archs = ("qwen3next",)
     gguf_model_type = "qwen3_next"
     parts = {"mixer": "gated delta-net (fused q/k/v/z projection; recurrent state) / attention with output gate, "
