@@ -225,7 +225,6 @@ def main(argv=None):
 
 def write_demo(a, rows, out):
     from chat_serve import isa
-    from colibri_edge.model.demo import SHIPPED
     metrics = os.path.join(HERE, "..", "toolchains", "demo-model", "mtp_metrics.json")
     agree = json.load(open(metrics))["validation_agreement"]["after"] if os.path.exists(metrics) else None
     base = rows[0][1]["tok_s"]

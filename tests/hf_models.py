@@ -160,6 +160,7 @@ FAMILY_CASES.update({
     # DeepSeek-V3's and a Mixtral's nextn layer after the decoder's (add_nextn_weights)
     "qwen3_5_moe_mtp": ("qwen3_5_moe_text", dict(QWEN35_TEXT, mtp_num_hidden_layers=1)),
     "deepseek_v3_mtp": (FAMILY_CASES["deepseek_v3"][0], dict(FAMILY_CASES["deepseek_v3"][1], num_nextn_predict_layers=1)),
+    "glm4_moe_lite_mtp": ("glm4_moe_lite", dict(FAMILY_CASES["glm4_moe_lite"][1], num_nextn_predict_layers=1)),
     "mixtral_mtp": ("mixtral", dict(CASES["mixtral"][1], num_nextn_predict_layers=1)),
     "qwen3_5_moe_4k": ("qwen3_5_moe_text", dict(QWEN35_TEXT, max_position_embeddings=4096)),   # memory plans
     "qwen3_5_moe_vl": ("qwen3_5_moe", dict(QWEN35_TEXT, vocab_size=89, hidden_size=48, linear_num_key_heads=1,
@@ -544,6 +545,8 @@ def reference_mtp_logits(hf: str, ids: np.ndarray, tmp: str) -> np.ndarray:
     L = cfg.num_hidden_layers
     raw = load_file(os.path.join(hf, "model.safetensors"))
     extra = {"num_hidden_layers": L + 1}
+    if getattr(cfg, "mlp_layer_types", None):                  # GLM-4.7-Flash: the head's layer is sparse
+        extra["mlp_layer_types"] = list(cfg.mlp_layer_types) + ["sparse"]
     if any(k.startswith("mtp.") for k in raw):                 # Qwen3.5's names
         pre = "mtp."
         names = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc", "norm": "norm"}

@@ -6,8 +6,9 @@ it, in torch on the checkpoint's own tensors, its decoder layer transformers' ow
 of the model's last layer, loaded with the head's weights, called with the model's rope and causal
 mask): h = the model's final-normed hidden state at position i (transformers' last_hidden_state),
     logits(t_{i+2}) = head @ norm(layer(eh_proj [enorm(embed(t_{i+1})); hnorm(h_i)]))
-Checkpoints: a Mixtral and DeepSeek-V3 (latent attention) with a nextn layer after the decoder's, and
-Qwen3.5 (hybrid: recurrent layers; zero-centred norms) with its mtp.* tensors."""
+Checkpoints: a Mixtral, DeepSeek-V3 and GLM-4.7-Flash (latent attention) with a nextn layer after the
+decoder's, Qwen3.5 (hybrid: recurrent layers; zero-centred norms) with its mtp.* tensors, and the demo
+model with its trained head."""
 import os
 
 import numpy as np
@@ -18,7 +19,7 @@ from colibri_edge.requests.engine import Engine
 from helpers import fp32, mtp_logits
 from hf_models import convert_case, reference_mtp_logits
 
-CASES = ["mixtral_mtp", "deepseek_v3_mtp", "qwen3_5_moe_mtp"]
+CASES = ["mixtral_mtp", "deepseek_v3_mtp", "glm4_moe_lite_mtp", "qwen3_5_moe_mtp"]
 
 
 DEMO_HF = os.path.join(os.path.dirname(__file__), "..", "toolchains", "demo-model", "hf")
