@@ -47,8 +47,8 @@ def test_mtp_head_equals_the_published_module(backend_name, case, model_cache):
 @pytest.mark.parametrize("case", CASES)
 def test_mtp_drafting_changes_no_token(backend_name, case, model_cache):
     """Greedy tokens with the head drafting equal the undrafted ones, in a batch of three requests (one
-    not drafting); on the batch-invariant backends the logprobs too; the head proposed drafts, and the
-    model verified them."""
+    not drafting); on the cpu backend (batch-invariant kernels) the logprobs too, bit for bit, elsewhere
+    within float rounding; the head proposed drafts, and the model verified them."""
     _, col = convert_case(model_cache, case)
     rng = np.random.default_rng(4)
     prompts = [[int(t) for t in rng.integers(3, 60, n)] for n in (9, 17, 5)]
@@ -66,8 +66,11 @@ def test_mtp_drafting_changes_no_token(backend_name, case, model_cache):
         st = eng.stats
     assert [[t for t, _ in g] for g in got] == [[t for t, _ in w] for w in want]
     assert [[t for t, _ in g] for g in last] == [[t for t, _ in w] for w in want]
-    if backend_name in ("reference", "cpu"):
+    if backend_name == "cpu":               # batch-invariant kernels: a row's logits whatever the step holds
         assert got == want
+    else:                                   # the requests' steps are packed as they arrive (the core's thread):
+        lp = lambda runs: np.array([x for r in runs for _, x in r])          # noqa: E731
+        assert np.abs(lp(got) - lp(want)).max() < 1e-4                      # BLAS rows may differ by the step
     assert st.draft_proposed > 0 and st.draft_steps > 0
 
 

@@ -103,6 +103,11 @@ def _cmd_inspect(a):
           f"{' on sigmoid scores' if cfg.get('router_score') == 'sigmoid' else ''}"
           f"{', choice by p + a per-expert correction bias' if cfg.get('router_choice_bias') else ''}{groups}"
           f"{', renormalised' + floor if cfg['norm_topk_prob'] else ''}{scaled}, qk_norm {cfg['qk_norm']}")
+    if cfg.get("mtp"):
+        spec = cfg["mtp"]["layers"][0]
+        print(f"  multi-token-prediction head: one {spec['type']} layer (layer {spec['layer_id']}) after the "
+              f"decoder's{', its own head' if cfg['mtp'].get('own_head') else ''}; --draft mtp / auto run it "
+              "(its KV: one more layer's)")
     la = cfg.get("latent_attention")
     if la:
         nh, L = cfg["num_attention_heads"], cfg["num_hidden_layers"]
