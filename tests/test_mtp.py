@@ -74,6 +74,23 @@ def test_mtp_drafting_changes_no_token(backend_name, case, model_cache):
     assert st.draft_proposed > 0 and st.draft_steps > 0
 
 
+def test_mtp_drafting_through_preemption(model_cache):
+    """A KV pool too small for the batch (cpu): requests drafting with the head are preempted and
+    recomputed (the head starts over on the new sequence); every one finishes with its solo tokens, and
+    every block is back in the pool."""
+    _, col = convert_case(model_cache, "mixtral_mtp")
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12], list(range(20, 40))]
+    opts = dict(backend="cpu", max_batch=3, max_seq_len=64, kv_block_size=4, kv_cache_tokens=44)
+    with Engine.open(col, **opts) as eng:
+        solo = [eng.generate(p, max_new_tokens=12, ignore_eos=True) for p in prompts]
+    with Engine.open(col, draft="mtp", draft_tokens=2, **opts) as eng:
+        got = eng.generate_batch(prompts, max_new_tokens=12, ignore_eos=True)
+        assert eng._core.preemptions > 0, "the pool was sized so that the three cannot run together"
+        assert eng.kv_free_blocks == eng.runner.pool.num_blocks
+        assert eng.stats.draft_proposed > 0
+    assert got == solo
+
+
 def test_demo_model_head_drafts_english(backend_name):
     """The demo model's trained head (toolchains/demo-model/mtp_train.py) on English prompts: the tokens
     equal the undrafted ones, and the model accepts a good share of its drafts (a random head's are

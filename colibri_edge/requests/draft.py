@@ -154,6 +154,8 @@ class MtpDrafter:
         self.n = 0                  # tokens of the sequence seen (prompt, produced, the pending one)
         self.proposal: list = []
         self.at = -1
+        self.seq = None             # the engine sequence it wrote the head's KV for (a preempted request's
+                                    # new one starts over)
         self.mtp_at = 0             # the first position whose head KV this request has not written
         self.chain = 1              # drafts the head makes after a step (auto: one more than it last took;
                                     # 0: auto is not drafting, and the head does not run: see idle)

@@ -634,9 +634,12 @@ class Core:
         work, chains = [], []
         for (r, _), (seq, toks), p0 in zip(owners, entries, firsts):
             st = r.draft
-            if st is None or not isinstance(st.drafter, MtpDrafter) or r.seq is not seq or r.finished:
+            if st is None or not isinstance(st.drafter, MtpDrafter) or r.seq is not seq or r.finished or \
+                    r.constraint is not None:           # (a request with a grammar never drafts)
                 continue
             dr = st.drafter
+            if dr.seq is not seq:                          # a new sequence (first step, or after preemption)
+                dr.seq, dr.mtp_at = seq, 0
             if dr.chain == 0 and r.pending is not None:   # auto is not drafting: the head rests, and probes
                 dr.idle += 1
                 if dr.idle < MTP_PROBE:

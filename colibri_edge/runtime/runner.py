@@ -536,6 +536,8 @@ class Runner:
         be.rmsnorm(s.h, s.x, layer.post_norm, eps)
         for part in layer.ffns:
             part.forward(self.mtp_context, s)
+        if layer.scalar != 1.0:
+            be.scale(s.x, s.x, layer.scalar)
         be.embed(s.sel, s.x, s.rows)
         be.rmsnorm(s.sel, s.sel, head.norm, eps)     # h' (a chained draft's input)
         be.matmul(s.logits, s.sel, head.head)
