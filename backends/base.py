@@ -49,6 +49,9 @@ from colibri_edge.model.dtypes import QUANTIZED, widen
 from colibri_edge.errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_UNAVAILABLE
 from colibri_edge.knobs import KV_DTYPES
 
+# gate_mul's activations, as the kernels number them (out = x * act(gate))
+GATE_MODES = {"sigmoid": 0, "silu": 1, "none": 2}
+
 
 # -- the paged KV cache's storage types (Engine.open kv_dtype, COLIBRI_KV_DTYPE) ------------------------
 KV_GROUP = 32           # q8_0: values per scale, as ggml's block_q8_0
@@ -429,9 +432,10 @@ class Backend:
     # sequence whose first token in the step is at position 0 starts from a zero state and never reads
     # its slot (a slot needs no clearing when it is handed out); the state left in the slot after the
     # step is the one after the sequence's last token, so prefill chunks and decode steps continue it.
-    def causal_conv(self, out, x, weight, state, starts, slots, positions):
+    def causal_conv(self, out, x, weight, state, starts, slots, positions, silu=True):
         """Depthwise causal conv1d + SiLU over each sequence, its last K-1 inputs carried in the state:
             out[t, c] = silu(sum_{i<K} weight[c, i] * u(p - K + 1 + i, c)),  p = positions[t]
+        (silu False: the sum itself, LFM2's short convolution).
         u(q, c) is the input at position q of t's sequence: x[t - (p - q), c] for the step's tokens
         (q >= p0, the position of the sequence's first token in the step); before them the state,
         state[slot, K - 1 - (p0 - q), c] for p0 - K + 1 <= q < p0 when p0 > 0 (it holds 0 where q < 0:
@@ -463,7 +467,8 @@ class Backend:
 
     def gate_mul(self, out, x, gate, act: str):
         """out = x * act(gate), elementwise over [R, N] contiguous float32 (may alias x): act "silu"
-        (the gated RMSNorm's output gate) or "sigmoid" (Qwen3.5's attention output gate)."""
+        (the gated RMSNorm's output gate), "sigmoid" (Qwen3.5's attention output gate) or "none"
+        (out = x * gate: LFM2's short-convolution gates)."""
         raise NotImplementedError
 
     # -- MoE (required) ----------------------------------------------------------------------

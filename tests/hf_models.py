@@ -192,6 +192,14 @@ FAMILY_CASES["hunyuan_v1_moe"] = ("hunyuan_v1_moe", dict(
     num_key_value_heads=2, head_dim=12, num_experts=4, moe_topk=2, max_position_embeddings=256,
     tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     rope_parameters=dict(type="dynamic", alpha=50.0, factor=1.0, rope_theta=10000.0)))
+# LFM2-MoE (issue 49): gated short convolutions (3 taps) beside attention with per-head q/k norms, a dense
+# first layer, top-3 of 6 by sigmoid + expert bias, renormalised and scaled, tied embeddings
+FAMILY_CASES["lfm2_moe"] = ("lfm2_moe", dict(
+    vocab_size=97, hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, num_dense_layers=1, num_experts=6, num_experts_per_tok=3,
+    conv_L_cache=3, routed_scaling_factor=1.5, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+    pad_token_id=0, layer_types=["conv", "full_attention", "conv", "conv"],
+    rope_parameters=dict(rope_type="default", rope_theta=10000.0)))
 QWEN35_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=48, patch_size=4,
                      temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
 GEMMA4_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -212,6 +220,7 @@ def config_for(model_type: str, **overrides):
                                                             audio_config=None),
            "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig, "qwen3_next": transformers.Qwen3NextConfig,
            "minimax_m2": transformers.MiniMaxM2Config, "hunyuan_v1_moe": transformers.HunYuanMoEV1Config,
+           "lfm2_moe": transformers.Lfm2MoeConfig,
            "qwen3_5_moe": lambda **kw: transformers.Qwen3_5MoeConfig(text_config=kw, vision_config=QWEN35_VISION,
                                                                     tie_word_embeddings=False)}[model_type]
     return cls(**overrides)
@@ -232,7 +241,8 @@ def randomize(model, cfg):
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):      # Gemma 4's per-layer output scale (a saved buffer)
                 b.copy_(0.6 + 0.8 * torch.rand_like(b))
-            if name.endswith("e_score_correction_bias"):   # DeepSeek-V3 / GLM: non-zero, reordering choices
+            if name.endswith(("e_score_correction_bias", "feed_forward.expert_bias")):   # DeepSeek-V3 / GLM /
+                # LFM2: non-zero, reordering choices
                 b.copy_(0.1 * torch.randn_like(b))
         if "lm_head" in dict(model.named_parameters()) and not cfg.tie_word_embeddings:
             model.lm_head.weight.mul_(3.0)

@@ -3,7 +3,9 @@ checkpoints against transformers, on every backend, and the q8_0 files' blocks a
   * Qwen3-Next (families/qwen3_next.py, qwen3next): fused in_proj_qkvz cut by the converter, in_proj_ba
     kept whole as ssm_ba and cut on import, value heads grouped, the multi-token-prediction layer skipped;
   * MiniMax-M2 (families/minimax_m2.py, minimax-m2): partial rotary's q/k rows and norm weights reordered
-    on import, exp_probs_b the sigmoid router's choice bias.
+    on import, exp_probs_b the sigmoid router's choice bias;
+  * LFM2-MoE (families/lfm2_moe.py, lfm2moe): the layer types from per-layer KV head counts, shortconv.in_proj
+    cut into its thirds on import, token_embd_norm the final norm, a dense first layer.
 The checkpoint paths run in test_family_suite.py (parity, routing, greedy, slot pool)."""
 import numpy as np
 import pytest
@@ -16,8 +18,9 @@ from hf_models import FAMILY_CASES
 # case -> overrides of its FAMILY_CASES config for llama.cpp's converter: Qwen3-Next without its dense layer
 # (the qwen3next converter maps no dense MLP), with norm_topk_prob (its graph always renormalises); 64 wide
 # (rows of a multiple of 32 columns: q8_0 blocks, not the converter's f16 fallback)
+# LFM2-MoE without routed_scaling_factor (the lfm2moe metadata has none: llama.cpp's graph does not scale)
 GGUF_CASES = {"qwen3_next": dict(mlp_only_layers=[], norm_topk_prob=True, hidden_size=64),
-              "minimax_m2": {}}
+              "minimax_m2": {}, "lfm2_moe": dict(hidden_size=64, moe_intermediate_size=32, routed_scaling_factor=1.0)}
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +60,10 @@ def test_gguf_matches_transformers(backend_name, case, family_ggufs, tmp_path):
     if case == "qwen3_next":
         assert cfg["norm_topk_prob"] and cfg["layer_types"] == FAMILY_CASES[case][1]["layer_types"]
         assert cfg["linear_attention"].get("value_head_order", "grouped") == "grouped"
+    elif case == "lfm2_moe":
+        assert cfg["layer_types"] == ["short_conv", "full_attention", "short_conv", "short_conv"]
+        assert cfg["short_conv"] == {"conv_kernel": 3} and cfg["tie_word_embeddings"] and cfg["router_choice_bias"]
+        assert [l["type"] for l in cfg["layers"]] == ["dense", "moe", "moe", "moe"]
     else:
         assert cfg["rope_dim"] == 8 and cfg["router_score"] == "sigmoid" and cfg["router_choice_bias"]
     ids = np.random.default_rng(3).integers(0, len(ft), size=(2, 19))
@@ -108,13 +115,61 @@ def test_gguf_q8_0_runs_as_stored(backend_name, family_ggufs, tmp_path):
         assert (got == ba[:, j].reshape(Hv, -1)).all(), ours
     qkv = gguf.dequantize(t["blk.0.attn_qkv.weight"].data, t["blk.0.attn_qkv.weight"].tensor_type)
     assert (widen(m.raw_tensor("layers.0.lin.wqkv"), "q8_0") == qkv).all()
+    _, _, _, lq8 = family_ggufs["lfm2_moe"]
+    lcfg = convert(lq8, str(tmp_path / "lq8"), progress=False)
+    lm = ModelDir(str(tmp_path / "lq8"))
+    inp = gguf.dequantize(*(lambda x: (x.data, x.tensor_type))({x.name: x for x in gguf.GGUFReader(lq8).tensors}[
+        "blk.0.shortconv.in_proj.weight"]))
+    H = lcfg["hidden_size"]
+    for j, part in enumerate("bcx"):
+        assert lm.tensor_dtype(f"layers.0.conv.w{part}") == "q8_0"
+        assert (widen(lm.raw_tensor(f"layers.0.conv.w{part}"), "q8_0") == inp[j * H:(j + 1) * H]).all(), part
     ids = np.random.default_rng(4).integers(0, len(ft), size=(1, 17))
     from colibri_edge.backends import backend_class
     opts = dict(fp32(backend_name), **({"int8_activations": False} if "int8_activations" in
                                        backend_class(backend_name).OPTIONS else {}))
-    for model in (out, str(tmp_path / "mq8")):
+    for model in (out, str(tmp_path / "mq8"), str(tmp_path / "lq8")):
         with Engine.open(model, backend="reference", max_seq_len=64) as eng:
             ref = eng.infer(ids)
         with Engine.open(model, backend=backend_name, max_seq_len=64, **opts) as eng:
             got = eng.infer(ids)
         assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-4, model
+
+
+def _sc(**kw):
+    return lambda c: c["short_conv"].update(kw)
+
+
+@pytest.mark.parametrize("edit,field,words", [
+    (_sc(conv_kernel=1), "short_conv.conv_kernel", "out of range"),
+    (_sc(conv_kernel=9), "short_conv.conv_kernel", "out of range"),
+    (_sc(conv_kernel=4), "layers.0.conv.w", "shape"),
+    (_sc(taps=3), "short_conv.taps", "not a field"),
+    (lambda c: c.pop("short_conv"), "short_conv", "missing"),
+    (lambda c: c.update(layer_types=["full_attention"] * 4), "layer_types", "no short_conv"),
+])
+def test_short_conv_fields_are_checked(model_cache, tmp_path, edit, field, words):
+    """LFM2's short-convolution fields typed and ranged, refused by name; a config implying other tensors
+    than the directory holds refused naming the tensor."""
+    import shutil
+    from helpers import edit_json, refused
+    from hf_models import convert_case
+    _, col = convert_case(model_cache, "lfm2_moe")
+    dst = str(tmp_path / "m")
+    shutil.copytree(col, dst)
+    edit_json(dst, "config.json", edit)
+    e = refused(dst)
+    assert field in e.message and words in e.message, e.message
+
+
+def test_lfm2_refusals_by_name():
+    """What the LFM2-MoE converter cannot compute is refused naming the field."""
+    from colibri_edge import ColibriError
+    from colibri_edge.model.convert import translate_config
+    from hf_models import config_for
+    base = config_for(*[FAMILY_CASES["lfm2_moe"][0]], **FAMILY_CASES["lfm2_moe"][1]).to_dict()
+    for field, value in (("conv_bias", True), ("layer_types", ["conv"] * 4), ("layer_types", ["mamba"] * 4),
+                         ("conv_L_cache", 12), ("rope_parameters", dict(rope_type="yarn", factor=2.0, rope_theta=1e4))):
+        with pytest.raises(ColibriError) as e:
+            translate_config({**base, field: value}, {}, "config.json")
+        assert field in e.value.message

@@ -53,6 +53,16 @@ def minimax_router_of(layer):
     return layer.mlp.gate
 
 
+def lfm2_router_of(layer):
+    """LFM2-MoE: feed_forward.gate on MoE layers (a dense layer's feed_forward has none), its choice by
+    sigmoid(logit) + the block's expert_bias."""
+    gate = getattr(layer.feed_forward, "gate", None)
+    if not hasattr(gate, "top_k"):
+        return None
+    gate._bias = layer.feed_forward.expert_bias
+    return gate
+
+
 def gemma4_gap(mod, out):
     """Gemma 4's router: (probabilities, weights, ids), k from the config."""
     probs, _, idx = out
@@ -134,6 +144,8 @@ SUITE = {
     "qwen3_5_moe_vl": Family(**QWEN35),
     "hunyuan_v1_moe": Family(lambda layer: layer.mlp.gate, top_k_gap, seed=3, greedy=BLOCKS, slot_pool=True),
     "minimax_m2": Family(minimax_router_of, sigmoid_bias_gap, seed=5, greedy=BLOCKS, slot_pool=True),
+    "lfm2_moe": Family(lfm2_router_of, sigmoid_bias_gap, seed=17, length=21, prompt=LONG, slot_pool=True,
+                       greedy={**BLOCKS, **{f"chunk{c}": {"prefill_chunk": c} for c in (1, 5)}}),
     "qwen3_next": Family(**{**QWEN35, "router_of": lambda layer: getattr(layer.mlp, "gate", None)},
                          greedy={f"chunk{c}": {"prefill_chunk": c} for c in (1, 5, 64)},
                          greedy_open={"max_seq_len": 128, "kv_block_size": 7}),

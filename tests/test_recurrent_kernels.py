@@ -39,8 +39,9 @@ STEPS = [([1], [0]), ([1, 1, 1], [5, 0, 2]), ([37, 5, 1], [0, 9, 30]), ([3, 1, 7
 
 
 @pytest.mark.parametrize("lengths,at", STEPS)
-@pytest.mark.parametrize("C,K", [(37, 4), (8, 2), (130, 3)])
-def test_causal_conv(kernel_backend, lengths, at, C, K, rng):
+@pytest.mark.parametrize("C,K,silu", [(37, 4, True), (8, 2, True), (130, 3, True), (37, 3, False), (130, 4, False)])
+def test_causal_conv(kernel_backend, lengths, at, C, K, silu, rng):
+    """silu False: LFM2's short convolution (no activation)."""
     ref, be = backend(kernel_backend)
     starts, pos = step(lengths, at)
     T, S = int(starts[-1]), len(lengths)
@@ -52,7 +53,7 @@ def test_causal_conv(kernel_backend, lengths, at, C, K, rng):
     outs, states = [], []
     for b in (ref, be):
         out, st = b.alloc((T, C)), dev(b, state)
-        b.causal_conv(out, dev(b, x), b.upload(w), st, dev(b, starts), dev(b, slots), dev(b, pos))
+        b.causal_conv(out, dev(b, x), b.upload(w), st, dev(b, starts), dev(b, slots), dev(b, pos), silu)
         outs.append(b.download(out))
         states.append(b.download(st))
     close(outs[1], outs[0], 1e-5)
@@ -63,7 +64,7 @@ def test_causal_conv(kernel_backend, lengths, at, C, K, rng):
         a, n = starts[s0], lengths[s0]
         xp = np.concatenate([np.zeros((K - 1, C), np.float32), x[a:a + n]])
         y = np.stack([np.einsum("ic,ci->c", xp[j:j + K], w) for j in range(n)])
-        close(outs[0][a:a + n], y / (1 + np.exp(-y)), 1e-5)
+        close(outs[0][a:a + n], y / (1 + np.exp(-y)) if silu else y, 1e-5)
 
 
 # (Hk, Hv, dk, dv, group): value head h reads key head (h // group) % Hk: grouped (group Hv / Hk), tiled (1)
@@ -205,8 +206,8 @@ def test_gate_mul(kernel_backend, shape, rng):
     ref, be = backend(kernel_backend)
     x = rng.standard_normal(shape).astype(np.float32)
     g = (3 * rng.standard_normal(shape)).astype(np.float32)
-    for act in ("silu", "sigmoid"):
-        want = x * (g / (1 + np.exp(-g)) if act == "silu" else 1 / (1 + np.exp(-g)))
+    for act in ("silu", "sigmoid", "none"):
+        want = x * {"silu": g / (1 + np.exp(-g)), "sigmoid": 1 / (1 + np.exp(-g)), "none": g}[act]
         out = be.alloc(shape)
         be.gate_mul(out, dev(be, x), dev(be, g), act)
         close(be.download(out), want, 1e-6)

@@ -39,7 +39,7 @@ from colibri_edge.model.dtypes import is_block, storage_dtype, storage_shape
 from colibri_edge.errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
 from colibri_edge.model.modeldir import expert_sections
 from colibri_edge.model.quant import BLOCK
-from ..base import KV_DTYPES, Backend as BackendBase, KVCache, Plan, Weight, plan_buffers
+from ..base import GATE_MODES, KV_DTYPES, Backend as BackendBase, KVCache, Plan, Weight, plan_buffers
 from .cores import Governor, available_cores
 
 # stored type -> element type of the view the kernels read (the type picks the widening, or for a block
@@ -482,9 +482,9 @@ class Backend(BackendBase):
                                int(block_size), float(scale), int(window), self.none if sinks is None else sinks.data)
 
     # -- recurrent mixers --------------------------------------------------------------------
-    def causal_conv(self, out, x, weight, state, starts, slots, positions):
+    def causal_conv(self, out, x, weight, state, starts, slots, positions, silu=True):
         self._use_threads()
-        self.r.causal_conv(out, x, weight.data, state, starts, slots, positions)
+        self.r.causal_conv(out, x, weight.data, state, starts, slots, positions, bool(silu))
 
     def _delta_scratch(self, dk, dv):
         """delta_rule's chunk scratch for heads of dk x dv, one set per thread (recurrent.delta_rule:
@@ -509,7 +509,7 @@ class Backend(BackendBase):
 
     def gate_mul(self, out, x, gate, act):
         self._use_threads()
-        self.r.gate_mul(out, x, gate, act == "silu")
+        self.r.gate_mul(out, x, gate, GATE_MODES[act])
 
     # -- MoE ---------------------------------------------------------------------------------
     def route(self, out_ids, out_w, logits, k, mode, normalize, choice_bias=None, norm_min=0.0, expert_scale=None,

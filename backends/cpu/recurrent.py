@@ -27,9 +27,9 @@ GATE_BLOCK = 2048                  # gate_mul's elements per parallel iteration
 
 # -- causal conv ---------------------------------------------------------------------------------
 @njit(parallel=True, nogil=True, cache=True, fastmath=REDUCE, error_model="numpy")
-def causal_conv(out, x, weight, state, starts, slots, positions):
+def causal_conv(out, x, weight, state, starts, slots, positions, silu):
     """Depthwise causal conv1d + SiLU per sequence, its last K-1 inputs carried in state[slot]:
-        out[t, c] = silu(y),  y = sum_{i<K} weight[c, i] * u(m - K + 1 + i, c),  silu(y) = y / (1 + e^-y)
+        out[t, c] = silu(y) (y when not silu: LFM2),  y = sum_{i<K} weight[c, i] * u(m - K + 1 + i, c),  silu(y) = y / (1 + e^-y)
     with m = t - a the token's index in its sequence's rows a..b-1 (n = b - a tokens) and
         u(m, c) = x[a + m, c]                   m >= 0 (the step's tokens)
                   state[slot, K - 1 + m, c]     -K < m < 0 (the inputs before the step)
@@ -63,7 +63,7 @@ def causal_conv(out, x, weight, state, starts, slots, positions):
                 else:
                     u = st[K - 1 + j, c]
                 y += weight[c, i] * u
-            out[a + m, c] = y / (F1 + np.exp(-y))
+            out[a + m, c] = y / (F1 + np.exp(-y)) if silu else y
         for i in range(K - 1):
             j = n - K + 1 + i
             if j >= 0:
@@ -307,9 +307,9 @@ def delta_rule(out, qkv, a, b, a_neg, dt_bias, state, starts, slots, positions, 
 
 # -- output gates --------------------------------------------------------------------------------
 @njit(parallel=True, nogil=True, cache=True, error_model="numpy")
-def gate_mul(out, x, gate, silu):
-    """out = x * act(gate), elementwise over [R, N] (out may alias x):
-        silu:  x * (gate / (1 + e^-gate))        sigmoid:  x / (1 + e^-gate)
+def gate_mul(out, x, gate, mode):
+    """out = x * act(gate), elementwise over [R, N] (out may alias x), by mode (backend.GATE_MODES):
+        1 silu:  x * (gate / (1 + e^-gate))      0 sigmoid:  x / (1 + e^-gate)      2 none:  x * gate
     Parallel over (row, block of GATE_BLOCK columns), so one decode row splits across threads too."""
     R, N = x.shape
     nb = (N + GATE_BLOCK - 1) // GATE_BLOCK
@@ -317,8 +317,10 @@ def gate_mul(out, x, gate, silu):
         r, lo = rb // nb, (rb % nb) * GATE_BLOCK
         for n in range(lo, min(N, lo + GATE_BLOCK)):
             g = gate[r, n]
-            if silu:
+            if mode == 1:
                 out[r, n] = x[r, n] * (g / (F1 + np.exp(-g)))
+            elif mode == 2:
+                out[r, n] = x[r, n] * g
             else:
                 out[r, n] = x[r, n] / (F1 + np.exp(-g))
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 
 from colibri_edge.errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
-from ..base import Plan, Weight, guarded
+from ..base import GATE_MODES, Plan, Weight, guarded
 from . import sources
 from .runtime import CudaRuntime, _cupy, cdiv, probe  # noqa: F401  (probe: the registry's entry)
 
@@ -197,7 +197,7 @@ class Backend(CudaRuntime):
     delta_chunk = sources.DEFINES["DELTA_CHUNK"]     # tokens per chunk of delta_rule's prefill form
 
     @guarded
-    def causal_conv(self, out, x, weight, state, starts, slots, positions):
+    def causal_conv(self, out, x, weight, state, starts, slots, positions, silu=True):
         T, C = x.shape
         K = weight.shape[1] if isinstance(weight, Weight) and len(weight.shape) == 2 else 0
         S = slots.shape[0]
@@ -212,7 +212,7 @@ class Backend(CudaRuntime):
                                "[slots,K-1,C] state, starts [S+1], positions [T])")
         if T and S:
             self._launch("causal_conv", (cdiv(C, CONV_THREADS), S), (CONV_THREADS,),
-                         (out, x, weight.data, state, starts, slots, positions, _i32(C), _i32(K)))
+                         (out, x, weight.data, state, starts, slots, positions, _i32(C), _i32(K), _i32(bool(silu))))
 
     @guarded
     def delta_rule(self, out, qkv, a, b, a_neg, dt_bias, state, starts, slots, positions, heads, stepwise=False):
@@ -241,12 +241,12 @@ class Backend(CudaRuntime):
     @guarded
     def gate_mul(self, out, x, gate, act):
         n = x.size
-        if act not in ("silu", "sigmoid") or out.size != n or gate.size != n or \
+        if act not in GATE_MODES or out.size != n or gate.size != n or \
                 not all(a.flags.c_contiguous for a in (out, x, gate)):
-            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"gate_mul: act {act!r} (silu or sigmoid) over out "
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"gate_mul: act {act!r} (silu, sigmoid or none) over out "
                                f"{out.shape}, x {x.shape}, gate {gate.shape} (contiguous buffers of one size)")
         if n:
-            self._launch("gate_mul", (cdiv(n, 256),), (256,), (out, x, gate, np.int64(n), _i32(act == "sigmoid")))
+            self._launch("gate_mul", (cdiv(n, 256),), (256,), (out, x, gate, np.int64(n), _i32(GATE_MODES[act])))
 
     # -- MoE ---------------------------------------------------------------------------------
     @guarded

@@ -27,7 +27,7 @@
 // grid (ceil(C/blockDim), S), block 128
 template <int K>
 CE_DEV void conv_seq(float* out, const float* x, const float* w, float* state, const int* starts,
-                     const int* slots, const int* positions, int C) {
+                     const int* slots, const int* positions, int C, int silu) {
     const int s = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;                              // no barrier in this kernel
     const int t0 = starts[s], t1 = starts[s + 1];
@@ -49,7 +49,7 @@ CE_DEV void conv_seq(float* out, const float* x, const float* w, float* state, c
         float y = 0.f;
 #pragma unroll
         for (int i = 0; i < K; ++i) y += wc[i] * u[i];
-        out[(size_t)t * C + c] = y / (1.0f + expf(-y));       // silu(y)
+        out[(size_t)t * C + c] = silu ? y / (1.0f + expf(-y)) : y;  // silu(y); LFM2's short conv: y
 #pragma unroll
         for (int i = 0; i + 1 < K; ++i) u[i] = u[i + 1];      // slide the window by one token
     }
@@ -58,16 +58,17 @@ CE_DEV void conv_seq(float* out, const float* x, const float* w, float* state, c
 }
 static_assert(CONV_MAX_K == 8, "causal_conv instantiates K = 1 .. 8");
 extern "C" __global__ void causal_conv(float* out, const float* x, const float* w, float* state, const int* starts,
-                                       const int* slots, const int* positions, int C, int K) {
+                                       const int* slots, const int* positions, int C, int K,
+                                       int silu) {
     switch (K) {                                     // K is uniform: the host checked 1 <= K <= CONV_MAX_K
-        case 1: conv_seq<1>(out, x, w, state, starts, slots, positions, C); break;
-        case 2: conv_seq<2>(out, x, w, state, starts, slots, positions, C); break;
-        case 3: conv_seq<3>(out, x, w, state, starts, slots, positions, C); break;
-        case 4: conv_seq<4>(out, x, w, state, starts, slots, positions, C); break;
-        case 5: conv_seq<5>(out, x, w, state, starts, slots, positions, C); break;
-        case 6: conv_seq<6>(out, x, w, state, starts, slots, positions, C); break;
-        case 7: conv_seq<7>(out, x, w, state, starts, slots, positions, C); break;
-        default: conv_seq<8>(out, x, w, state, starts, slots, positions, C); break;
+        case 1: conv_seq<1>(out, x, w, state, starts, slots, positions, C, silu); break;
+        case 2: conv_seq<2>(out, x, w, state, starts, slots, positions, C, silu); break;
+        case 3: conv_seq<3>(out, x, w, state, starts, slots, positions, C, silu); break;
+        case 4: conv_seq<4>(out, x, w, state, starts, slots, positions, C, silu); break;
+        case 5: conv_seq<5>(out, x, w, state, starts, slots, positions, C, silu); break;
+        case 6: conv_seq<6>(out, x, w, state, starts, slots, positions, C, silu); break;
+        case 7: conv_seq<7>(out, x, w, state, starts, slots, positions, C, silu); break;
+        default: conv_seq<8>(out, x, w, state, starts, slots, positions, C, silu); break;
     }
 }
 
@@ -303,9 +304,10 @@ extern "C" __global__ void delta_rule(float* out, const float* qkv, const float*
 //   act 0 (silu, the gated RMSNorm's output gate):  out = x * (g / (1 + e^-g))
 //   act 1 (sigmoid, Qwen3.5's attention output gate): out = x / (1 + e^-g)
 // grid ceil(n/256), block 256
-extern "C" __global__ void gate_mul(float* out, const float* x, const float* gate, long long n, int sigmoid) {
+// mode: 0 sigmoid, 1 silu, 2 none (out = x * gate: LFM2's short-convolution gates)
+extern "C" __global__ void gate_mul(float* out, const float* x, const float* gate, long long n, int mode) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const float g = gate[i];
-    out[i] = sigmoid ? x[i] / (1.0f + expf(-g)) : x[i] * (g / (1.0f + expf(-g)));
+    out[i] = mode == 0 ? x[i] / (1.0f + expf(-g)) : mode == 2 ? x[i] * g : x[i] * (g / (1.0f + expf(-g)));
 }

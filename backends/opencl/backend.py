@@ -253,7 +253,7 @@ class Backend(OpenCLRuntime):
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{op}: {what} must be float32, not {self._wdtype(w)}")
         return self._data(w)
 
-    def causal_conv(self, out, x, weight, state, starts, slots, positions):
+    def causal_conv(self, out, x, weight, state, starts, slots, positions, silu=True):
         T, C = x.shape
         K = weight.shape[1] if len(weight.shape) == 2 else -1
         S = slots.shape[0]
@@ -268,7 +268,7 @@ class Backend(OpenCLRuntime):
         w = self._float32("causal_conv", "the conv weight", weight)
         k = self._kernel("recurrent.cl", "causal_conv")
         g, l = self._2d(k, C, S)
-        self._launch(k, g, l, out, x, w, state, starts, slots, positions, S, C, K)
+        self._launch(k, g, l, out, x, w, state, starts, slots, positions, S, C, K, int(bool(silu)))
 
     def delta_local_bytes(self, dk, L, Cm=DELTA_CHUNK):
         """Local memory of one delta_rule work-group (recurrent.cl): q, k, W [Cm, dk], A, QK [Cm, Cm],
@@ -307,18 +307,18 @@ class Backend(OpenCLRuntime):
                      lm(4 * Cm * dk), lm(4 * Cm * dk), lm(4 * Cm * dk), lm(4 * Cm * Cm), lm(4 * Cm * Cm),
                      lm(4 * 4 * DELTA_CHUNK), lm(4 * L))
 
-    GATE_ACTS = ("silu", "sigmoid")
+    GATE_ACTS = ("sigmoid", "silu", "none")      # the kernel's mode: the index
 
     def gate_mul(self, out, x, gate, act):
         n = out.size
         if act not in self.GATE_ACTS:
-            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"gate_mul: act {act!r} (silu or sigmoid)")
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"gate_mul: act {act!r} (silu, sigmoid or none)")
         if x.size != n or gate.size != n:
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"gate_mul shapes out {out.shape}, x {x.shape}, "
                                f"gate {gate.shape} do not agree")
         k = self._kernel("recurrent.cl", "gate_mul")
         L = self._local(k, 128)
-        self._launch(k, (n,), (L,), out, x, gate, n, act == "silu")
+        self._launch(k, (n,), (L,), out, x, gate, n, self.GATE_ACTS.index(act))
 
     # -- MoE ---------------------------------------------------------------------------------------
     def route(self, out_ids, out_w, logits, k, mode, normalize, choice_bias=None, norm_min=0.0, expert_scale=None,

@@ -17,7 +17,7 @@
 #error "CONV_KMAX comes from runtime.py (-DCONV_KMAX=8)"
 #endif
 
-/* Depthwise causal conv1d + SiLU over each sequence, its last K-1 inputs carried in the state:
+/* Depthwise causal conv1d + SiLU (or none: silu 0, LFM2) over each sequence, its last K-1 inputs carried in the state:
  *   out[t, c] = silu(sum_{i<K} weight[c, i] u(p - K + 1 + i, c)),  p = positions[t]
  * u(q, c): the sequence's input at position q: x[., c] for the step's tokens, state[slot, K-1-(p0-q), c]
  * for the K-1 positions before the step's first one p0 (0 when p0 == 0: the zero padding). Afterwards
@@ -29,7 +29,7 @@
  * global (C, S) */
 __kernel void causal_conv(ARG(float, out), CARG(float, x), CARG(float, weight), ARG(float, state),
                           CARG(int, starts), CARG(int, slots), CARG(int, positions), const int S, const int C,
-                          const int K)
+                          const int K, const int silu)
 {
     const int c = get_global_id(0), s = get_global_id(1);
     if (c >= C || s >= S)
@@ -64,7 +64,7 @@ __kernel void causal_conv(ARG(float, out), CARG(float, x), CARG(float, weight), 
                 wl = w[i];
         }
         y += wl * xt;
-        out[(size_t)t * C + c] = y / (1.0f + exp(-y));           /* silu(y) = y sigmoid(y) */
+        out[(size_t)t * C + c] = silu ? y / (1.0f + exp(-y)) : y;     /* silu(y) = y sigmoid(y); LFM2: y */
         /* slide the window: win[i] = win[i+1], the newest input x[t] last */
         #pragma unroll
         for (int i = 0; i < CONV_KMAX - 1; ++i)
@@ -330,13 +330,14 @@ __kernel void delta_rule(ARG(float, out), CARG(float, qkv), CARG(float, a), CARG
 /* out[i] = x[i] * act(gate[i]), n contiguous floats (any [R, N]; out may be x):
  *   silu    = gate sigmoid(gate)      (the gated RMSNorm's output gate)
  *   sigmoid = sigmoid(gate)           (Qwen3.5's attention output gate)
- * global (n) */
-__kernel void gate_mul(ARG(float, out), CARG(float, x), CARG(float, gate), const int n, const int silu)
+ *   none    = gate                    (LFM2's short-convolution gates)
+ * mode: 0 sigmoid, 1 silu, 2 none.  global (n) */
+__kernel void gate_mul(ARG(float, out), CARG(float, x), CARG(float, gate), const int n, const int mode)
 {
     const int i = get_global_id(0);
     if (i >= n)
         return;
     BIND(float, out); CBIND(float, x); CBIND(float, gate);
     const float g = gate[i];
-    out[i] = silu ? x[i] * (g / (1.0f + exp(-g))) : x[i] / (1.0f + exp(-g));
+    out[i] = mode == 1 ? x[i] * (g / (1.0f + exp(-g))) : mode == 2 ? x[i] * g : x[i] / (1.0f + exp(-g));
 }

@@ -289,7 +289,7 @@ class Backend(BackendBase):
             out[t] = routing.softmax(s) @ c
 
     # recurrent mixers
-    def causal_conv(self, out, x, weight, state, starts, slots, positions):
+    def causal_conv(self, out, x, weight, state, starts, slots, positions, silu=True):
         w = _f32(weight)                                   # [C, K]
         K = w.shape[1]
         for s in range(len(slots)):
@@ -300,7 +300,7 @@ class Backend(BackendBase):
             u = np.concatenate([prev, x[a:b]])             # positions p0-K+1 .. pl
             for j in range(b - a):
                 y = np.einsum("ic,ci->c", u[j:j + K], w)
-                out[a + j] = y / (np.float32(1) + np.exp(-y))
+                out[a + j] = y / (np.float32(1) + np.exp(-y)) if silu else y
             state[slots[s]] = u[u.shape[0] - (K - 1):]
 
     delta_chunk = DELTA_CHUNK
@@ -321,6 +321,8 @@ class Backend(BackendBase):
     def gate_mul(self, out, x, gate, act):
         if act == "silu":
             out[...] = x * (gate / (np.float32(1) + np.exp(-gate)))
+        elif act == "none":
+            out[...] = x * gate
         else:
             out[...] = x / (np.float32(1) + np.exp(-gate))
 

@@ -9,11 +9,21 @@ def geometry(cfg: dict, layer: dict) -> tuple:
         layer.get("head_dim", cfg["head_dim"])
 
 
-def is_linear(cfg: dict, layer: dict) -> bool:
-    """Whether a layer's mixer is a recurrent one (gated delta-net: layer_types "linear_attention"; the
-    MTP head's layer, past layer_types, attends)."""
+RECURRENT_TYPES = ("linear_attention", "short_conv")
+
+
+def mixer_type(cfg: dict, layer: dict) -> str:
+    """A layer's layer_types entry: "full_attention" where the config has none (and for the MTP head's
+    layer, past layer_types), "sliding_attention", or a recurrent mixer: "linear_attention" (gated
+    delta-net) or "short_conv" (LFM2's gated short convolution)."""
     types = cfg.get("layer_types")
-    return bool(types) and layer["layer_id"] < len(types) and types[layer["layer_id"]] == "linear_attention"
+    return types[layer["layer_id"]] if types and layer["layer_id"] < len(types) else "full_attention"
+
+
+def is_linear(cfg: dict, layer: dict) -> bool:
+    """Whether a layer's mixer is a recurrent one (a fixed-size state per sequence, no KV cache: a gated
+    delta-net or a short convolution)."""
+    return mixer_type(cfg, layer) in RECURRENT_TYPES
 
 
 def mtp_layers(cfg: dict) -> list:

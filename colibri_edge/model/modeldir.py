@@ -123,6 +123,17 @@ def linear_tensors(cfg: dict, p: str) -> dict:
             p + "lin.wo": ((H, Hv * dv), W)}
 
 
+def short_conv_tensors(cfg: dict, p: str) -> dict:
+    """A gated short-convolution layer's tensors (LFM2; H hidden, K the conv kernel), each [out, in]:
+        conv.wb, conv.wc, conv.wx [H, H]   the three thirds of in_proj: b, c, x
+        conv.w [H, K]                      the depthwise causal conv's taps (no activation)
+        conv.wo [H, H]                     out = wo @ (c * conv(b * x))"""
+    H, W = cfg["hidden_size"], "weight"
+    t = {p + f"conv.w{x}": ((H, H), W) for x in "bcxo"}
+    t[p + "conv.w"] = ((H, cfg["short_conv"]["conv_kernel"]), "float32")
+    return t
+
+
 def _attention_tensors(cfg: dict, layer: dict, p: str) -> dict:
     """A GQA layer's attention tensors."""
     H, W, f32 = cfg["hidden_size"], "weight", "float32"
@@ -191,6 +202,8 @@ def tensor_roles(cfg: dict) -> dict:
             t[p + "scalar"] = ((1,), f32)
         if cfg.get("latent_attention"):
             t.update(latent_tensors(cfg, p))
+        elif layerplan.mixer_type(cfg, layer) == "short_conv":
+            t.update(short_conv_tensors(cfg, p))
         elif layerplan.is_linear(cfg, layer):
             t.update(linear_tensors(cfg, p))
         else:

@@ -193,7 +193,9 @@ CONFIG_FIELDS = (
     "layer_types", "sliding_window", "attention_sinks", "rope_scaling", "router_bias", "expert_bias", "expert_act",
     "swiglu_alpha", "swiglu_limit", "norm_layout", "ffn_act", "embed_scale", "final_logit_softcap", "v_norm",
     "layer_scalar", "router_input_norm", "expert_scale", "latent_attention", "router_score", "router_groups",
-    "routed_scaling_factor", "linear_attention", "attention_output_gate", "rope_dim", "mtp")
+    "routed_scaling_factor", "linear_attention", "attention_output_gate", "rope_dim", "mtp", "short_conv")
+# short_conv (LFM2-MoE): the layers of layer_types "short_conv" are gated short convolutions with a fixed-size
+# state per sequence: {"conv_kernel": K} (a depthwise causal conv over the H channels, its last K-1 inputs kept)
 # mtp: the model's multi-token-prediction head (DeepSeek-V3's nextn layer, Qwen3.5's mtp.*): {"layers": [one
 # layer spec, layer_id num_hidden_layers, its experts after the decoder's], "own_head", "own_embed"}; its
 # tensors mtp.enorm / mtp.hnorm [H], mtp.e_proj / mtp.h_proj [H, H] (eh_proj's halves), mtp.norm [H],
@@ -230,7 +232,8 @@ OPTIONAL = ("architectures", "bos_token_id", "attention_scale", "folded_multipli
             "router_bias", "expert_bias", "expert_act", "swiglu_alpha", "swiglu_limit", "norm_layout", "ffn_act",
             "embed_scale", "final_logit_softcap", "v_norm", "layer_scalar", "router_input_norm", "expert_scale",
             "latent_attention", "router_score", "router_groups", "routed_scaling_factor", "linear_attention",
-            "attention_output_gate", "rope_dim", "mtp")
+            "attention_output_gate", "rope_dim", "mtp", "short_conv")
+SHORT_CONV_FIELDS = ("conv_kernel",)
 MTP_FIELDS = ("layers", "own_head", "own_embed")
 LINEAR_FIELDS = ("conv_kernel", "num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim",
                  "value_head_order")    # optional: grouped (value head h reads key head h // (Hv/Hk), HF's
@@ -238,7 +241,7 @@ LINEAR_FIELDS = ("conv_kernel", "num_key_heads", "num_value_heads", "key_head_di
 MAX_CONV_KERNEL = 8
 LATENT_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "norm_eps")
 GROUP_FIELDS = ("n_group", "topk_group", "group_top")
-ATTENTION_TYPES = ("full_attention", "sliding_attention", "linear_attention")
+ATTENTION_TYPES = ("full_attention", "sliding_attention", "linear_attention", "short_conv")
 EXPERT_ACTS = ("silu", "swiglu_oai", "gelu_tanh")
 FOLDED = ("embedding_multiplier", "residual_multiplier", "logits_scaling")
 
@@ -311,6 +314,7 @@ def config(cfg, path: str = "config.json", model_types: tuple | None = None) -> 
     _attention_fields(path, cfg, L)
     _latent_fields(path, cfg)
     _linear_fields(path, cfg)
+    _short_conv_fields(path, cfg)
     _router_fields(path, cfg, E)
     layers = _list(path, "layers", cfg["layers"], MAX_LAYERS)
     if len(layers) != L:
@@ -428,15 +432,9 @@ def _linear_fields(path, cfg):
             raise invalid_model(path, "rope_dim", f"{r} is odd; rotary embeddings rotate pairs of dims")
         if any("head_dim" in l or "rope_partial" in l for l in cfg["layers"]):
             raise invalid_model(path, "rope_dim", "does not combine with per-layer head dims or rope_partial")
-    linear = "linear_attention" in (cfg.get("layer_types") or ())
-    if "linear_attention" not in cfg:
-        if linear:
-            raise invalid_model(path, "linear_attention", "missing (layer_types has linear_attention layers)")
+    la = _mixer_section(path, cfg, "linear_attention", LINEAR_FIELDS)
+    if la is None:
         return
-    if not linear:
-        raise invalid_model(path, "layer_types", "has no linear_attention layer, but linear_attention is given")
-    la = _obj(path, "linear_attention", cfg["linear_attention"])
-    _known(path, "linear_attention.", la, LINEAR_FIELDS)
     _enum(path, "linear_attention.value_head_order", la.get("value_head_order", "grouped"), ("grouped", "tiled"))
     for f in LINEAR_FIELDS:
         if f == "value_head_order":
@@ -452,6 +450,36 @@ def _linear_fields(path, cfg):
         raise invalid_model(path, "linear_attention", "does not combine with latent_attention or sandwich norms")
     if any(k in l for l in cfg["layers"] for k in LAYER_OPTIONAL):
         raise invalid_model(path, "layers", "per-layer attention geometry does not combine with linear_attention")
+
+
+def _mixer_section(path, cfg, kind: str, fields) -> dict | None:
+    """A recurrent mixer's parameters, cfg[kind], present exactly when layer_types names that kind; None
+    when neither; its keys among `fields`."""
+    used = kind in (cfg.get("layer_types") or ())
+    if kind not in cfg:
+        if used:
+            raise invalid_model(path, kind, f"missing (layer_types has {kind} layers)")
+        return None
+    if not used:
+        raise invalid_model(path, "layer_types", f"has no {kind} layer, but {kind} is given")
+    sec = _obj(path, kind, cfg[kind])
+    _known(path, kind + ".", sec, fields)
+    return sec
+
+
+def _short_conv_fields(path, cfg):
+    """short_conv (LFM2's gated short-convolution layers)."""
+    sc = _mixer_section(path, cfg, "short_conv", SHORT_CONV_FIELDS)
+    if sc is None:
+        return
+    if "conv_kernel" not in sc:
+        raise invalid_model(path, "short_conv.conv_kernel", "missing")
+    _int(path, "short_conv.conv_kernel", sc["conv_kernel"], 2, MAX_CONV_KERNEL)
+    if "linear_attention" in cfg or cfg.get("latent_attention") or cfg.get("norm_layout", "pre") != "pre":
+        raise invalid_model(path, "short_conv", "does not combine with linear_attention, latent_attention or "
+                            "sandwich norms")
+    if any(k in l for l in cfg["layers"] for k in LAYER_OPTIONAL):
+        raise invalid_model(path, "layers", "per-layer attention geometry does not combine with short_conv")
 
 
 def _router_fields(path, cfg, E):

@@ -10,6 +10,8 @@ Mixers:    Attention        GQA over a paged KV pool (optional q/k/v/o biases, q
                             an output norm)
            LatentAttention  multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash) over a paged
                             cache of latents and rope keys, computed in the latent space
+           GatedDeltaNet    Qwen3.5 / Qwen3-Next linear attention, a fixed-size state per sequence
+           ShortConv        LFM2's gated short convolution, its last K-1 inputs per sequence
 FFN parts: MoE              route (optionally a router bias, a choice-only bias, a renormalisation
                             floor, per-expert scales, normed inputs), align, the chosen experts' SwiGLU
                             (or gpt-oss's clamped SwiGLU with expert biases, or GeGLU), combine
@@ -229,6 +231,39 @@ class GatedDeltaNet:
 
 
 @dataclass
+class ShortConv:
+    """LFM2's gated short convolution (Liquid's LFM2 / LFM2-MoE "conv" layers): a depthwise causal conv of
+    K taps over the H channels between two multiplicative gates, no activation; its state per sequence is
+    the conv's last K-1 inputs (the recurrent pool's slot):
+        b | c | x = in_proj @ h                     (converted as three [H, H] matrices)
+        x += wo @ (c * conv(b * x))                 conv(u)[t] = sum_{i<K} w[:, i] u[t - K + 1 + i]"""
+    wb: Weight                  # [H, H]
+    wc: Weight                  # [H, H]
+    wx: Weight                  # [H, H]
+    conv: Weight                # [H, K] float32
+    wo: Weight                  # [H, H]
+    pool: int                   # the recurrent pool's index among the engine's pools (its storage)
+    fixed: int                  # ... and among the fixed pools (the step's slots)
+    conv_state: object = None   # [slots, K-1, H]
+
+    def bind(self, storage: dict, layer: int):
+        self.conv_state = storage[(self.pool, layer, "conv")]
+
+    def forward(self, be, s):
+        v, slots = s.sc, s.fslots[self.fixed]
+        be.matmuls((v.b, v.c, v.x), s.h, (self.wb, self.wc, self.wx), (None, None, None))
+        if s.lora is not None:
+            for out, w in ((v.b, self.wb), (v.c, self.wc), (v.x, self.wx)):
+                s.lora.linear(out, s.h, w)
+        be.gate_mul(v.b, v.b, v.x, "none")                      # b * x
+        be.causal_conv(v.conv, v.b, self.conv, self.conv_state, s.starts, slots, s.pos, silu=False)
+        be.gate_mul(v.conv, v.conv, v.c, "none")                # c * conv(b * x)
+        be.matmul(s.o, v.conv, self.wo)
+        lora(s, s.o, v.conv, self.wo)
+        be.add(s.x, s.x, s.o)
+
+
+@dataclass
 class FFNContext:
     """What an FFN part's forward may use of the step runner (built once by runner.Runner):
     be           the backend
@@ -378,7 +413,7 @@ class ParallelFFN:
 class Layer:
     index: int
     input_norm: Weight          # [H]
-    mixer: object               # Attention | LatentAttention | GatedDeltaNet
+    mixer: object               # Attention | LatentAttention | GatedDeltaNet | ShortConv
     post_norm: Weight           # [H]
     ffns: tuple                 # FFN parts, run in order, each adding into the residual
     scalar: float = 1.0         # x *= scalar after the layer (Gemma 4's layer_scalar)
@@ -493,6 +528,7 @@ def build(model, be, pools, resident: bool, fixed_pools=(), mtp: bool = False) -
             cfg.get("rope_scaling")) ** 2
     lin = cfg.get("linear_attention")
     lin_layers = set(fixed_pools[0].layers) if lin and fixed_pools else set()
+    conv_layers = set(fixed_pools[0].layers) if cfg.get("short_conv") and fixed_pools else set()
     lin_heads = tuple(lin[k] for k in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim")) \
         if lin else ()
     if lin:       # value head h reads key head (h // group) % Hk: grouped (HF) group = Hv / Hk, tiled (GGUF) 1
@@ -504,7 +540,10 @@ def build(model, be, pools, resident: bool, fixed_pools=(), mtp: bool = False) -
         i, p = spec["layer_id"], f"layers.{spec['layer_id']}."
         nh, nkv, hd = geometry(cfg, spec)
         theta, inv_freq, attn_factor = rope_of(spec, hd)
-        if lin_layers and i in lin_layers:
+        if conv_layers and i in conv_layers:
+            mixer = ShortConv(w(p + "conv.wb"), w(p + "conv.wc"), w(p + "conv.wx"), w(p + "conv.w"), w(p + "conv.wo"),
+                              len(pools), 0)
+        elif lin_layers and i in lin_layers:
             mixer = GatedDeltaNet(w(p + "lin.wqkv"), w(p + "lin.conv"), w(p + "lin.wz"), w(p + "lin.wa"),
                                   w(p + "lin.wb"), w(p + "lin.a_neg"), w(p + "lin.dt_bias"), w(p + "lin.norm"),
                                   w(p + "lin.wo"), lin_heads, eps, len(pools), 0)

@@ -94,7 +94,8 @@ class StepViews:
         self.lora = None                # the step's adapters (runtime/lora.py StepLora), or None
         self.mla = LatentViews(a, cfg, T) if cfg.get("latent_attention") else None
         self.attn_gate = a["attn_gate"][:T] if "attn_gate" in a else None
-        self.lin = LinearViews(a, cfg, T) if fixed else None
+        self.lin = LinearViews(a, cfg, T) if fixed and cfg.get("linear_attention") else None
+        self.sc = ShortConvViews(a, T) if fixed and cfg.get("short_conv") else None
         self.starts = inputs["starts"][:nseq + 1] if fixed else None    # sequences' token ranges, their state
         self.fslots = [inputs[f"fslots{p}"][:nseq] for p in range(fixed)]   # slot in each fixed pool
 
@@ -110,6 +111,14 @@ class LinearViews:
         self.qkv, self.conv, self.z, self.a, self.b, self.core = (a[f"lin.{n}"][:T] for n in
                                                                   ("qkv", "conv", "z", "a", "b", "core"))
         self.core_heads, self.z_heads = self.core.reshape(T * Hv, dv), self.z.reshape(T * Hv, dv)
+
+
+class ShortConvViews:
+    """LFM2's short-convolution step buffers (arena "sc.*") cut to T tokens: in_proj's b, c and x thirds
+    and the conv's output."""
+
+    def __init__(self, a: dict, T: int):
+        self.b, self.c, self.x, self.conv = (a[f"sc.{n}"][:T] for n in ("b", "c", "x", "conv"))
 
 
 class LatentViews:

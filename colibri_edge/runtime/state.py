@@ -589,9 +589,13 @@ def attention_pools(cfg: dict, num_blocks: int, block_size: int, kv_dtype: str =
 def recurrent_pool(cfg: dict, num_slots: int) -> FixedPool | None:
     """The fixed-size state of the recurrent layers (layer_types "linear_attention": gated delta-nets), one
     slot per sequence for all of them: per layer the conv's last K-1 inputs [K-1, C] (C = 2 Hk dk + Hv dv
-    channels) and the delta rule's state [Hv, dk, dv]. None when the model has no recurrent layer."""
+    channels) and the delta rule's state [Hv, dk, dv]; LFM2's short convolutions (layer_types "short_conv")
+    keep only their conv's last K-1 inputs [K-1, H]. None when the model has no recurrent layer."""
     la = cfg.get("linear_attention")
     layers = [l["layer_id"] for l in cfg["layers"] if is_linear(cfg, l)]
+    if cfg.get("short_conv") and layers:
+        return FixedPool("recurrent state", layers, num_slots,
+                         {"conv": (cfg["short_conv"]["conv_kernel"] - 1, cfg["hidden_size"])})
     if not la or not layers:
         return None
     Hk, Hv, dk, dv = (la[k] for k in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim"))

@@ -159,6 +159,9 @@ def _cmd_inspect(a):
             li = cfg["linear_attention"]
             mixer = (f"gated delta-net ({li['num_key_heads']} key / {li['num_value_heads']} value heads of "
                      f"{li['key_head_dim']} / {li['value_head_dim']}, conv {li['conv_kernel']})")
+        elif types[l["layer_id"]] == "short_conv":
+            K = cfg["short_conv"]["conv_kernel"]
+            mixer = f"gated short convolution ({K} taps; state {4 * (K - 1) * cfg['hidden_size']} bytes)"
         elif cfg.get("attention_output_gate"):
             mixer += " with an output gate" + (f", rope on {cfg['rope_dim']} of {cfg['head_dim']} dims"
                                                if cfg.get("rope_dim") else "")
@@ -175,8 +178,10 @@ def _cmd_inspect(a):
     print(f"  KV cache: {s['kv_bytes_per_token']} bytes per token ({kv_dtype})"
           + (f" (full-attention layers) + at most {s['kv_window_bytes_per_sequence']} bytes per sequence in the "
              f"sliding-window layers (blocks of {block})" if s["kv_window_bytes_per_sequence"] else "")
-          + (f"; recurrent state: {s['state_bytes_per_sequence']} bytes per sequence at any length (conv + delta "
-             f"rule, {sum(t == 'linear_attention' for t in types)} layers)" if s["state_bytes_per_sequence"] else ""))
+          + (f"; recurrent state: {s['state_bytes_per_sequence']} bytes per sequence at any length ("
+             + (f"conv + delta rule, {sum(t == 'linear_attention' for t in types)} layers" if "linear_attention" in
+                types else f"the short convolutions' last inputs, {sum(t == 'short_conv' for t in types)} layers")
+             + ")" if s["state_bytes_per_sequence"] else ""))
     if s["snapshot_bytes"]:
         print(f"  recurrent-state snapshots (prefix caching): {s['snapshots']} x {s['snapshot_bytes']} bytes "
               f"({human(s['snapshots'] * s['snapshot_bytes'])}; Engine.open state_snapshots, default max_batch), "
