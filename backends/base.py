@@ -369,6 +369,12 @@ class Backend:
         """out[R,D] = x / sqrt(mean(x^2, -1) + eps) * weight[D]   (rows R may be T*heads; may alias)."""
         raise NotImplementedError
 
+    def layernorm(self, out, x, weight: Weight, bias: Weight, eps: float):
+        """out[r] = (x[r] - mean(x[r])) / sqrt(var(x[r]) + eps) * weight + bias, the biased variance
+        (torch.nn.LayerNorm; Phi-3.5-MoE's norms). x, out [R, D] float32 (may alias); weight, bias float32
+        Weights [D]."""
+        raise NotImplementedError
+
     def rope(self, out, x, positions, theta: float, inv_freq=None):
         """Rotary embedding on x[T,heads,D] at positions[T], rotate-half convention:
         out[..., i] = x_i cos(p f_i) - x_{i+D/2} sin(p f_i),  f_i = theta^(-2i/D), i < D/2
@@ -486,6 +492,18 @@ class Backend:
         expert_scale[id] (a float32 Weight [E], Gemma 4's per_expert_scale) when given.
         gated: k == E, every expert with weight p (softmax). (Model validation guarantees mode, k
         <= keep * E/n and top <= E/n; colibri_edge.backends.routing.route is the reference.)"""
+        raise NotImplementedError
+
+    def sparsemixer(self, out_ids, out_w, logits, jitter: float):
+        """Phi-3.5-MoE's router at inference (transformers' sparsemixer with training off; arXiv 2409.12136):
+        logits s [T,E] fp32 (E >= 2) -> out_ids [T,2] int32, out_w [T,2] fp32, per token in fp32:
+            i1 = argmax s (ties to the lower id), m1 = s[i1]
+            w1 = 1 / sum_{e kept} exp(s_e - m1)        e kept: not (m1 - s_e) / max(|s_e|, m1) > 2 jitter
+            i2 = argmax of s without i1, m2 = s[i2]
+            w2 = 1 / sum_{e != i1 kept} exp(s_e - m2)  e kept: not (m2 - s_e) / max(|s_e|, m2) > 2 jitter
+        i.e. each weight is its expert's softmax over the experts within a relative 2 jitter of it (a NaN
+        ratio, 0 / 0, keeps its expert, as torch's comparison does); the weights are not renormalised.
+        colibri_edge.backends.routing.sparsemixer is the reference."""
         raise NotImplementedError
 
     def align(self, bufs: dict, ids, num_tokens: int, num_experts: int, top_k: int, tally=None) -> Plan:

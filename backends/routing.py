@@ -50,6 +50,27 @@ def group_mask(c: np.ndarray, groups) -> np.ndarray:
     return np.where(np.repeat(mask, E // n, axis=1), c, np.float32(-np.inf)).astype(np.float32)
 
 
+def sparsemixer(logits: np.ndarray, jitter: float):
+    """Phi-3.5-MoE's inference router (base.Backend.sparsemixer has the math): logits [T,E] ->
+    (ids [T,2] int32, weights [T,2] fp32)."""
+    s = logits.astype(np.float32)
+    T, E = s.shape
+    thr = np.float32(2 * jitter)
+    ids, ws = np.zeros((T, 2), np.int32), np.zeros((T, 2), np.float32)
+    rows = np.arange(T)
+    cand = s.copy()
+    for j in range(2):
+        i = np.argmax(cand, axis=-1)                        # the first maximum: the lower id
+        m = cand[rows, i][:, None]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            drop = (m - s) / np.maximum(np.abs(s), m) > thr
+        g = np.where(drop, np.float32(-np.inf), cand)
+        ws[:, j] = np.float32(1) / np.exp(g - m).sum(axis=-1, dtype=np.float32)
+        ids[:, j] = i
+        cand[rows, i] = -np.inf
+    return ids, ws
+
+
 def route(logits: np.ndarray, k: int, mode: str = "topk", normalize: bool = True, choice_bias=None,
           norm_min: float = 0.0, expert_scale=None, score: str = "softmax", groups=None, scaling: float = 1.0):
     """logits [T,E] -> (ids [T,k] int32, weights [T,k] fp32). The router always runs in fp32.

@@ -218,6 +218,16 @@ def refused(path, *words, code=None):
     return ei.value
 
 
+def refused_edit(col, dst, edit, field, words):
+    """A copy of the model directory `col` at `dst` with config.json edited by `edit` is refused naming
+    `field` and `words` (the config's fields are typed and ranged, refused by name)."""
+    import shutil
+    shutil.copytree(col, dst)
+    edit_json(dst, "config.json", edit)
+    e = refused(dst)
+    assert field in e.message and words in e.message, e.message
+
+
 def greedy_runner(col, prompt_len=11, warmup=4):
     """An engine's runner with one sequence prefilled and `warmup` decode steps done;
     returns (engine, step) where step() runs one more greedy decode step."""

@@ -200,6 +200,16 @@ FAMILY_CASES["lfm2_moe"] = ("lfm2_moe", dict(
     conv_L_cache=3, routed_scaling_factor=1.5, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
     pad_token_id=0, layer_types=["conv", "full_attention", "conv", "conv"],
     rope_parameters=dict(rope_type="default", rope_theta=10000.0)))
+# Phi-3.5-MoE (issue 49): LayerNorms with biases, q/k/v/o and head biases, LongRoPE (random factors and
+# mscale, an original context of 128 of 256), the sparsemixer router (top-2 of 6, a wide jitter band so
+# that it matters)
+FAMILY_CASES["phimoe"] = ("phimoe", dict(
+    vocab_size=97, hidden_size=48, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, num_local_experts=6, num_experts_per_tok=2, max_position_embeddings=256,
+    attention_bias=True, lm_head_bias=True, router_jitter_noise=0.3, bos_token_id=1, eos_token_id=2,
+    sliding_window=None, rope_parameters=dict(
+        rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=128, short_mscale=1.1,
+        long_mscale=1.3, short_factor=[1.0, 1.2, 1.5, 2.0, 3.0, 4.0], long_factor=[1.0, 2.0, 3.0, 5.0, 8.0, 12.0])))
 QWEN35_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=48, patch_size=4,
                      temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
 GEMMA4_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -220,7 +230,7 @@ def config_for(model_type: str, **overrides):
                                                             audio_config=None),
            "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig, "qwen3_next": transformers.Qwen3NextConfig,
            "minimax_m2": transformers.MiniMaxM2Config, "hunyuan_v1_moe": transformers.HunYuanMoEV1Config,
-           "lfm2_moe": transformers.Lfm2MoeConfig,
+           "lfm2_moe": transformers.Lfm2MoeConfig, "phimoe": transformers.PhimoeConfig,
            "qwen3_5_moe": lambda **kw: transformers.Qwen3_5MoeConfig(text_config=kw, vision_config=QWEN35_VISION,
                                                                     tie_word_embeddings=False)}[model_type]
     return cls(**overrides)

@@ -151,15 +151,9 @@ def _sc(**kw):
 def test_short_conv_fields_are_checked(model_cache, tmp_path, edit, field, words):
     """LFM2's short-convolution fields typed and ranged, refused by name; a config implying other tensors
     than the directory holds refused naming the tensor."""
-    import shutil
-    from helpers import edit_json, refused
+    from helpers import refused_edit
     from hf_models import convert_case
-    _, col = convert_case(model_cache, "lfm2_moe")
-    dst = str(tmp_path / "m")
-    shutil.copytree(col, dst)
-    edit_json(dst, "config.json", edit)
-    e = refused(dst)
-    assert field in e.message and words in e.message, e.message
+    refused_edit(convert_case(model_cache, "lfm2_moe")[1], str(tmp_path / "m"), edit, field, words)
 
 
 def test_lfm2_refusals_by_name():
@@ -173,3 +167,53 @@ def test_lfm2_refusals_by_name():
         with pytest.raises(ColibriError) as e:
             translate_config({**base, field: value}, {}, "config.json")
         assert field in e.value.message
+
+
+def test_longrope_tables_are_transformers(model_cache):
+    """LongRoPE (Phi-3.5-MoE): the short and long frequency tables against transformers' own
+    _compute_longrope_parameters (seq_len within and past the original context), the attention factor
+    sqrt(1 + ln(factor) / ln(L0)) when no mscale is given; an engine opened past the original context runs
+    the long table with long_mscale squared on the scores, one within it the short one."""
+    import torch
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from colibri_edge.runtime import rope
+    from transformers import Phi3Config
+    from hf_models import convert_case
+    _, kw = FAMILY_CASES["phimoe"]
+    rp = {k: v for k, v in kw["rope_parameters"].items() if not k.endswith("mscale")}
+    hf = Phi3Config(hidden_size=48, num_attention_heads=4, max_position_embeddings=256, rope_parameters=rp,
+                    original_max_position_embeddings=rp["original_max_position_embeddings"])
+    ours = dict(rp, factor=hf.max_position_embeddings / rp["original_max_position_embeddings"])
+    for seq_len, long in ((100, False), (200, True)):
+        f, af = ROPE_INIT_FUNCTIONS["longrope"](hf, torch.device("cpu"), seq_len=seq_len)
+        got, gaf = rope.inv_freq(rp["rope_theta"], 12, ours, long=long)
+        np.testing.assert_allclose(got, f.numpy(), rtol=1e-6)
+        assert abs(gaf - af) < 1e-6 and gaf > 1.0
+    _, col = convert_case(model_cache, "phimoe")
+    rs = kw["rope_parameters"]
+    for max_seq_len, factors, mscale in ((128, "short_factor", "short_mscale"), (256, "long_factor", "long_mscale")):
+        with Engine.open(col, backend="reference", max_seq_len=max_seq_len) as eng:
+            att = eng.runner.program.layers[0].mixer
+            want = 1.0 / (np.asarray(rs[factors], np.float32) * np.float32(1e4) ** (np.arange(0, 12, 2,
+                                                                                        dtype=np.float32) / 12))
+            np.testing.assert_allclose(att.inv_freq, want, rtol=1e-6)
+            assert abs(att.scale - 12 ** -0.5 * rs[mscale] ** 2) < 1e-6
+
+
+@pytest.mark.parametrize("edit,field,words", [
+    (lambda c: c.update(top_k=3), "top_k", "sparsemixer"),
+    (lambda c: c.pop("router_jitter"), "router_jitter", "missing"),
+    (lambda c: c.update(router_jitter=2.0), "router_jitter", "out of range"),
+    (lambda c: c.update(norm_type="batchnorm"), "norm_type", "is not one of"),
+    (lambda c: c["rope_scaling"].update(short_factor=[1.0] * 5), "rope_scaling.short_factor", "head_dim / 2"),
+    (lambda c: c["rope_scaling"].update(long_factor=[1.0] * 5 + [-1.0]), "rope_scaling.long_factor[5]", "range"),
+    (lambda c: c["rope_scaling"].pop("long_factor"), "rope_scaling.long_factor", "missing"),
+    (lambda c: c.update(norm_type="rmsnorm"), "input_norm_bias", "not"),
+    (lambda c: c.pop("lm_head_bias"), "lm_head_bias", "not"),
+])
+def test_phimoe_fields_are_checked(model_cache, tmp_path, edit, field, words):
+    """Phi-3.5-MoE's fields (sparsemixer, LayerNorm, LongRoPE, head bias) typed and ranged, refused by name;
+    a config implying other tensors than the directory holds refused naming the tensor."""
+    from helpers import refused_edit
+    from hf_models import convert_case
+    refused_edit(convert_case(model_cache, "phimoe")[1], str(tmp_path / "m"), edit, field, words)

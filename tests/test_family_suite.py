@@ -63,6 +63,15 @@ def lfm2_router_of(layer):
     return gate
 
 
+def sparsemixer_gap(mod, out):
+    """Phi-3.5-MoE's router: (logits, weights, ids), the choice the top two logits: the margin is the
+    smaller of the gaps between the first and second and the second and third."""
+    import torch
+    logits, _, idx = out
+    top = torch.topk(logits.float(), 3, dim=-1).values
+    return idx.numpy().copy(), torch.minimum(top[:, 0] - top[:, 1], top[:, 1] - top[:, 2]).numpy()
+
+
 def gemma4_gap(mod, out):
     """Gemma 4's router: (probabilities, weights, ids), k from the config."""
     probs, _, idx = out
@@ -146,6 +155,8 @@ SUITE = {
     "minimax_m2": Family(minimax_router_of, sigmoid_bias_gap, seed=5, greedy=BLOCKS, slot_pool=True),
     "lfm2_moe": Family(lfm2_router_of, sigmoid_bias_gap, seed=17, length=21, prompt=LONG, slot_pool=True,
                        greedy={**BLOCKS, **{f"chunk{c}": {"prefill_chunk": c} for c in (1, 5)}}),
+    "phimoe": Family(lambda layer: layer.mlp.router, sparsemixer_gap, seed=19, slot_pool=True, greedy=BLOCKS,
+                     greedy_open={"max_seq_len": 128}),
     "qwen3_next": Family(**{**QWEN35, "router_of": lambda layer: getattr(layer.mlp, "gate", None)},
                          greedy={f"chunk{c}": {"prefill_chunk": c} for c in (1, 5, 64)},
                          greedy_open={"max_seq_len": 128, "kv_block_size": 7}),

@@ -252,6 +252,52 @@ def test_route_ties_and_many_experts(kernel_backend, normalize, rng):
                 assert rid[0, :2].tolist() == [1, 4] and (E < 40 or rid[1, :4].tolist() == [7, 39, 40, 299])
 
 
+@pytest.mark.parametrize("T,D", [(1, 45), (5, 300), (70, 64)])
+def test_layernorm(kernel_backend, T, D, rng):
+    """LayerNorm with bias (Phi-3.5-MoE) against the reference and against torch's meaning (mean and biased
+    variance), in place too; rows off zero mean so that the centring matters."""
+    ref, be = backend(kernel_backend)
+    x = (rng.standard_normal((T, D)) * 3 + 2).astype(np.float32)
+    g = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
+    b = (0.3 * rng.standard_normal(D)).astype(np.float32)
+    want = np.zeros_like(x)
+    ref.layernorm(want, x, ref.upload(g), ref.upload(b), 1e-5)
+    x64 = x.astype(np.float64)
+    c = x64 - x64.mean(-1, keepdims=True)
+    close(want, c / np.sqrt((c * c).mean(-1, keepdims=True) + 1e-5) * g + b, 1e-5)
+    out = be.alloc((T, D))
+    be.layernorm(out, dev(be, x), be.upload(g), be.upload(b), 1e-5)
+    close(be.download(out), want, 1e-5)
+    xb = dev(be, x)
+    be.layernorm(xb, xb, be.upload(g), be.upload(b), 1e-5)
+    close(be.download(xb), want, 1e-5)
+
+
+def test_sparsemixer(kernel_backend, rng):
+    """Phi-3.5-MoE's inference router against the reference, and the reference against transformers'
+    sparsemixer itself (training off): scores spread so that some experts fall within the 2 jitter band
+    and some outside, exact ties at the maximum (the lower id first), E of 2, 16 and 37."""
+    import torch
+    from transformers.models.phimoe.modeling_phimoe import sparsemixer
+    ref, be = backend(kernel_backend)
+    for T, E in ((9, 16), (4, 2), (33, 37)):
+        logits = (rng.standard_normal((T, E)) * rng.choice([0.01, 0.5, 3.0], size=(T, 1))).astype(np.float32)
+        logits[0, 3 % E] = logits[0, 1] = np.abs(logits[0]).max() + 1     # a tie at the top
+        if T > 4:
+            logits[1] = 0.0                                                # 0 / 0: every expert kept
+        for jitter in (0.01, 0.3):
+            rid, rw = np.zeros((T, 2), np.int32), np.zeros((T, 2), np.float32)
+            ref.sparsemixer(rid, rw, logits, jitter)
+            w, ids = sparsemixer(torch.from_numpy(logits), jitter_eps=jitter, training=False)
+            np.testing.assert_array_equal(rid, ids.numpy())
+            close(rw, w.numpy(), 1e-6)
+            bid, bw = be.alloc((T, 2), np.int32), be.alloc((T, 2))
+            be.sparsemixer(bid, bw, dev(be, logits), jitter)
+            np.testing.assert_array_equal(be.download(bid), rid)
+            close(be.download(bw), rw, 1e-6)
+        assert rid[0, :2].tolist() == [1, 3 % E] or E == 2
+
+
 @pytest.mark.parametrize("norm_min", [0.0, 1e-12, 1.5])
 def test_route_choice_bias_and_norm_min(kernel_backend, norm_min, rng):
     """ERNIE-4.5's router: the choice by p + choice_bias, the weights p of the chosen, renormalised by

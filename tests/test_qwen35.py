@@ -21,7 +21,7 @@ from colibri_edge.model.families.common import rope_dim_order
 from colibri_edge.analysis.sizing import (engine_memory, kv_full_bytes_per_token, snapshot_bytes,
                                           state_bytes_per_sequence, summary)
 from colibri_edge.model.modeldir import ModelDir
-from helpers import edit_json, fp32, refused
+from helpers import fp32, refused_edit
 from hf_models import FAMILY_CASES, QWEN35_TEXT, config_for, convert_case, hf_greedy
 
 CASES = ["qwen3_5_moe", "qwen3_5_moe_vl"]
@@ -211,13 +211,7 @@ def _lin(**kw):
 def test_linear_fields_are_checked(model_cache, tmp_path, edit, field, words):
     """The recurrent layers' fields are typed and ranged, refused by name; a config that implies other
     tensors than the directory holds is refused naming the tensor."""
-    import shutil
-    _, col = convert_case(model_cache, "qwen3_5_moe")
-    dst = str(tmp_path / "m")
-    shutil.copytree(col, dst)
-    edit_json(dst, "config.json", edit)
-    e = refused(dst)
-    assert field in e.message and words in e.message, e.message
+    refused_edit(convert_case(model_cache, "qwen3_5_moe")[1], str(tmp_path / "m"), edit, field, words)
 
 
 def test_refusals_by_name():

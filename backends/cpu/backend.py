@@ -422,6 +422,9 @@ class Backend(BackendBase):
     def rmsnorm(self, out, x, weight, eps):
         self.k.rmsnorm(out, x, weight.data, float(eps))
 
+    def layernorm(self, out, x, weight, bias, eps):
+        self.k.layernorm(out, x, weight.data, bias.data, float(eps))
+
     def rope(self, out, x, positions, theta, inv_freq=None):
         if inv_freq is None:
             key = (float(theta), x.shape[-1])
@@ -521,6 +524,9 @@ class Backend(BackendBase):
                      self.none if choice_bias is None else choice_bias.data, np.float32(norm_min),
                      self.none if expert_scale is None else expert_scale.data, score == "sigmoid", groups,
                      np.float32(scaling), self._route_c)
+
+    def sparsemixer(self, out_ids, out_w, logits, jitter):
+        self.m.sparsemixer(out_ids, out_w, logits, np.float32(2 * jitter))
 
     def align(self, bufs, ids, num_tokens, num_experts, top_k, tally=None):
         A, E = num_tokens * top_k, num_experts

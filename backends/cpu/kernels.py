@@ -527,6 +527,27 @@ def rmsnorm(out, x, weight, eps):
             out[r, d] = xr[d] * inv * widen(weight[d])
 
 
+@njit(cache=True, error_model="numpy")
+def layernorm(out, x, weight, bias, eps):
+    """out[r] = (x[r] - mean) / sqrt(mean((x[r] - mean)^2) + eps) * weight + bias     x, out [R,D] (may
+    alias), weight, bias [D] float32 (torch.nn.LayerNorm: Phi-3.5-MoE)"""
+    R, D = x.shape
+    epsf, Df = np.float32(eps), np.float32(D)
+    for r in range(R):
+        xr = x[r]
+        s = F0
+        for d in range(D):
+            s += xr[d]
+        mean = s / Df
+        ss = F0
+        for d in range(D):
+            c = xr[d] - mean
+            ss += c * c
+        inv = F1 / np.sqrt(ss / Df + epsf)
+        for d in range(D):
+            out[r, d] = (xr[d] - mean) * inv * weight[d] + bias[d]
+
+
 GELU_C = np.float32(np.sqrt(2.0 / np.pi))     # gelu_tanh's constants, as the reference rounds them
 GELU_A = np.float32(0.044715)
 F05 = np.float32(0.5)

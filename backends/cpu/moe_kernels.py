@@ -114,6 +114,31 @@ def route(out_ids, out_w, logits, gated, normalize, choice_bias, norm_min, exper
                 out_w[t, j] *= expert_scale[out_ids[t, j]]
 
 
+@njit(cache=True, error_model="numpy")
+def sparsemixer(out_ids, out_w, logits, thr):
+    """Phi-3.5-MoE's inference router (base.Backend.sparsemixer): per token, twice: the best remaining
+    expert i (ties to the lower id), its weight 1 / sum exp(s_e - s_i) over the remaining experts e not
+    dropped, (s_i - s_e) / max(|s_e|, s_i) > thr dropping one (thr = 2 jitter; a NaN ratio keeps it)."""
+    T, E = logits.shape
+    for t in range(T):
+        s = logits[t]
+        first = -1
+        for j in range(2):
+            best, m = -1, np.float32(0)
+            for e in range(E):
+                if e != first and (best < 0 or s[e] > m):
+                    best, m = e, s[e]
+            tot = np.float32(0)
+            for e in range(E):
+                if e == first:
+                    continue
+                if not ((m - s[e]) / max(abs(s[e]), m) > thr):
+                    tot += np.exp(s[e] - m)
+            out_ids[t, j] = best
+            out_w[t, j] = np.float32(1) / tot
+            first = best
+
+
 @njit(cache=True)
 def align(offsets, order, inverse, counts, active, ids, tally):
     """Stable counting sort of assignments a = t*k + j by expert ids[a] (colibri_edge.backends.routing.align):

@@ -124,6 +124,12 @@ class Backend(CudaRuntime):
         self._launch("rmsnorm", (R,), (threads,), (out, x, weight.data, _i32(R), _i32(D), _f32(eps)))
 
     @guarded
+    def layernorm(self, out, x, weight, bias, eps):
+        R, D = x.shape
+        threads = min(256, max(32, cdiv(D, 32) * 32))
+        self._launch("layernorm", (R,), (threads,), (out, x, weight.data, bias.data, _i32(R), _i32(D), _f32(eps)))
+
+    @guarded
     def rope(self, out, x, positions, theta, inv_freq=None):
         T, heads, D = x.shape
         n = T * heads * (D // 2)
@@ -268,6 +274,13 @@ class Backend(CudaRuntime):
                       _i32(k), _i32(mode == "gated"), _i32(bool(normalize)), np.float32(norm_min),
                       _NULL if expert_scale is None else expert_scale.data, _i32(score == "sigmoid"), _i32(n),
                       _i32(keep), _i32(top), _f32(scaling)))
+
+    @guarded
+    def sparsemixer(self, out_ids, out_w, logits, jitter):
+        T, E = logits.shape
+        if T:
+            self._launch("moe_sparsemixer", (cdiv(T, 128),), (128,), (out_ids, out_w, logits, _i32(T), _i32(E),
+                                                                        _f32(2 * jitter)))
 
     @staticmethod
     def block_rows_for(assignments, num_experts):

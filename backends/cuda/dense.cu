@@ -123,16 +123,12 @@ extern "C" __global__ void head_matmul_bf16(float* out, const float* x, const bf
     head_rows<bf16_t>(out, x, W, T, G, N, K);
 }
 
-// out[R,D] = x / sqrt(mean(x^2) + eps) * w[D]     (in place allowed: out == x)
-// grid R, block 32..1024 (a multiple of 32)
-extern "C" __global__ void rmsnorm(float* out, const float* x, const float* w, int R, int D, float eps) {
-    __shared__ float part[32];
-    const int row = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int nwarps = blockDim.x >> 5;
-    const float* xr = x + (size_t)row * D;
-    float s = 0.f;
-    for (int i = tid; i < D; i += blockDim.x) s += xr[i] * xr[i];
+// the sum of every thread's s over the block (block of 32..1024, a multiple of 32), in every thread; part:
+// 32 shared floats
+CE_DEV float block_sum(float s, float* part) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     s = warp_sum(s);
+    __syncthreads();                                 // part may still be read from a previous sum
     if (lane == 0) part[warp] = s;
     __syncthreads();
     if (warp == 0) {
@@ -141,9 +137,37 @@ extern "C" __global__ void rmsnorm(float* out, const float* x, const float* w, i
         if (lane == 0) part[0] = v;
     }
     __syncthreads();
-    const float denom = sqrtf(part[0] / (float)D + eps);
-    float* o = out + (size_t)row * D;
+    return part[0];
+}
+
+// out[R,D] = x / sqrt(mean(x^2) + eps) * w[D]     (in place allowed: out == x)
+// grid R, block 32..1024 (a multiple of 32)
+extern "C" __global__ void rmsnorm(float* out, const float* x, const float* w, int R, int D, float eps) {
+    __shared__ float part[32];
+    const int tid = threadIdx.x;
+    const float* xr = x + (size_t)blockIdx.x * D;
+    float s = 0.f;
+    for (int i = tid; i < D; i += blockDim.x) s += xr[i] * xr[i];
+    const float denom = sqrtf(block_sum(s, part) / (float)D + eps);
+    float* o = out + (size_t)blockIdx.x * D;
     for (int i = tid; i < D; i += blockDim.x) o[i] = xr[i] / denom * w[i];
+}
+
+// out[R,D] = (x - mean) / sqrt(mean((x - mean)^2) + eps) * w[D] + b[D]   (LayerNorm: Phi-3.5-MoE; in place allowed)
+// grid R, block 32..1024 (a multiple of 32)
+extern "C" __global__ void layernorm(float* out, const float* x, const float* w, const float* b, int R, int D,
+                                     float eps) {
+    __shared__ float part[32];
+    const int row = blockIdx.x, tid = threadIdx.x;
+    const float* xr = x + (size_t)row * D;
+    float s = 0.f;
+    for (int i = tid; i < D; i += blockDim.x) s += xr[i];
+    const float mean = block_sum(s, part) / (float)D;
+    float ss = 0.f;
+    for (int i = tid; i < D; i += blockDim.x) { const float c = xr[i] - mean; ss += c * c; }
+    const float sd = sqrtf(block_sum(ss, part) / (float)D + eps);
+    float* o = out + (size_t)row * D;
+    for (int i = tid; i < D; i += blockDim.x) o[i] = (xr[i] - mean) / sd * w[i] + b[i];
 }
 
 // Rotary embedding, rotate-half convention, on x[T,heads,D] at positions[T] (in place allowed):

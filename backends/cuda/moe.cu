@@ -17,6 +17,29 @@ CE_DEV void warp_argmax(float& v, int& i) {
     }
 }
 
+// Phi-3.5-MoE's inference router (base.py sparsemixer): per token, twice, the best remaining expert i (ties to
+// the lower id) and its weight 1 / sum exp(s_e - s_i) over the remaining experts not dropped,
+// (s_i - s_e) / max(|s_e|, s_i) > thr dropping one (thr = 2 jitter; a NaN ratio keeps it).
+// logits [T,E]; ids, w [T,2]. A thread per token: grid ceil(T/128), block 128
+extern "C" __global__ void moe_sparsemixer(int* out_ids, float* out_w, const float* logits, int T, int E, float thr) {
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= T) return;
+    const float* s = logits + (size_t)t * E;
+    int first = -1;
+    for (int j = 0; j < 2; ++j) {
+        int best = -1;
+        float m = 0.f;
+        for (int e = 0; e < E; ++e)
+            if (e != first && (best < 0 || s[e] > m)) { best = e; m = s[e]; }
+        float tot = 0.f;
+        for (int e = 0; e < E; ++e)
+            if (e != first && !((m - s[e]) / fmaxf(fabsf(s[e]), m) > thr)) tot += expf(s[e] - m);
+        out_ids[(size_t)t * 2 + j] = best;
+        out_w[(size_t)t * 2 + j] = 1.0f / tot;
+        first = best;
+    }
+}
+
 // logits [T,E] fp32 -> ids [T,k] int32, w [T,k] fp32.
 //   p = softmax(logits[t]), or with sigmoid p_e = 1 / (1 + exp(-logits[t,e]));
 //   c = p (+ choice_bias[e] when choice_bias is not null: the choice only);

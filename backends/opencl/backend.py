@@ -134,6 +134,14 @@ class Backend(OpenCLRuntime):
         L = self._local(k, min(256, roundup(D, 32)), pow2=True)
         self._launch(k, (R * L,), (L,), out, x, weight.data, D, float(eps), self.cl.LocalMemory(4 * L))
 
+    def layernorm(self, out, x, weight, bias, eps):
+        D = x.shape[-1]
+        R = x.size // D
+        k = self._kernel("dense.cl", "layernorm")
+        L = self._local(k, min(256, roundup(D, 32)), pow2=True)
+        self._launch(k, (R * L,), (L,), out, x, self._float32("layernorm", "the weight", weight),
+                     self._float32("layernorm", "the bias", bias), D, float(eps), self.cl.LocalMemory(4 * L))
+
     def _freqs(self, theta, D):
         key = (float(theta), int(D))
         buf = self._inv_freq.get(key)
@@ -340,6 +348,12 @@ class Backend(OpenCLRuntime):
                      self._dummy if expert_scale is None else expert_scale.data, T, E, k, mode == "gated",
                      bool(normalize), choice_bias is not None, float(norm_min), expert_scale is not None,
                      score == "sigmoid", n, keep, top, float(scaling), self.cl.LocalMemory(4 * L * n))
+
+    def sparsemixer(self, out_ids, out_w, logits, jitter):
+        T, E = logits.shape
+        k = self._kernel("moe.cl", "sparsemixer")
+        self._launch(k, (T,), (max(1, min(self._local(k, 64), T)),), out_ids, out_w, logits, T, E,
+                     float(np.float32(2 * jitter)))
 
     def align(self, bufs, ids, num_tokens, num_experts, top_k, tally=None):
         """The plan on the device, cut into blocks of ROWS_PER_ITEM rows (moe.cl align): the grouped

@@ -171,6 +171,23 @@ __kernel void quantize_act(ARG(float, out), const int ldo, CARG(float, x), const
     ob[9] = d * (float)sum;
 }
 
+/* The work-group's sum of every work-item's s (local size L a power of two; part: L local floats), in every
+ * work-item; part is free again when it returns. */
+inline float group_sum(const float s, __local float* part)
+{
+    const int l = get_local_id(0), L = get_local_size(0);
+    part[l] = s;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int o = L / 2; o > 0; o >>= 1) {
+        if (l < o)
+            part[l] += part[l + o];
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    const float total = part[0];
+    barrier(CLK_LOCAL_MEM_FENCE);
+    return total;
+}
+
 /* out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * weight[:]      out, x [R,D], weight [D] fp32
  * One work-group per row; local size L a power of two; part: L floats of local memory.
  * In place (out == x) is safe: each element is read and written by the same work-item. */
@@ -184,16 +201,33 @@ __kernel void rmsnorm(ARG(float, out), CARG(float, x), CARG(float, weight), cons
     float s = 0.0f;
     for (int i = l; i < D; i += L)
         s += xr[i] * xr[i];
-    part[l] = s;
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (int o = L / 2; o > 0; o >>= 1) {
-        if (l < o)
-            part[l] += part[l + o];
-        barrier(CLK_LOCAL_MEM_FENCE);
-    }
-    const float rms = sqrt(part[0] / (float)D + eps);
+    const float rms = sqrt(group_sum(s, part) / (float)D + eps);
     for (int i = l; i < D; i += L)
         outr[i] = xr[i] / rms * weight[i];
+}
+
+/* out[r, :] = (x[r, :] - mean) / sqrt(mean((x[r, :] - mean)^2) + eps) * weight[:] + bias[:]  (LayerNorm:
+ * Phi-3.5-MoE)  out, x [R,D], weight, bias [D] fp32. One work-group per row; local size L a power of two;
+ * part: L floats of local memory. In place (out == x) is safe, as rmsnorm. */
+__kernel void layernorm(ARG(float, out), CARG(float, x), CARG(float, weight), CARG(float, bias), const int D,
+                        const float eps, __local float* part)
+{
+    const int r = get_group_id(0), l = get_local_id(0), L = get_local_size(0);
+    BIND(float, out); CBIND(float, x); CBIND(float, weight); CBIND(float, bias);
+    __global const float* xr = x + (size_t)r * D;
+    __global float* outr = out + (size_t)r * D;
+    float s = 0.0f;
+    for (int i = l; i < D; i += L)
+        s += xr[i];
+    const float mean = group_sum(s, part) / (float)D;
+    float ss = 0.0f;
+    for (int i = l; i < D; i += L) {
+        const float c = xr[i] - mean;
+        ss += c * c;
+    }
+    const float sd = sqrt(group_sum(ss, part) / (float)D + eps);
+    for (int i = l; i < D; i += L)
+        outr[i] = (xr[i] - mean) / sd * weight[i] + bias[i];
 }
 
 /* Rotary embedding, rotate-half convention, x and out [T, heads, D], positions [T]:

@@ -136,6 +136,37 @@ __kernel void route(ARG(int, out_ids), ARG(float, out_w), CARG(float, logits), C
     }
 }
 
+/* Phi-3.5-MoE's inference router (base.py sparsemixer): per token, twice, the best remaining expert i
+ * (ties to the lower id) and its weight 1 / sum exp(s_e - s_i) over the remaining experts not dropped,
+ * (s_i - s_e) / max(|s_e|, s_i) > thr dropping one (thr = 2 jitter; a NaN ratio keeps it).
+ * logits [T,E]; out_ids, out_w [T,2]. One work-item per token. global (T) */
+__kernel void sparsemixer(ARG(int, out_ids), ARG(float, out_w), CARG(float, logits), const int T, const int E,
+                          const float thr)
+{
+    const int t = get_global_id(0);
+    if (t >= T)
+        return;
+    BIND(int, out_ids); BIND(float, out_w); CBIND(float, logits);
+    __global const float* s = logits + (size_t)t * E;
+    int first = -1;
+    for (int j = 0; j < 2; ++j) {
+        int best = -1;
+        float m = 0.0f;
+        for (int e = 0; e < E; ++e)
+            if (e != first && (best < 0 || s[e] > m)) {
+                best = e;
+                m = s[e];
+            }
+        float tot = 0.0f;
+        for (int e = 0; e < E; ++e)
+            if (e != first && !((m - s[e]) / fmax(fabs(s[e]), m) > thr))
+                tot += exp(s[e] - m);
+        out_ids[(size_t)t * 2 + j] = best;
+        out_w[(size_t)t * 2 + j] = 1.0f / tot;
+        first = best;
+    }
+}
+
 /* align: counting sort of the N = T*k assignments a = t*k + j by expert ids[a] (stable), then the
  * rows cut into blocks of at most BM rows, each block one expert (CUDA's moe_align, vLLM's
  * moe_align_block_size without padding rows):

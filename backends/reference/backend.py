@@ -232,6 +232,12 @@ class Backend(BackendBase):
         var = np.mean(x * x, axis=-1, keepdims=True)
         out[...] = x / np.sqrt(var + np.float32(eps)) * _f32(weight)
 
+    def layernorm(self, out, x, weight, bias, eps):
+        mean = np.mean(x, axis=-1, keepdims=True)
+        c = x - mean
+        var = np.mean(c * c, axis=-1, keepdims=True)
+        out[...] = c / np.sqrt(var + np.float32(eps)) * _f32(weight) + _f32(bias)
+
     def rope(self, out, x, positions, theta, inv_freq=None):
         D = x.shape[-1]
         if inv_freq is None:
@@ -331,6 +337,11 @@ class Backend(BackendBase):
               score="softmax", groups=None, scaling=1.0):
         ids, w = routing.route(logits, k, mode, normalize, None if choice_bias is None else choice_bias.data, norm_min,
                                None if expert_scale is None else expert_scale.data, score, groups, scaling)
+        out_ids[...] = ids
+        out_w[...] = w
+
+    def sparsemixer(self, out_ids, out_w, logits, jitter):
+        ids, w = routing.sparsemixer(logits, jitter)
         out_ids[...] = ids
         out_w[...] = w
 

@@ -176,6 +176,11 @@ def tensor_roles(cfg: dict) -> dict:
     t = {"embed_tokens": ((V, H), W), "norm": ((H,), f32)}
     if not cfg["tie_word_embeddings"]:
         t["lm_head"] = ((V, H), W)
+    layernorm = cfg.get("norm_type") == "layernorm"     # LayerNorms: each norm with its bias (Phi-3.5-MoE)
+    if layernorm:
+        t["norm_bias"] = ((H,), f32)
+    if cfg.get("lm_head_bias"):
+        t["lm_head_bias"] = ((V,), f32)
     sandwich = cfg.get("norm_layout") == "sandwich"
     mtp = cfg.get("mtp")
     if mtp:                                      # the MTP head: x = e_proj enorm(embed(t)) + h_proj hnorm(h)
@@ -191,6 +196,9 @@ def tensor_roles(cfg: dict) -> dict:
         p = f"layers.{layer['layer_id']}."
         t[p + "input_norm"] = ((H,), f32)
         t[p + "post_attention_norm"] = ((H,), f32)
+        if layernorm:
+            t[p + "input_norm_bias"] = ((H,), f32)
+            t[p + "post_attention_norm_bias"] = ((H,), f32)
         if sandwich:                             # Gemma 4: every branch normed on its way out too
             t[p + "attn.out_norm"] = ((H,), f32)
             t[p + "ffn_out_norm"] = ((H,), f32)

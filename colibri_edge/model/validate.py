@@ -35,10 +35,12 @@ LAYER_OPTIONAL = ("head_dim", "num_key_value_heads", "rope_theta", "rope_partial
 
 # rope_scaling fields of YaRN / longrope (colibri_edge.runtime.rope reads them)
 YARN_FIELDS = ("rope_type", "factor", "beta_fast", "beta_slow", "original_max_position_embeddings",
-               "attention_factor", "truncate", "mscale", "mscale_all_dim")
+               "attention_factor", "truncate", "mscale", "mscale_all_dim",
+               "short_factor", "long_factor", "short_mscale", "long_mscale")     # the last four: longrope's
 
 
-ROUTER_MODES = ("topk", "gated")
+ROUTER_MODES = ("topk", "gated", "sparsemixer")    # sparsemixer: Phi-3.5-MoE's (top-2, router_jitter)
+NORM_TYPES = ("rmsnorm", "layernorm")               # layernorm: with biases (layers.N.*_norm_bias, norm_bias)
 QK_NORMS = ("none", "per_head", "full", "per_head_after_rope")
 WEIGHT_TYPES = dtypes.WEIGHT_DTYPES
 WEIGHT_LABELS = WEIGHT_TYPES + dtypes.MIXES + ("mixed",)      # config.json's weight_dtype: what it was made as
@@ -193,7 +195,13 @@ CONFIG_FIELDS = (
     "layer_types", "sliding_window", "attention_sinks", "rope_scaling", "router_bias", "expert_bias", "expert_act",
     "swiglu_alpha", "swiglu_limit", "norm_layout", "ffn_act", "embed_scale", "final_logit_softcap", "v_norm",
     "layer_scalar", "router_input_norm", "expert_scale", "latent_attention", "router_score", "router_groups",
-    "routed_scaling_factor", "linear_attention", "attention_output_gate", "rope_dim", "mtp", "short_conv")
+    "routed_scaling_factor", "linear_attention", "attention_output_gate", "rope_dim", "mtp", "short_conv",
+    "norm_type", "lm_head_bias", "router_jitter")
+# Phi-3.5-MoE: norm_type "layernorm" (every norm a LayerNorm with a bias: layers.N.input_norm_bias /
+# post_attention_norm_bias, norm_bias [H]); lm_head_bias: the head's bias lm_head_bias [V]; router_mode
+# "sparsemixer" with router_jitter (top-2, each weight its expert's softmax within a 2 jitter band);
+# rope_scaling rope_type "longrope": short_factor / long_factor [head_dim / 2], short_mscale / long_mscale,
+# original_max_position_embeddings (an engine whose context exceeds it runs the long factors)
 # short_conv (LFM2-MoE): the layers of layer_types "short_conv" are gated short convolutions with a fixed-size
 # state per sequence: {"conv_kernel": K} (a depthwise causal conv over the H channels, its last K-1 inputs kept)
 # mtp: the model's multi-token-prediction head (DeepSeek-V3's nextn layer, Qwen3.5's mtp.*): {"layers": [one
@@ -232,7 +240,7 @@ OPTIONAL = ("architectures", "bos_token_id", "attention_scale", "folded_multipli
             "router_bias", "expert_bias", "expert_act", "swiglu_alpha", "swiglu_limit", "norm_layout", "ffn_act",
             "embed_scale", "final_logit_softcap", "v_norm", "layer_scalar", "router_input_norm", "expert_scale",
             "latent_attention", "router_score", "router_groups", "routed_scaling_factor", "linear_attention",
-            "attention_output_gate", "rope_dim", "mtp", "short_conv")
+            "attention_output_gate", "rope_dim", "mtp", "short_conv", "norm_type", "lm_head_bias", "router_jitter")
 SHORT_CONV_FIELDS = ("conv_kernel",)
 MTP_FIELDS = ("layers", "own_head", "own_embed")
 LINEAR_FIELDS = ("conv_kernel", "num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim",
@@ -281,6 +289,20 @@ def config(cfg, path: str = "config.json", model_types: tuple | None = None) -> 
     _int(path, "top_k", cfg["top_k"], 1, max(E, 1))
     _enum(path, "router_dtype", cfg["router_dtype"], ("float32",))
     _enum(path, "router_mode", cfg["router_mode"], ROUTER_MODES)
+    _enum(path, "norm_type", cfg.get("norm_type", "rmsnorm"), NORM_TYPES)
+    if "lm_head_bias" in cfg:
+        _bool(path, "lm_head_bias", cfg["lm_head_bias"])
+    if cfg["router_mode"] == "sparsemixer":
+        if "router_jitter" not in cfg:
+            raise invalid_model(path, "router_jitter", "missing (router_mode is sparsemixer)")
+        _num(path, "router_jitter", cfg["router_jitter"], 0.0, 1.0)
+        if cfg["top_k"] != 2 or E < 2:
+            raise invalid_model(path, "top_k", f"{cfg['top_k']} of {E} experts: sparsemixer routing picks 2 of at "
+                                "least 2")
+    elif "router_jitter" in cfg:
+        raise invalid_model(path, "router_jitter", "is given, but router_mode is not sparsemixer")
+    if cfg.get("norm_type") == "layernorm" and (cfg.get("norm_layout", "pre") != "pre" or cfg.get("mtp")):
+        raise invalid_model(path, "norm_type", "layernorm does not combine with sandwich norms or an MTP head")
     _enum(path, "qk_norm", cfg["qk_norm"], QK_NORMS)
     _enum(path, "weight_dtype", cfg["weight_dtype"], WEIGHT_TYPES if cfg["format_version"] == 1 else WEIGHT_LABELS)
     if cfg["format_version"] == 1 and cfg["weight_dtype"] not in ("float32", "float16", "bfloat16", "int8"):
@@ -541,11 +563,24 @@ def _attention_fields(path, cfg, L):
     if "rope_scaling" in cfg:
         rs = _obj(path, "rope_scaling", cfg["rope_scaling"])
         _known(path, "rope_scaling.", rs, YARN_FIELDS)
-        _enum(path, "rope_scaling.rope_type", rs.get("rope_type"), ("yarn",))
-        for f in ("factor", "original_max_position_embeddings"):
+        kind = _enum(path, "rope_scaling.rope_type", rs.get("rope_type"), ("yarn", "longrope"))
+        for f in ("factor", "original_max_position_embeddings") if kind == "yarn" else \
+                ("short_factor", "long_factor", "original_max_position_embeddings"):
             if f not in rs:
                 raise invalid_model(path, f"rope_scaling.{f}", "missing")
-        _num(path, "rope_scaling.factor", rs["factor"], 0.0, 1e6, lo_open=True)
+        if "factor" in rs:
+            _num(path, "rope_scaling.factor", rs["factor"], 0.0, 1e6, lo_open=True)
+        for f in ("short_factor", "long_factor"):
+            if f in rs:
+                fs = _list(path, f"rope_scaling.{f}", rs[f], 1 << 12)
+                if len(fs) != cfg["head_dim"] // 2:
+                    raise invalid_model(path, f"rope_scaling.{f}", f"has {len(fs)} factors, head_dim / 2 is "
+                                        f"{cfg['head_dim'] // 2}")
+                for i, v in enumerate(fs):
+                    _num(path, f"rope_scaling.{f}[{i}]", v, 0.0, 1e6, lo_open=True)
+        for f in ("short_mscale", "long_mscale"):
+            if rs.get(f) is not None:
+                _num(path, f"rope_scaling.{f}", rs[f], 0.0, 1e6, lo_open=True)
         _int(path, "rope_scaling.original_max_position_embeddings", rs["original_max_position_embeddings"], 1,
              MAX_POSITIONS)
         for f in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):

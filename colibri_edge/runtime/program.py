@@ -290,7 +290,7 @@ class MoE:
     router: Weight              # [E, H] float32
     experts: list               # E FFNs, or None for experts that live in the slot pool
     top_k: int                  # the routing fan (E in gated mode)
-    mode: str                   # "topk" | "gated"
+    mode: str                   # "topk" | "gated" | "sparsemixer" (top-2)
     normalize: bool             # renormalise the chosen k weights
     hidden: int
     inter: int
@@ -310,10 +310,19 @@ class MoE:
     score: str = "softmax"      # "sigmoid": p = sigmoid(logits) per expert (DeepSeek-V3, GLM)
     groups: tuple | None = None  # (n_group, topk_group, group_top): group-limited top-k (DeepSeek, GLM)
     scaling: float = 1.0        # routed_scaling_factor on the routed weights
+    jitter: float = 0.0         # sparsemixer's router_jitter (mode "sparsemixer": Phi-3.5-MoE)
 
     @property
     def num_experts(self) -> int:
         return len(self.experts)
+
+    def route(self, be, ids, w, logits, choice_bias):
+        """ids, w of a step's router logits (the prefetch prediction reads the next layer's with its bias)."""
+        if self.mode == "sparsemixer":
+            be.sparsemixer(ids, w, logits, self.jitter)
+        else:
+            be.route(ids, w, logits, self.top_k, self.mode, self.normalize, choice_bias, self.norm_min,
+                     self.expert_scale, self.score, self.groups, self.scaling)
 
     def forward(self, c: FFNContext, s):
         """x += sum_j w[t,j] * expert_{ids[t,j]}(h[t]); with norms (Gemma 4, inside ParallelFFN):
@@ -323,8 +332,7 @@ class MoE:
             be.rmsnorm(s.h, s.x, self.norms[0], self.eps)
         be.matmul(s.router, s.h, self.router, self.router_bias)
         lora(s, s.router, s.h, self.router)
-        be.route(s.ids, s.w, s.router, self.top_k, self.mode, self.normalize, self.choice_bias, self.norm_min,
-                 self.expert_scale, self.score, self.groups, self.scaling)
+        self.route(be, s.ids, s.w, s.router, self.choice_bias)
         plan = be.align(c.plan_bufs, s.ids, s.T, len(self.experts), self.top_k, self.tally)
         prefetch = c.on_route(self, s) if c.hooks else None
         if self.norms is not None:
@@ -417,6 +425,8 @@ class Layer:
     post_norm: Weight           # [H]
     ffns: tuple                 # FFN parts, run in order, each adding into the residual
     scalar: float = 1.0         # x *= scalar after the layer (Gemma 4's layer_scalar)
+    input_norm_bias: Weight | None = None   # [H]: the norms are LayerNorms with these biases (Phi-3.5-MoE)
+    post_norm_bias: Weight | None = None    # [H]
 
 
 @dataclass
@@ -451,6 +461,8 @@ class Program:
     mtp: MTPHead | None = None  # the multi-token-prediction head, when built
     ffn_lists: dict = field(default_factory=dict)   # "layers.N.experts" / ".shared" / ".mlp" -> the FFN list
                                                     # grouped_ffn takes (routed experts; a shared or dense MLP)
+    final_norm_bias: Weight | None = None   # [H]: the final norm a LayerNorm (Phi-3.5-MoE)
+    lm_head_bias: Weight | None = None      # [V]
 
     @property
     def moe(self) -> list:
@@ -458,11 +470,20 @@ class Program:
                 for m in ((p,) if isinstance(p, MoE) else (p.moe,) if isinstance(p, ParallelFFN) and p.moe else ())]
 
 
-def build(model, be, pools, resident: bool, fixed_pools=(), mtp: bool = False) -> Program:
+def norm(be, out, x, weight: Weight, bias: Weight | None, eps: float):
+    """out = rmsnorm(x) * weight, or with a bias LayerNorm(x) * weight + bias (norm_type "layernorm")."""
+    if bias is None:
+        be.rmsnorm(out, x, weight, eps)
+    else:
+        be.layernorm(out, x, weight, bias, eps)
+
+
+def build(model, be, pools, resident: bool, fixed_pools=(), mtp: bool = False, max_seq_len: int = 0) -> Program:
     """The program of a model directory with its weights made resident on backend `be`.
     pools: the engine's paged pools (one per attention group); resident: every routed expert on the
     backend (False: the slot pool holds them); fixed_pools: its fixed-size state pools (recurrent
-    layers), after the paged ones in the engine's pool order."""
+    layers), after the paged ones in the engine's pool order; max_seq_len: the engine's context
+    (longrope runs its long factors past the original context)."""
     cfg = model.config
 
     named = {}
@@ -512,7 +533,8 @@ def build(model, be, pools, resident: bool, fixed_pools=(), mtp: bool = False) -
                 f[int(spec["rope_partial"] * hd // 2):] = 0.0
                 tables[key] = (f, 1.0)
             elif cfg.get("rope_scaling"):
-                tables[key] = rope.inv_freq(theta, hd, cfg["rope_scaling"])
+                rs = cfg["rope_scaling"]
+                tables[key] = rope.inv_freq(theta, hd, rs, long=max_seq_len > rs["original_max_position_embeddings"])
             else:
                 tables[key] = (None, 1.0)
         return theta, *tables[key]
@@ -578,7 +600,7 @@ def build(model, be, pools, resident: bool, fixed_pools=(), mtp: bool = False) -
                       H, I, fm, w(p + "router_choice_bias"), cfg.get("router_norm_min", 0.0),
                       router_bias=w(p + "router_bias"), act=act, expert_scale=w(p + "expert_scale"), norms=norms,
                       eps=eps, score=cfg.get("router_score", "softmax"), groups=groups,
-                      scaling=float(cfg.get("routed_scaling_factor", 1.0)))
+                      scaling=float(cfg.get("routed_scaling_factor", 1.0)), jitter=float(cfg.get("router_jitter", 0.0)))
             moe_index += 1
         if sandwich:
             parts = (ParallelFFN(ffn(p + "mlp"), ffn_act, w(p + "ffn_out_norm"), eps, moe,
@@ -591,14 +613,16 @@ def build(model, be, pools, resident: bool, fixed_pools=(), mtp: bool = False) -
                 parts += (SharedExpert(ffn(p + "shared"), w(p + "shared.gate_logit")),)
         scalar = float(np.asarray(model.raw_tensor(p + "scalar"), np.float32).reshape(-1)[0]) \
             if model.has(p + "scalar") else 1.0
-        return Layer(i, w(p + "input_norm"), mixer, w(p + "post_attention_norm"), parts, scalar), moe_index
+        return Layer(i, w(p + "input_norm"), mixer, w(p + "post_attention_norm"), parts, scalar,
+                     w(p + "input_norm_bias"), w(p + "post_attention_norm_bias")), moe_index
     layers, moe_index = [], 0
     for spec in cfg["layers"]:
         layer, moe_index = make_layer(spec, moe_index)
         layers.append(layer)
     embed = w("embed_tokens")
     prog = Program(embed, layers, w("norm"), embed if cfg["tie_word_embeddings"] else w("lm_head"), eps,
-                   float(cfg.get("embed_scale", 1.0)), float(cfg.get("final_logit_softcap", 0.0)), named)
+                   float(cfg.get("embed_scale", 1.0)), float(cfg.get("final_logit_softcap", 0.0)), named,
+                   final_norm_bias=w("norm_bias"), lm_head_bias=w("lm_head_bias"))
     for layer in layers:
         p = f"layers.{layer.index}."
         for part in layer.ffns:

@@ -12,6 +12,11 @@ the attention scores.
               factor <= 1; mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are given,
               mscale(s, m) = 0.1 m ln(s) + 1): q and k each carry it once, so the scores carry its square, which the
               engine folds into the softmax scale instead (the cache holds unscaled k).
+    longrope  (LongRoPE, arXiv 2402.13753; Phi-3.5's) f_i = theta^(-2i/D) / ext_i, ext the short_factor list, or
+              long_factor when the engine's context exceeds original_max_position_embeddings (llama.cpp's
+              choice; transformers' PhiMoE keeps the short factors and switches only its mscale per call);
+              attention factor short_mscale / long_mscale when given, else attention_factor, else
+              sqrt(1 + ln(factor) / ln(L0)) (1 when factor <= 1), factor = max_position_embeddings / L0.
 """
 from __future__ import annotations
 
@@ -35,11 +40,20 @@ def mscale_all_dim(scaling: dict | None) -> float:
     return _mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"]))
 
 
-def inv_freq(theta: float, D: int, scaling: dict | None = None) -> tuple[np.ndarray, float]:
-    """-> (f [D/2] float32, attention_factor). scaling: the config's rope_scaling (None: default)."""
+def inv_freq(theta: float, D: int, scaling: dict | None = None, long: bool = False) -> tuple[np.ndarray, float]:
+    """-> (f [D/2] float32, attention_factor). scaling: the config's rope_scaling (None: default); long:
+    longrope's long factors (the engine's context is past the original one)."""
     pos = np.float32(theta) ** (np.arange(0, D, 2, dtype=np.float32) / np.float32(D))
     if not scaling:
         return (np.float32(1.0) / pos).astype(np.float32), 1.0
+    if scaling.get("rope_type") == "longrope":
+        ext = np.asarray(scaling["long_factor" if long else "short_factor"], np.float32)
+        af = scaling.get("long_mscale" if long else "short_mscale", scaling.get("attention_factor"))
+        if af is None:
+            factor = float(scaling.get("factor", 1.0))
+            L0 = float(scaling["original_max_position_embeddings"])
+            af = math.sqrt(1 + math.log(factor) / math.log(L0)) if factor > 1 else 1.0
+        return (np.float32(1.0) / (ext * pos)).astype(np.float32), float(af)
     factor = float(scaling["factor"])
     af = scaling.get("attention_factor")
     if af is None and scaling.get("mscale") and scaling.get("mscale_all_dim"):

@@ -185,7 +185,7 @@ class Runner:
                                                 linear_widths(cfg)),
                             max_rows)
             self.program = program.build(model, backend, self.states.paged, resident=self.slot_pool is None,
-                                         fixed_pools=self.states.fixed, mtp=self.mtp)
+                                         fixed_pools=self.states.fixed, mtp=self.mtp, max_seq_len=max_seq_len)
             self._alloc()
         except MemoryError:                 # what the check could not see (another process took it)
             raise ColibriError(COLIBRI_ERR_OUT_OF_MEMORY, f"allocating the engine's memory failed: "
@@ -466,9 +466,9 @@ class Runner:
         if prog.embed_scale != 1.0:
             be.scale(s.x, s.x, prog.embed_scale)
         for layer in prog.layers:
-            be.rmsnorm(s.h, s.x, layer.input_norm, eps)
+            program.norm(be, s.h, s.x, layer.input_norm, layer.input_norm_bias, eps)
             layer.mixer.forward(be, s)
-            be.rmsnorm(s.h, s.x, layer.post_norm, eps)
+            program.norm(be, s.h, s.x, layer.post_norm, layer.post_norm_bias, eps)
             for part in layer.ffns:
                 part.forward(self.ffn_context, s)
             if layer.scalar != 1.0:
@@ -476,8 +476,8 @@ class Runner:
         if s.mtp_h is not None:                 # every row final-normed: the MTP head's input
             be.rmsnorm(s.mtp_h, s.x, prog.final_norm, eps)
         be.embed(s.sel, s.x, s.rows)            # gather the rows whose logits are wanted
-        be.rmsnorm(s.sel, s.sel, prog.final_norm, eps)
-        be.matmul(s.logits, s.sel, prog.lm_head)
+        program.norm(be, s.sel, s.sel, prog.final_norm, prog.final_norm_bias, eps)
+        be.matmul(s.logits, s.sel, prog.lm_head, prog.lm_head_bias)
         if prog.softcap:
             be.scale(s.logits, s.logits, 1.0, prog.softcap)
 
@@ -568,8 +568,7 @@ class Runner:
         if moe.next_router is not None and any(hk.wants_prediction for hk in self.hooks):
             be = self.be
             be.matmul(s.pred_router, s.h, moe.next_router, moe.next_router_bias)
-            be.route(s.pred_ids, s.pred_w, s.pred_router, moe.top_k, moe.mode, moe.normalize, moe.next_choice_bias,
-                     moe.norm_min)
+            moe.route(be, s.pred_ids, s.pred_w, s.pred_router, moe.next_choice_bias)
             pred, pred_w = be.download(s.pred_ids), be.download(s.pred_w)
             for hk in self.hooks:
                 hk.on_prediction(moe.next_layer, pred, pred_w)

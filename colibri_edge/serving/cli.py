@@ -102,7 +102,11 @@ def _cmd_inspect(a):
     print(f"  router {cfg['router_mode']} top-{cfg['top_k']} of {cfg['experts_per_layer']}"
           f"{' on sigmoid scores' if cfg.get('router_score') == 'sigmoid' else ''}"
           f"{', choice by p + a per-expert correction bias' if cfg.get('router_choice_bias') else ''}{groups}"
-          f"{', renormalised' + floor if cfg['norm_topk_prob'] else ''}{scaled}, qk_norm {cfg['qk_norm']}")
+          f"{', renormalised' + floor if cfg['norm_topk_prob'] else ''}{scaled}, qk_norm {cfg['qk_norm']}"
+          + (f" (jitter {cfg['router_jitter']:g}: each weight its expert's softmax within the band)"
+             if cfg["router_mode"] == "sparsemixer" else "")
+          + ("; LayerNorms with biases" if cfg.get("norm_type") == "layernorm" else "")
+          + ("; a bias on the head" if cfg.get("lm_head_bias") else ""))
     if cfg.get("mtp"):
         spec = cfg["mtp"]["layers"][0]
         print(f"  multi-token-prediction head: one {spec['type']} layer (layer {spec['layer_id']}) after the "
@@ -134,7 +138,11 @@ def _cmd_inspect(a):
               f"down projections x{fm['residual_multiplier']:g}, lm_head /{fm['logits_scaling']:g}")
     if cfg.get("rope_scaling"):
         rs = cfg["rope_scaling"]
-        print(f"  rope: YaRN x{rs['factor']:g} over an original context of {rs['original_max_position_embeddings']}")
+        if rs.get("rope_type") == "longrope":
+            print(f"  rope: LongRoPE, short factors up to a context of {rs['original_max_position_embeddings']}, long "
+                  "factors when the engine's max_seq_len is past it")
+        else:
+            print(f"  rope: YaRN x{rs['factor']:g} over an original context of {rs['original_max_position_embeddings']}")
     if cfg.get("expert_act", "silu") == "swiglu_oai":
         print(f"  experts: {cfg['expert_act']} (alpha {cfg['swiglu_alpha']:g}, limit {cfg['swiglu_limit']:g})"
               f"{', with biases' if cfg.get('expert_bias') else ''}{'; router with a bias' if cfg.get('router_bias') else ''}")
