@@ -393,6 +393,12 @@ class Backend:
         contiguous float32, may alias; factor 0 with a finite x zeroes out."""
         raise NotImplementedError
 
+    def pos_scale(self, out, x, positions, floor_scale: float, attn_scale: float):
+        """Llama 4's attention temperature on the queries of its no-rope layers, per token t in fp32:
+            out[t] = x[t] * (log1p(floor((positions[t] + 1) / floor_scale)) * attn_scale + 1)
+        x, out [T, ...] contiguous float32 (may alias), positions [T] int32."""
+        raise NotImplementedError
+
     # -- attention (required) ----------------------------------------------------------------
     def kv_write(self, K, V, k, v, slots):
         """K[slots[t]] = k[t]; V[slots[t]] = v[t].  K, V: one layer's cache [num_slots, Hkv, D];
@@ -425,7 +431,8 @@ class Backend:
                         window: int = 0, sinks=None):
         """Causal attention through block tables.
         q, out [T,Hq,D]; token t of sequence s = seq_index[t] at position p = positions[t] attends to
-        that sequence's positions lo..p, lo = max(0, p - window + 1) (window 0: lo = 0), slot(j) =
+        that sequence's positions lo..p, lo = max(0, p - window + 1) (window 0: lo = 0; window < 0:
+        chunked attention, Llama 4's, in chunks of C = -window: lo = p - p mod C), slot(j) =
         block_tables[s, j // B] * B + j % B (entries below lo // B may be freed: never read);
         query head h reads KV head h // (Hq/Hkv).  out = softmax(q K^T * scale) V (fp32).
         sinks: a float32 Weight [Hq] of per-head logits that join every softmax's denominator and

@@ -210,6 +210,17 @@ FAMILY_CASES["phimoe"] = ("phimoe", dict(
     sliding_window=None, rope_parameters=dict(
         rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=128, short_mscale=1.1,
         long_mscale=1.3, short_factor=[1.0, 1.2, 1.5, 2.0, 3.0, 4.0], long_factor=[1.0, 2.0, 3.0, 5.0, 8.0, 12.0])))
+# Llama 4 (issue 49): rope layers in chunks of 5 with L2 q/k norms, no-rope layers (1 and 3) with the query
+# temperature (floor_scale 4: it grows within the test's positions), llama3 rope scaling over an original
+# context of 64, MoE on layers 1 and 3 (sigmoid top-1 scaling the expert's input, a shared expert), dense
+# layers between
+FAMILY_CASES["llama4_text"] = ("llama4_text", dict(
+    vocab_size=97, hidden_size=48, intermediate_size=24, intermediate_size_mlp=40, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_local_experts=4, num_experts_per_tok=1,
+    interleave_moe_layer_step=2, no_rope_layer_interval=2, attention_chunk_size=5, floor_scale=4, attn_scale=0.1,
+    max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                         high_freq_factor=4.0, original_max_position_embeddings=64)))
 QWEN35_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=48, patch_size=4,
                      temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
 GEMMA4_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -231,6 +242,7 @@ def config_for(model_type: str, **overrides):
            "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig, "qwen3_next": transformers.Qwen3NextConfig,
            "minimax_m2": transformers.MiniMaxM2Config, "hunyuan_v1_moe": transformers.HunYuanMoEV1Config,
            "lfm2_moe": transformers.Lfm2MoeConfig, "phimoe": transformers.PhimoeConfig,
+           "llama4_text": transformers.Llama4TextConfig,
            "qwen3_5_moe": lambda **kw: transformers.Qwen3_5MoeConfig(text_config=kw, vision_config=QWEN35_VISION,
                                                                     tie_word_embeddings=False)}[model_type]
     return cls(**overrides)

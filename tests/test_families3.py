@@ -217,3 +217,65 @@ def test_phimoe_fields_are_checked(model_cache, tmp_path, edit, field, words):
     from helpers import refused_edit
     from hf_models import convert_case
     refused_edit(convert_case(model_cache, "phimoe")[1], str(tmp_path / "m"), edit, field, words)
+
+
+def test_llama3_rope_table_is_transformers():
+    """Llama 4's llama3 rope scaling: the frequency table against transformers' own
+    _compute_llama3_parameters, with wavelengths in each of its three ranges."""
+    import torch
+    from transformers import Llama4TextConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from colibri_edge.runtime import rope
+    rp = FAMILY_CASES["llama4_text"][1]["rope_parameters"]
+    hf = Llama4TextConfig(hidden_size=48, num_attention_heads=4, head_dim=12, rope_parameters=rp)
+    f, af = ROPE_INIT_FUNCTIONS["llama3"](hf, torch.device("cpu"))
+    got, gaf = rope.inv_freq(rp["rope_theta"], 12, {k: v for k, v in rp.items() if k != "rope_theta"})
+    np.testing.assert_allclose(got, f.numpy(), rtol=1e-6)
+    plain, _ = rope.inv_freq(rp["rope_theta"], 12)
+    wl = 2 * np.pi / plain
+    L0 = rp["original_max_position_embeddings"]
+    assert (wl < L0 / 4).any() and ((wl > L0 / 4) & (wl < L0)).any() and (wl > L0).any() and gaf == af == 1.0
+
+
+@pytest.mark.parametrize("edit,field,words", [
+    (lambda c: c.pop("attention_chunk"), "attention_chunk", "together"),
+    (lambda c: c.update(attention_chunk=0), "attention_chunk", "out of range"),
+    (lambda c: c["attn_temperature"].pop("attn_scale"), "attn_temperature.attn_scale", "missing"),
+    (lambda c: c["attn_temperature"].update(floor_scale=0), "attn_temperature.floor_scale", "out of range"),
+    (lambda c: c.update(top_k=2), "router_input_scale", "top-1"),
+    (lambda c: c["layers"][1].update(nope="yes"), "layers[1].nope", "expected"),
+    (lambda c: c["rope_scaling"].update(high_freq_factor=0.5), "rope_scaling.high_freq_factor", "must exceed"),
+    (lambda c: c["rope_scaling"].pop("low_freq_factor"), "rope_scaling.low_freq_factor", "missing"),
+    (lambda c: c.update(qk_norm="per_head"), "attn.q_norm", "missing"),
+])
+def test_llama4_fields_are_checked(model_cache, tmp_path, edit, field, words):
+    """Llama 4's fields (chunked attention, the no-rope layers' temperature, the input-scaled top-1 router,
+    llama3 rope) typed and ranged, refused by name; a config implying other tensors refused naming one."""
+    from helpers import refused_edit
+    from hf_models import convert_case
+    refused_edit(convert_case(model_cache, "llama4_text")[1], str(tmp_path / "m"), edit, field, words)
+
+
+def test_a_wrapped_llama4_runs_its_text_model(tmp_path):
+    """A llama4 checkpoint (Llama4ForConditionalGeneration: a vision tower and projector beside the text
+    model under language_model.*): the tower skipped, the text model converted, its logits those of the
+    checkpoint's own language model (the wrapper's forward needs image inputs in transformers 5.24)."""
+    import torch
+    import transformers
+    from colibri_edge.model.convert import convert
+    from hf_models import randomize
+    vc = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+              patch_size=16, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+    cfg = transformers.Llama4Config(text_config=dict(FAMILY_CASES["llama4_text"][1]), vision_config=vc)
+    torch.manual_seed(0)
+    model = transformers.Llama4ForConditionalGeneration._from_config(cfg, attn_implementation="eager").eval()
+    randomize(model, cfg.text_config)
+    model.save_pretrained(str(tmp_path / "hf"))
+    out = convert(str(tmp_path / "hf"), str(tmp_path / "m"), progress=False)
+    assert out["model_type"] == "llama4_text" and out["attention_chunk"] == 5
+    ids = np.random.default_rng(0).integers(0, cfg.text_config.vocab_size, size=(2, 13))
+    with torch.no_grad():
+        want = model.language_model(input_ids=torch.as_tensor(ids)).logits.numpy()
+    with Engine.open(str(tmp_path / "m"), backend="reference", max_seq_len=64) as eng:
+        got = eng.infer(ids)
+    assert np.abs(want).max() > 1.0 and np.abs(got - want).max() / np.abs(want).max() < 1e-4

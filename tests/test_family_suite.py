@@ -72,6 +72,12 @@ def sparsemixer_gap(mod, out):
     return idx.numpy().copy(), torch.minimum(top[:, 0] - top[:, 1], top[:, 1] - top[:, 2]).numpy()
 
 
+def llama4_gap(mod, out):
+    """Llama 4's router: (scores, logits), the top-1 logit chosen."""
+    _, logits = out
+    return logits.argmax(-1, keepdim=True).numpy().astype(np.int32), _gap(logits.float(), 1)
+
+
 def gemma4_gap(mod, out):
     """Gemma 4's router: (probabilities, weights, ids), k from the config."""
     probs, _, idx = out
@@ -157,6 +163,8 @@ SUITE = {
                        greedy={**BLOCKS, **{f"chunk{c}": {"prefill_chunk": c} for c in (1, 5)}}),
     "phimoe": Family(lambda layer: layer.mlp.router, sparsemixer_gap, seed=19, slot_pool=True, greedy=BLOCKS,
                      greedy_open={"max_seq_len": 128}),
+    "llama4_text": Family(lambda layer: getattr(layer.feed_forward, "router", None), llama4_gap, seed=23, length=17,
+                          prompt=LONG, slot_pool=True, greedy=BLOCKS, greedy_open={"max_seq_len": 128}),
     "qwen3_next": Family(**{**QWEN35, "router_of": lambda layer: getattr(layer.mlp, "gate", None)},
                          greedy={f"chunk{c}": {"prefill_chunk": c} for c in (1, 5, 64)},
                          greedy_open={"max_seq_len": 128, "kv_block_size": 7}),

@@ -197,10 +197,12 @@ def test_paged_attention(kernel_backend, Hq, Hkv, D, block, nslots, rng):
 
 
 @pytest.mark.parametrize("window,block,sinks", [(5, 7, True), (1, 1, False), (16, 4, True), (300, 16, True),
-                                                (0, 5, True)])
+                                                (0, 5, True), (-5, 7, False), (-16, 4, True), (-3, 1, False)])
 def test_paged_attention_window_and_sinks(kernel_backend, window, block, sinks, rng):
     """A sliding window (positions p-W+1..p) with the blocks below every token's window returned
-    (their table entries -1: a kernel that read one would fail), and per-head sink logits."""
+    (their table entries -1: a kernel that read one would fail), and per-head sink logits; a negative
+    window is Llama 4's chunked attention (positions p - p mod C..p, C = -window), each token equal to
+    the reference's sliding window of its own p mod C + 1 positions."""
     ref, be = backend(kernel_backend)
     Hq, Hkv, D, nslots = 6, 2, 20, 400
     nblocks = nslots // block
@@ -216,7 +218,8 @@ def test_paged_attention_window_and_sinks(kernel_backend, window, block, sinks, 
     whole = tables.copy()
     if window:
         for s in (0, 1):
-            lo = max(0, int(pos[seq == s].min()) - window + 1)
+            p0 = int(pos[seq == s].min())
+            lo = max(0, p0 - window + 1) if window > 0 else p0 - p0 % -window
             tables[s, :lo // block] = -1
     hs = (2.0 * rng.standard_normal(Hq)).astype(np.float32)
     sk = be.upload(hs) if sinks else None
@@ -230,6 +233,33 @@ def test_paged_attention_window_and_sinks(kernel_backend, window, block, sinks, 
     ref.paged_attention(full, q, rK, rV, whole, seq, pos, block, D ** -0.5)
     if window and window < 30 or sinks:
         assert np.abs(full - want).max() > 1e-3         # the window / the sinks changed the result
+    if window < 0:                                      # a chunk is the window back to its start
+        for t in range(T):
+            one = np.zeros_like(q[t:t + 1])
+            ref.paged_attention(one, q[t:t + 1], rK, rV, whole, seq[t:t + 1], pos[t:t + 1], block, D ** -0.5,
+                                int(pos[t]) % -window + 1, ref.upload(hs) if sinks else None)
+            close(want[t:t + 1], one, 1e-6)
+
+
+@pytest.mark.parametrize("T,N", [(1, 24), (7, 300), (70, 33)])
+def test_pos_scale(kernel_backend, T, N, rng):
+    """Llama 4's attention temperature: each row times log1p(floor((p + 1) / floor_scale)) * attn_scale + 1,
+    against the reference and against transformers' own formula (in torch), in place too; positions
+    across several floor steps."""
+    import torch
+    ref, be = backend(kernel_backend)
+    x = rng.standard_normal((T, N)).astype(np.float32)
+    pos = rng.integers(0, 5000, T).astype(np.int32)
+    want = np.zeros_like(x)
+    ref.pos_scale(want, x, pos, 8.0, 0.1)
+    f = torch.log1p(torch.floor((torch.from_numpy(pos).float() + 1.0) / 8)) * 0.1 + 1.0
+    close(want, (torch.from_numpy(x) * f[:, None]).numpy(), 1e-6)
+    out = be.alloc((T, N))
+    be.pos_scale(out, dev(be, x), dev(be, pos), 8.0, 0.1)
+    close(be.download(out), want, 1e-6)
+    xb = dev(be, x)
+    be.pos_scale(xb, xb, dev(be, pos), 8.0, 0.1)
+    close(be.download(xb), want, 1e-6)
 
 
 @pytest.mark.parametrize("normalize", [True, False])

@@ -422,6 +422,11 @@ class Backend(BackendBase):
     def rmsnorm(self, out, x, weight, eps):
         self.k.rmsnorm(out, x, weight.data, float(eps))
 
+    def pos_scale(self, out, x, positions, floor_scale, attn_scale):
+        T = x.shape[0]
+        self.k.pos_scale(out.reshape(T, -1), x.reshape(T, -1), positions, np.float32(floor_scale),
+                         np.float32(attn_scale))
+
     def layernorm(self, out, x, weight, bias, eps):
         self.k.layernorm(out, x, weight.data, bias.data, float(eps))
 

@@ -528,6 +528,17 @@ def rmsnorm(out, x, weight, eps):
 
 
 @njit(cache=True, error_model="numpy")
+def pos_scale(out, x, positions, floor_scale, attn_scale):
+    """out[t] = x[t] * (log1p(floor((p_t + 1) / floor_scale)) * attn_scale + 1)   x, out [T, N] (may alias):
+    Llama 4's attention temperature on its no-rope layers' queries"""
+    T, N = x.shape
+    for t in range(T):
+        f = np.log1p(np.floor((np.float32(positions[t]) + F1) / floor_scale)) * attn_scale + F1
+        for i in range(N):
+            out[t, i] = x[t, i] * f
+
+
+@njit(cache=True, error_model="numpy")
 def layernorm(out, x, weight, bias, eps):
     """out[r] = (x[r] - mean) / sqrt(mean((x[r] - mean)^2) + eps) * weight + bias     x, out [R,D] (may
     alias), weight, bias [D] float32 (torch.nn.LayerNorm: Phi-3.5-MoE)"""
@@ -823,7 +834,8 @@ def _axpy4_rows(acc, p0, p1, p2, p3, r0, r1, r2, r3, scales, s0, s1, s2, s3):
 def paged_attention(out, q, k_cache, k_scales, v_cache, v_scales, block_tables, seq_index, positions, block_size,
                     scale, window, sinks):
     """out[t,h] = sum_j softmax_j(q[t,h] . K[slot(j), h//G] * scale) V[slot(j), h//G],  j = lo_t..p_t
-        p_t = positions[t], lo_t = max(0, p_t - window + 1) (window 0: 0),
+        p_t = positions[t], lo_t = max(0, p_t - window + 1) (window 0: 0; window < 0: chunks of -window,
+        lo_t = p_t - p_t mod -window),
         slot(j) = block_tables[seq_index[t], j // B] * B + j % B, G = Hq / Hkv
         sinks [Hq] (or empty): a logit per head in the softmax's denominator only
     The caches in their kv_dtype (base.kv_parts), each row dequantised as it is read: float32 [slots,Hkv,D]
@@ -842,7 +854,7 @@ def paged_attention(out, q, k_cache, k_scales, v_cache, v_scales, block_tables, 
         kvh = h // group
         table = block_tables[seq_index[t]]
         n = positions[t] + 1
-        lo = max(0, n - window) if window > 0 else 0
+        lo = max(0, n - window) if window > 0 else (n - 1) - (n - 1) % -window if window < 0 else 0
         qv, acc = q[t, h], out[t, h]
         for d in range(D):
             acc[d] = F0

@@ -43,7 +43,8 @@ CE_DEV void merge_warps(float* o, const float* sm_m, const float* sm_l, const fl
 
 // Causal attention through block tables, fp32, for prefill chunks and decode steps alike:
 //   token t of sequence s = seq_index[t] at position p = positions[t], query head h, KV head
-//   h / (Hq/Hkv), keys j = lo..p, lo = max(0, p - window + 1) (window 0: lo = 0):
+//   h / (Hq/Hkv), keys j = lo..p, lo = max(0, p - window + 1) (window 0: lo = 0; window < 0: Llama 4's chunks
+//   of -window, lo = p - p mod -window):
 //   out[t,h] = sum_j softmax_j(scale * q[t,h] . K[slot(j)]) V[slot(j)]
 //   sinks [Hq] (or null): a logit per head in the denominator only -- warp 0's online softmax
 //   starts from m = sinks[h], l = 1, the others from -inf, 0
@@ -72,7 +73,7 @@ CE_DEV void attend(float* sm_m, float* sm_l, float (*sm_acc)[32 * ATT_MAX_DPL], 
     }
     float m = neg_inf(), l = 0.f;
     if (sinks && warp == 0) { m = sinks[h]; l = 1.f; }
-    const int lo = window > 0 ? max(0, n - window) : 0;
+    const int lo = window > 0 ? max(0, n - window) : window < 0 ? (n - 1) - (n - 1) % -window : 0;
     for (int j = lo + warp; j < n; j += ATT_WARPS) {
         const size_t base = ((size_t)table[j / B] * B + j % B) * Hkv * D + (size_t)kvh * D;
         float dot = 0.f;

@@ -161,6 +161,17 @@ class Backend(CudaRuntime):
         if n:
             self._launch("scale", (cdiv(n, 256),), (256,), (out, x, np.int64(n), _f32(factor), _f32(cap)))
 
+    @guarded
+    def pos_scale(self, out, x, positions, floor_scale, attn_scale):
+        T = x.shape[0]
+        N = x.size // max(T, 1)
+        if out.size != x.size or not (x.flags.c_contiguous and out.flags.c_contiguous) or T > 65535:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"pos_scale: out {out.shape} and x {x.shape} must be "
+                               "contiguous buffers of one size, at most 65535 rows")
+        if T and N:
+            self._launch("pos_scale", (cdiv(N, 256), T), (256,), (out, x, positions, _i32(N), _f32(floor_scale),
+                                                                  _f32(attn_scale)))
+
     # -- attention ---------------------------------------------------------------------------
     @guarded
     def kv_write(self, K, V, k, v, slots):

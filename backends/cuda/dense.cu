@@ -218,6 +218,16 @@ extern "C" __global__ void scale(float* out, const float* x, long long n, float 
     out[i] = cap > 0.f ? cap * tanhf(v / cap) : v;
 }
 
+// out[t, i] = x[t, i] * (log1p(floor((positions[t] + 1) / floor_scale)) * attn_scale + 1), rows of N (Llama 4's
+// attention temperature on its no-rope layers' queries; in place allowed)     grid (ceil(N/256), T), block 256
+extern "C" __global__ void pos_scale(float* out, const float* x, const int* positions, int N, float floor_scale,
+                                     float attn_scale) {
+    const int t = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= N) return;
+    const float f = log1pf(floorf(((float)positions[t] + 1.0f) / floor_scale)) * attn_scale + 1.0f;
+    out[(size_t)t * N + i] = x[(size_t)t * N + i] * f;
+}
+
 // y16[n] = fp16(x[n])   (activations into cuBLAS)      grid ceil(n/256), block 256
 extern "C" __global__ void f32_to_f16(half_t* y, const float* x, long long n) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;

@@ -63,7 +63,7 @@ KERNELS = {
                  "matmul_skinny_f32", "matmul_skinny_f16", "matmul_skinny_bf16", "matmul_skinny_i8",
                  "matmul_tiled_f32", "matmul_tiled_f16", "matmul_tiled_bf16", "matmul_tiled_i8",
                  "head_matmul_f32", "head_matmul_f16", "head_matmul_bf16",
-                 "rmsnorm", "layernorm", "rope", "add", "scale", "f32_to_f16", "f16_to_f32_bias", "bias_add",
+                 "rmsnorm", "layernorm", "pos_scale", "rope", "add", "scale", "f32_to_f16", "f16_to_f32_bias", "bias_add",
                  *(f"{k}_{f}" for f in BLOCK_FORMATS for k in ("embed", "matmul_skinny", "matmul_tiled"))),
     "attention.cu": ("kv_write", "paged_attention", "latent_attention"),
     "recurrent.cu": ("causal_conv", "delta_rule", "gate_mul"),

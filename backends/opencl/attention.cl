@@ -29,7 +29,8 @@ inline size_t slot_of(__global const int* table, const int j, const int B)
 
 /* Causal attention through block tables, fp32:
  *   token t of sequence s = seq_index[t] at position p = positions[t] attends to positions
- *   lo <= j <= p, lo = max(0, p - window + 1) (window 0: lo = 0),
+ *   lo <= j <= p, lo = max(0, p - window + 1) (window 0: lo = 0; window < 0: chunks of -window, lo = p - p mod
+ *   -window: Llama 4's chunked attention),
  *   slot(j) = block_tables[s, j / B] * B + j % B;  query head h reads KV head h / (Hq / Hkv);
  *   out[t, h] = softmax_j(q[t, h] . K[slot(j), g] * scale) @ V[slot(j), g]
  *   with sinks (has_sinks): a logit sinks[h] joins the softmax's denominator only -- the online
@@ -64,7 +65,7 @@ __kernel void paged_attention(ARG(float, out), CARG(float, q), CARG(float, K), C
     }
     barrier(CLK_LOCAL_MEM_FENCE);
     float m = has_sinks ? sinks[h] : -INFINITY, l = has_sinks ? 1.0f : 0.0f;
-    for (int j0 = window > 0 ? max(0, p - window + 1) : 0; j0 <= p; j0 += C) {
+    for (int j0 = window > 0 ? max(0, p - window + 1) : window < 0 ? p - p % -window : 0; j0 <= p; j0 += C) {
         /* 1. scores */
         const int j = j0 + i;
         float s = -INFINITY;

@@ -183,6 +183,16 @@ class Backend(OpenCLRuntime):
         L = self._local(k, 128)
         self._launch(k, (n,), (L,), out, x, n, float(factor), float(cap) if cap and cap > 0 else 0.0)
 
+    def pos_scale(self, out, x, positions, floor_scale, attn_scale):
+        T = x.shape[0]
+        N = x.size // max(T, 1)
+        if out.size != x.size or positions.shape[0] < T:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"pos_scale shapes out {out.shape}, x {x.shape}, "
+                               f"positions {positions.shape} do not agree")
+        k = self._kernel("dense.cl", "pos_scale")
+        g, l = self._2d(k, N, T)
+        self._launch(k, g, l, out, x, positions, T, N, float(floor_scale), float(attn_scale))
+
     # -- attention ---------------------------------------------------------------------------------
     def kv_write(self, K, V, k, v, slots):
         T = k.shape[0]

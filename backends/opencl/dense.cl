@@ -281,6 +281,19 @@ __kernel void scale(ARG(float, out), CARG(float, x), const int n, const float fa
     out[i] = cap > 0.0f ? cap * tanh(v / cap) : v;
 }
 
+/* out[t, i] = x[t, i] * (log1p(floor((positions[t] + 1) / floor_scale)) * attn_scale + 1), rows of N
+ * (Llama 4's attention temperature on its no-rope layers' queries; out may be x). global (N, T) */
+__kernel void pos_scale(ARG(float, out), CARG(float, x), CARG(int, positions), const int T, const int N,
+                        const float floor_scale, const float attn_scale)
+{
+    const int i = get_global_id(0), t = get_global_id(1);
+    if (i >= N || t >= T)
+        return;
+    BIND(float, out); CBIND(float, x); CBIND(int, positions);
+    const float f = log1p(floor(((float)positions[t] + 1.0f) / floor_scale)) * attn_scale + 1.0f;
+    out[(size_t)t * N + i] = x[(size_t)t * N + i] * f;
+}
+
 /* out[i] = 0 for i < n, any 4-byte element type (arena and KV cache zero-fill: a kernel rather than
  * clEnqueueFillBuffer, so Oclgrind's uninitialized-value tracking sees the buffers written). global (n) */
 __kernel void zero(ARG(uint, out), const int n)

@@ -232,6 +232,11 @@ class Backend(BackendBase):
         var = np.mean(x * x, axis=-1, keepdims=True)
         out[...] = x / np.sqrt(var + np.float32(eps)) * _f32(weight)
 
+    def pos_scale(self, out, x, positions, floor_scale, attn_scale):
+        p = positions.astype(np.float32)
+        f = np.log1p(np.floor((p + np.float32(1)) / np.float32(floor_scale))) * np.float32(attn_scale) + np.float32(1)
+        out[...] = x * f.astype(np.float32).reshape((-1,) + (1,) * (x.ndim - 1))
+
     def layernorm(self, out, x, weight, bias, eps):
         mean = np.mean(x, axis=-1, keepdims=True)
         c = x - mean
@@ -271,7 +276,7 @@ class Backend(BackendBase):
         group = Hq // Hkv
         for t in range(q.shape[0]):
             n = int(positions[t]) + 1
-            j = np.arange(max(0, n - window) if window else 0, n)
+            j = np.arange(max(0, n - window) if window > 0 else (n - 1) - (n - 1) % -window if window < 0 else 0, n)
             slots = block_tables[seq_index[t], j // block_size] * block_size + j % block_size
             k = np.repeat(kv_rows(K, slots), group, axis=1)       # [n, Hq, D]
             v = np.repeat(kv_rows(V, slots), group, axis=1)

@@ -155,7 +155,9 @@ def _attention_tensors(cfg: dict, layer: dict, p: str) -> dict:
         t[p + "attn.bo"] = ((H,), f32)
     if cfg.get("attention_sinks"):
         t[p + "attn.sinks"] = ((nh,), f32)
-    if cfg["qk_norm"] in ("per_head", "per_head_after_rope"):
+    if layer.get("nope") and cfg["qk_norm"] != "none":
+        pass                                         # Llama 4's no-rope layers: no q/k norm (l2 has no weight)
+    elif cfg["qk_norm"] in ("per_head", "per_head_after_rope"):
         t[p + "attn.q_norm"] = ((hd,), f32)
         t[p + "attn.k_norm"] = ((hd,), f32)
     elif cfg["qk_norm"] == "full":

@@ -30,18 +30,21 @@ LAYER_FIELDS = ("layer_id", "type", "moe_expert_start", "moe_num_experts")
 # a layer's own attention geometry and rope where it differs from the config's (Gemma 4's full layers):
 # head_dim, num_key_value_heads, rope_theta, rope_partial (proportional rope: the first rope_partial of
 # the head's D/2 frequencies, theta^(-2i/D), rotate; the rest do not), k_eq_v (keys reused as values)
-LAYER_OPTIONAL = ("head_dim", "num_key_value_heads", "rope_theta", "rope_partial", "k_eq_v")
+LAYER_OPTIONAL = ("head_dim", "num_key_value_heads", "rope_theta", "rope_partial", "k_eq_v", "nope")
+# nope (Llama 4's no-rope layers): the layer's attention has no rope and no q/k norm, and its queries take the
+# attention temperature (attn_temperature) when the config has one
 
 
 # rope_scaling fields of YaRN / longrope (colibri_edge.runtime.rope reads them)
 YARN_FIELDS = ("rope_type", "factor", "beta_fast", "beta_slow", "original_max_position_embeddings",
                "attention_factor", "truncate", "mscale", "mscale_all_dim",
-               "short_factor", "long_factor", "short_mscale", "long_mscale")     # the last four: longrope's
+               "short_factor", "long_factor", "short_mscale", "long_mscale",     # longrope's
+               "low_freq_factor", "high_freq_factor")                             # llama3's
 
 
 ROUTER_MODES = ("topk", "gated", "sparsemixer")    # sparsemixer: Phi-3.5-MoE's (top-2, router_jitter)
 NORM_TYPES = ("rmsnorm", "layernorm")               # layernorm: with biases (layers.N.*_norm_bias, norm_bias)
-QK_NORMS = ("none", "per_head", "full", "per_head_after_rope")
+QK_NORMS = ("none", "per_head", "full", "per_head_after_rope", "l2_after_rope")   # l2: no weight (Llama 4)
 WEIGHT_TYPES = dtypes.WEIGHT_DTYPES
 WEIGHT_LABELS = WEIGHT_TYPES + dtypes.MIXES + ("mixed",)      # config.json's weight_dtype: what it was made as
 
@@ -196,7 +199,12 @@ CONFIG_FIELDS = (
     "swiglu_alpha", "swiglu_limit", "norm_layout", "ffn_act", "embed_scale", "final_logit_softcap", "v_norm",
     "layer_scalar", "router_input_norm", "expert_scale", "latent_attention", "router_score", "router_groups",
     "routed_scaling_factor", "linear_attention", "attention_output_gate", "rope_dim", "mtp", "short_conv",
-    "norm_type", "lm_head_bias", "router_jitter")
+    "norm_type", "lm_head_bias", "router_jitter", "attention_chunk", "attn_temperature", "router_input_scale")
+# Llama 4: layer_types "chunked_attention" attend within chunks of attention_chunk positions (p - p mod C .. p);
+# attn_temperature {floor_scale, attn_scale}: the nope layers' queries times log1p(floor((p + 1) / floor_scale))
+# * attn_scale + 1; router_input_scale: the routed experts see h times the token's routing weight (top-1),
+# not their output scaled; rope_scaling rope_type "llama3" (factor, low_freq_factor, high_freq_factor,
+# original_max_position_embeddings)
 # Phi-3.5-MoE: norm_type "layernorm" (every norm a LayerNorm with a bias: layers.N.input_norm_bias /
 # post_attention_norm_bias, norm_bias [H]); lm_head_bias: the head's bias lm_head_bias [V]; router_mode
 # "sparsemixer" with router_jitter (top-2, each weight its expert's softmax within a 2 jitter band);
@@ -240,7 +248,8 @@ OPTIONAL = ("architectures", "bos_token_id", "attention_scale", "folded_multipli
             "router_bias", "expert_bias", "expert_act", "swiglu_alpha", "swiglu_limit", "norm_layout", "ffn_act",
             "embed_scale", "final_logit_softcap", "v_norm", "layer_scalar", "router_input_norm", "expert_scale",
             "latent_attention", "router_score", "router_groups", "routed_scaling_factor", "linear_attention",
-            "attention_output_gate", "rope_dim", "mtp", "short_conv", "norm_type", "lm_head_bias", "router_jitter")
+            "attention_output_gate", "rope_dim", "mtp", "short_conv", "norm_type", "lm_head_bias", "router_jitter",
+            "attention_chunk", "attn_temperature", "router_input_scale")
 SHORT_CONV_FIELDS = ("conv_kernel",)
 MTP_FIELDS = ("layers", "own_head", "own_embed")
 LINEAR_FIELDS = ("conv_kernel", "num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim",
@@ -249,7 +258,7 @@ LINEAR_FIELDS = ("conv_kernel", "num_key_heads", "num_value_heads", "key_head_di
 MAX_CONV_KERNEL = 8
 LATENT_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "norm_eps")
 GROUP_FIELDS = ("n_group", "topk_group", "group_top")
-ATTENTION_TYPES = ("full_attention", "sliding_attention", "linear_attention", "short_conv")
+ATTENTION_TYPES = ("full_attention", "sliding_attention", "linear_attention", "short_conv", "chunked_attention")
 EXPERT_ACTS = ("silu", "swiglu_oai", "gelu_tanh")
 FOLDED = ("embedding_multiplier", "residual_multiplier", "logits_scaling")
 
@@ -301,6 +310,24 @@ def config(cfg, path: str = "config.json", model_types: tuple | None = None) -> 
                                 "least 2")
     elif "router_jitter" in cfg:
         raise invalid_model(path, "router_jitter", "is given, but router_mode is not sparsemixer")
+    chunked = "chunked_attention" in (cfg.get("layer_types") or ())
+    if chunked or "attention_chunk" in cfg:
+        if not chunked or "attention_chunk" not in cfg:
+            raise invalid_model(path, "attention_chunk", "and layer_types' chunked_attention layers go together")
+        _int(path, "attention_chunk", cfg["attention_chunk"], 1, MAX_POSITIONS)
+    if "attn_temperature" in cfg:
+        at = _obj(path, "attn_temperature", cfg["attn_temperature"])
+        _known(path, "attn_temperature.", at, ("floor_scale", "attn_scale"))
+        for f in ("floor_scale", "attn_scale"):
+            if f not in at:
+                raise invalid_model(path, f"attn_temperature.{f}", "missing")
+        _num(path, "attn_temperature.floor_scale", at["floor_scale"], 0.0, 1e9, lo_open=True)
+        _num(path, "attn_temperature.attn_scale", at["attn_scale"], 0.0, 1e3)
+    if "router_input_scale" in cfg:
+        _bool(path, "router_input_scale", cfg["router_input_scale"])
+        if cfg["router_input_scale"] and (cfg["top_k"] != 1 or cfg["router_mode"] != "topk"):
+            raise invalid_model(path, "router_input_scale", f"scales the experts' input by the weight of a top-1 "
+                                f"choice; top_k is {cfg['top_k']} ({cfg['router_mode']})")
     if cfg.get("norm_type") == "layernorm" and (cfg.get("norm_layout", "pre") != "pre" or cfg.get("mtp")):
         raise invalid_model(path, "norm_type", "layernorm does not combine with sandwich norms or an MTP head")
     _enum(path, "qk_norm", cfg["qk_norm"], QK_NORMS)
@@ -411,6 +438,8 @@ def _layer_attention(path, f, cfg, layer):
         _num(path, f"{f}.rope_partial", layer["rope_partial"], 0.0, 1.0)
     if "k_eq_v" in layer:
         _bool(path, f"{f}.k_eq_v", layer["k_eq_v"])
+    if "nope" in layer:
+        _bool(path, f"{f}.nope", layer["nope"])
 
 
 def _latent_fields(path, cfg):
@@ -563,9 +592,11 @@ def _attention_fields(path, cfg, L):
     if "rope_scaling" in cfg:
         rs = _obj(path, "rope_scaling", cfg["rope_scaling"])
         _known(path, "rope_scaling.", rs, YARN_FIELDS)
-        kind = _enum(path, "rope_scaling.rope_type", rs.get("rope_type"), ("yarn", "longrope"))
-        for f in ("factor", "original_max_position_embeddings") if kind == "yarn" else \
-                ("short_factor", "long_factor", "original_max_position_embeddings"):
+        kind = _enum(path, "rope_scaling.rope_type", rs.get("rope_type"), ("yarn", "longrope", "llama3"))
+        need = {"yarn": ("factor", "original_max_position_embeddings"),
+                "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+        for f in need[kind]:
             if f not in rs:
                 raise invalid_model(path, f"rope_scaling.{f}", "missing")
         if "factor" in rs:
@@ -578,6 +609,9 @@ def _attention_fields(path, cfg, L):
                                         f"{cfg['head_dim'] // 2}")
                 for i, v in enumerate(fs):
                     _num(path, f"rope_scaling.{f}[{i}]", v, 0.0, 1e6, lo_open=True)
+        if kind == "llama3" and not 0 < rs["low_freq_factor"] < rs["high_freq_factor"]:
+            raise invalid_model(path, "rope_scaling.high_freq_factor", f"{rs['high_freq_factor']!r} must exceed "
+                                f"low_freq_factor {rs['low_freq_factor']!r} (> 0)")
         for f in ("short_mscale", "long_mscale"):
             if rs.get(f) is not None:
                 _num(path, f"rope_scaling.{f}", rs[f], 0.0, 1e6, lo_open=True)

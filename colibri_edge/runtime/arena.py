@@ -90,6 +90,8 @@ def buffers(cfg: dict, lim: Limits) -> dict:
         C = 2 * Hk * dk + Hv * dv                                               # state is the fixed pool's)
         for name, width in (("qkv", C), ("conv", C), ("z", Hv * dv), ("a", Hv), ("b", Hv), ("core", Hv * dv)):
             spec[f"lin.{name}"] = ((R, width), f32)
+    if cfg.get("router_input_scale"):                                           # Llama 4: the routed outputs
+        spec["ones"] = ((R, 1), f32)                                            # combined with weight 1
     if cfg.get("short_conv") and lim.fixed_pools:                               # LFM2's short convolutions:
         for name in ("b", "c", "x", "conv"):                                    # in_proj's thirds, the conv's
             spec[f"sc.{name}"] = ((R, H), f32)                                  # output (state: the fixed pool)

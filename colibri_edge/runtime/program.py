@@ -78,6 +78,9 @@ class Attention:
     v_norm: Weight | None = None  # [D] ones: v RMS-normed per head without a weight (Gemma 4)
     out_norm: Weight | None = None  # [H]: the output normed before the residual add (sandwich norms)
     wq_gate: Weight | None = None   # [Hq*D, H]: the output times sigmoid(wq_gate @ h) before wo (Qwen3.5)
+    rotate: bool = True         # False: no rope (Llama 4's no-rope layers)
+    temperature: tuple | None = None   # (floor_scale, attn_scale): q times log1p(floor((p+1)/floor_scale))
+                                       # * attn_scale + 1 (Llama 4's no-rope layers)
 
     def bind(self, storage: dict, layer: int):
         self.K, self.V = storage[(self.pool, layer, "k")], storage[(self.pool, layer, "v")]
@@ -101,11 +104,14 @@ class Attention:
             be.rmsnorm(g.k2, g.k2, self.k_norm, self.eps)
         if self.v_norm is not None:
             be.rmsnorm(g.v_heads, g.v_heads, self.v_norm, self.eps)
-        be.rope(g.q, g.q, s.pos, self.rope_theta, self.inv_freq)
-        be.rope(g.k, g.k, s.pos, self.rope_theta, self.inv_freq)
-        if self.qk_norm == "per_head_after_rope":         # a rotation keeps the pairs' norm, not the weights'
-            be.rmsnorm(g.q_heads, g.q_heads, self.q_norm, self.eps)
+        if self.rotate:
+            be.rope(g.q, g.q, s.pos, self.rope_theta, self.inv_freq)
+            be.rope(g.k, g.k, s.pos, self.rope_theta, self.inv_freq)
+        if self.qk_norm in ("per_head_after_rope", "l2_after_rope"):   # a rotation keeps the pairs' norm, not
+            be.rmsnorm(g.q_heads, g.q_heads, self.q_norm, self.eps)     # the weights' (l2: weights of 1)
             be.rmsnorm(g.k_heads, g.k_heads, self.k_norm, self.eps)
+        if self.temperature is not None:
+            be.pos_scale(g.q, g.q, s.pos, *self.temperature)
         be.kv_write(self.K, self.V, g.k, g.v, s.slots[self.pool])
         be.paged_attention(g.attn, g.q, self.K, self.V, s.tables[self.pool], s.seq, s.pos, self.block_size,
                            self.scale, self.window, self.sinks)
@@ -311,6 +317,7 @@ class MoE:
     groups: tuple | None = None  # (n_group, topk_group, group_top): group-limited top-k (DeepSeek, GLM)
     scaling: float = 1.0        # routed_scaling_factor on the routed weights
     jitter: float = 0.0         # sparsemixer's router_jitter (mode "sparsemixer": Phi-3.5-MoE)
+    scale_input: bool = False   # the experts see h * w (top-1), their outputs summed with weight 1 (Llama 4)
 
     @property
     def num_experts(self) -> int:
@@ -337,12 +344,16 @@ class MoE:
         prefetch = c.on_route(self, s) if c.hooks else None
         if self.norms is not None:
             be.rmsnorm(s.h, s.x, self.norms[1], self.eps)
+        if self.scale_input:                    # h = w * h, the top-1 weight on the experts' input: o = 0 + w h
+            be.scale(s.o, s.o, 0.0)             # through the one-expert plan, copied back (the slot pool reads h)
+            be.combine(s.o, s.h, s.w, c.dense_plan(s))
+            be.scale(s.h, s.o, 1.0)
         if c.slot_pool is None:
             grouped(be, s, s.y, s.h, self.experts, plan, s.scratch, self.act)
         else:
             c.slot_pool.run_layer(self, plan, s, prefetch)
         if self.norms is None:
-            be.combine(s.x, s.y, s.w, plan)
+            be.combine(s.x, s.y, s.ones if self.scale_input else s.w, plan)
         else:                                   # h is free once the experts have read it
             be.scale(s.h, s.h, 0.0)
             be.combine(s.h, s.y, s.w, plan)
@@ -577,14 +588,22 @@ def build(model, be, pools, resident: bool, fixed_pools=(), mtp: bool = False, m
                                     pools[pool_of[i]].block_size)
         else:
             wk = w(p + "attn.wk")
+            nope = bool(spec.get("nope"))
+            qkn = "none" if nope else cfg["qk_norm"]
+            qn, kn = (ones_of(hd), ones_of(hd)) if qkn == "l2_after_rope" else (w(p + "attn.q_norm"), w(p + "attn.k_norm"))
+            at = cfg.get("attn_temperature")
+            chunked = (cfg.get("layer_types") or [""] * (i + 1))[i:i + 1] == ["chunked_attention"]
             mixer = Attention(w(p + "attn.wq"), wk, wk if spec.get("k_eq_v") else w(p + "attn.wv"), w(p + "attn.wo"),
                               w(p + "attn.bq"), w(p + "attn.bk"),
                               w(p + "attn.bk") if spec.get("k_eq_v") else w(p + "attn.bv"), w(p + "attn.bo"),
-                              w(p + "attn.q_norm"), w(p + "attn.k_norm"), cfg["qk_norm"], theta,
+                              qn, kn, qkn, theta,
                               cfg.get("attention_scale", hd ** -0.5) * attn_factor ** 2, eps, pool_of[i],
-                              pools[pool_of[i]].block_size, window=pools[pool_of[i]].window, sinks=w(p + "attn.sinks"),
+                              pools[pool_of[i]].block_size,
+                              window=-cfg["attention_chunk"] if chunked else pools[pool_of[i]].window,
+                              sinks=w(p + "attn.sinks"),
                               inv_freq=inv_freq, geo=(nh, nkv, hd), v_norm=ones_of(hd) if cfg.get("v_norm") else None,
-                              out_norm=w(p + "attn.out_norm"), wq_gate=w(p + "attn.wq_gate"))
+                              out_norm=w(p + "attn.out_norm"), wq_gate=w(p + "attn.wq_gate"), rotate=not nope,
+                              temperature=(float(at["floor_scale"]), float(at["attn_scale"])) if nope and at else None)
         moe = None
         if spec["type"] != "dense":
             fm = model.layer_formats[i]
@@ -600,7 +619,8 @@ def build(model, be, pools, resident: bool, fixed_pools=(), mtp: bool = False, m
                       H, I, fm, w(p + "router_choice_bias"), cfg.get("router_norm_min", 0.0),
                       router_bias=w(p + "router_bias"), act=act, expert_scale=w(p + "expert_scale"), norms=norms,
                       eps=eps, score=cfg.get("router_score", "softmax"), groups=groups,
-                      scaling=float(cfg.get("routed_scaling_factor", 1.0)), jitter=float(cfg.get("router_jitter", 0.0)))
+                      scaling=float(cfg.get("routed_scaling_factor", 1.0)), jitter=float(cfg.get("router_jitter", 0.0)),
+                      scale_input=bool(cfg.get("router_input_scale")))
             moe_index += 1
         if sandwich:
             parts = (ParallelFFN(ffn(p + "mlp"), ffn_act, w(p + "ffn_out_norm"), eps, moe,
@@ -610,7 +630,9 @@ def build(model, be, pools, resident: bool, fixed_pools=(), mtp: bool = False, m
         else:
             parts = (moe,)
             if spec["type"] == "moe_shared":
-                parts += (SharedExpert(ffn(p + "shared"), w(p + "shared.gate_logit")),)
+                shared = SharedExpert(ffn(p + "shared"), w(p + "shared.gate_logit"))
+                # with router_input_scale the experts overwrite h: the shared expert reads it first
+                parts = (shared, moe) if cfg.get("router_input_scale") else parts + (shared,)
         scalar = float(np.asarray(model.raw_tensor(p + "scalar"), np.float32).reshape(-1)[0]) \
             if model.has(p + "scalar") else 1.0
         return Layer(i, w(p + "input_norm"), mixer, w(p + "post_attention_norm"), parts, scalar,

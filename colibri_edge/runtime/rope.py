@@ -17,6 +17,9 @@ the attention scores.
               choice; transformers' PhiMoE keeps the short factors and switches only its mscale per call);
               attention factor short_mscale / long_mscale when given, else attention_factor, else
               sqrt(1 + ln(factor) / ln(L0)) (1 when factor <= 1), factor = max_position_embeddings / L0.
+    llama3    (Llama 3.1 / 4; transformers' _compute_llama3_parameters) wavelength w_i = 2 pi / f_i: kept where
+              w_i < L0 / high_freq_factor, divided by factor where w_i > L0 / low_freq_factor, between them
+              (1 - s) f_i / factor + s f_i with s = (L0 / w_i - low_freq_factor) / (high - low); attention factor 1.
 """
 from __future__ import annotations
 
@@ -46,6 +49,16 @@ def inv_freq(theta: float, D: int, scaling: dict | None = None, long: bool = Fal
     pos = np.float32(theta) ** (np.arange(0, D, 2, dtype=np.float32) / np.float32(D))
     if not scaling:
         return (np.float32(1.0) / pos).astype(np.float32), 1.0
+    if scaling.get("rope_type") == "llama3":
+        f = (np.float32(1.0) / pos).astype(np.float32)
+        L0, factor = float(scaling["original_max_position_embeddings"]), float(scaling["factor"])
+        lo, hi = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        wavelen = np.float32(2 * math.pi) / f
+        g = np.where(wavelen > np.float32(L0 / lo), f / np.float32(factor), f).astype(np.float32)
+        smooth = ((np.float32(L0) / wavelen - np.float32(lo)) / np.float32(hi - lo)).astype(np.float32)
+        smoothed = (np.float32(1) - smooth) * g / np.float32(factor) + smooth * g
+        medium = ~(wavelen < np.float32(L0 / hi)) & ~(wavelen > np.float32(L0 / lo))
+        return np.where(medium, smoothed, g).astype(np.float32), 1.0
     if scaling.get("rope_type") == "longrope":
         ext = np.asarray(scaling["long_factor" if long else "short_factor"], np.float32)
         af = scaling.get("long_mscale" if long else "short_mscale", scaling.get("attention_factor"))

@@ -96,6 +96,7 @@ class StepViews:
         self.attn_gate = a["attn_gate"][:T] if "attn_gate" in a else None
         self.lin = LinearViews(a, cfg, T) if fixed and cfg.get("linear_attention") else None
         self.sc = ShortConvViews(a, T) if fixed and cfg.get("short_conv") else None
+        self.ones = a["ones"][:T] if "ones" in a else None   # [T, 1] of 1.0 (router_input_scale)
         self.starts = inputs["starts"][:nseq + 1] if fixed else None    # sequences' token ranges, their state
         self.fslots = [inputs[f"fslots{p}"][:nseq] for p in range(fixed)]   # slot in each fixed pool
 
@@ -275,6 +276,8 @@ class Runner:
         self.h_slots = [self.h[f"slots{p}"] for p in range(len(self.states.paged))]
         self.h_tables = [self.h[f"tables{p}"] for p in range(len(self.states.paged))]
         self.h_fslots = [self.h[f"fslots{p}"] for p in range(len(self.states.fixed))]
+        if "ones" in a:
+            be.upload_into(a["ones"], np.ones(a["ones"].shape, np.float32))
         self.plan_bufs = {n[5:]: buf for n, buf in a.items() if n.startswith("plan.")}
         self.dense_plan_bufs = {n[11:]: buf for n, buf in a.items() if n.startswith("dense_plan.")}
         # the state pools' storage, as each declares it (state.py buffers): a paged pool's tensors in its

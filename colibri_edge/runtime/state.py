@@ -575,7 +575,7 @@ def attention_pools(cfg: dict, num_blocks: int, block_size: int, kv_dtype: str =
         for l in specs:
             if is_linear(cfg, l):
                 continue
-            if (l["layer_id"] >= len(types) or types[l["layer_id"]] == "full_attention") == full:
+            if (l["layer_id"] >= len(types) or types[l["layer_id"]] in ("full_attention", "chunked_attention")) == full:
                 _, nkv, hd = geometry(cfg, l)
                 groups.setdefault((0 if full else cfg["sliding_window"], (nkv, hd)), []).append(l["layer_id"])
     pools = []

@@ -43,6 +43,17 @@ def eos_bos(hf: dict, gen: dict):
     return [e for e in eos if 0 <= e < hf["vocab_size"]], get(gen, "bos_token_id", default=hf.get("bos_token_id"))
 
 
+def unwrap_text(hf: dict, path: str, text_type: str) -> dict:
+    """A wrapped multimodal config (text_config inside) as its text model's, model_type text_type; the
+    wrapper's tie_word_embeddings wins where it says."""
+    tc = hf.get("text_config")
+    if not isinstance(tc, dict):
+        raise invalid_model(path, "text_config", f"missing (a {hf['model_type']} checkpoint nests its text model's "
+                            "config)")
+    return {**tc, "model_type": text_type, "tie_word_embeddings": hf.get(
+        "tie_word_embeddings", tc.get("tie_word_embeddings", False))}
+
+
 def yarn(rope: dict, max_pos: int, path: str):
     """rope_parameters -> our rope_scaling (None for the default rope); other rope types refused."""
     rope_type = rope.get("rope_type", rope.get("type", "default"))

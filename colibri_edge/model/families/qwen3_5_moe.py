@@ -15,7 +15,7 @@ import sys
 import numpy as np
 
 from .common import (Family, add_mtp, decoder_shape, eos_bos, get, mtp_sources, nextn_tensors, pos, refuse,
-                     rope_dim_order)
+                     rope_dim_order, unwrap_text)
 from ..layerplan import all_layers, is_linear
 from .registry import register
 from .. import validate
@@ -39,11 +39,7 @@ def translate(hf: dict, gen: dict, path: str, dtype) -> dict:
     the router always renormalises its top-k."""
     mt = hf["model_type"]
     if mt == "qwen3_5_moe":
-        tc = hf.get("text_config")
-        if not isinstance(tc, dict):
-            raise invalid_model(path, "text_config", "missing (a qwen3_5_moe checkpoint nests its text model's config)")
-        hf = {**tc, "model_type": "qwen3_5_moe_text", "tie_word_embeddings": hf.get(
-            "tie_word_embeddings", tc.get("tie_word_embeddings", False))}
+        hf = unwrap_text(hf, path, "qwen3_5_moe_text")
     H, nh, L = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]
     nkv = get(hf, "num_key_value_heads", default=nh)
     hd = get(hf, "head_dim", default=H // nh)
