@@ -97,7 +97,7 @@ def test_missing_file(model_dir):
 
 
 def test_unknown_model_type(model_dir):
-    _edit(model_dir, "config.json", lambda c: c.update(model_type="llama4"))
+    _edit(model_dir, "config.json", lambda c: c.update(model_type="jamba"))
     _expect(model_dir, COLIBRI_ERR_INVALID_MODEL_TYPE, "config.json", "model_type", "mixtral", "olmoe")
 
 
