@@ -445,10 +445,11 @@ class Backend:
     # sequence whose first token in the step is at position 0 starts from a zero state and never reads
     # its slot (a slot needs no clearing when it is handed out); the state left in the slot after the
     # step is the one after the sequence's last token, so prefill chunks and decode steps continue it.
-    def causal_conv(self, out, x, weight, state, starts, slots, positions, silu=True):
+    def causal_conv(self, out, x, weight, state, starts, slots, positions, silu=True, bias=None):
         """Depthwise causal conv1d + SiLU over each sequence, its last K-1 inputs carried in the state:
-            out[t, c] = silu(sum_{i<K} weight[c, i] * u(p - K + 1 + i, c)),  p = positions[t]
-        (silu False: the sum itself, LFM2's short convolution).
+            out[t, c] = silu(sum_{i<K} weight[c, i] * u(p - K + 1 + i, c) + bias[c]),  p = positions[t]
+        (silu False: no activation, LFM2's short convolution; bias a float32 Weight [C], Mamba-2's, or
+        None: 0).
         u(q, c) is the input at position q of t's sequence: x[t - (p - q), c] for the step's tokens
         (q >= p0, the position of the sequence's first token in the step); before them the state,
         state[slot, K - 1 - (p0 - q), c] for p0 - K + 1 <= q < p0 when p0 > 0 (it holds 0 where q < 0:
@@ -476,6 +477,20 @@ class Backend:
         time: the same function (the reference runs both: reference.delta_rule_recurrent). stepwise: every
         sequence runs its tokens one at a time, as decode runs one (a verification of drafted tokens, so
         its outputs and state are decode's bit for bit where decode is batch invariant)."""
+        raise NotImplementedError
+
+    def ssm_scan(self, out, xbc, dt, a_neg, d_skip, dt_bias, state, starts, slots, positions, heads, stepwise=False):
+        """Mamba-2's selective state space (SSD) over each sequence, its state S [nh, P, N] carried in the
+        state slot. heads = (nh, P, G, N): nh heads of P dims, G groups of B and C (head h reads group
+        h // (nh / G)), a state of N per head dim. Per token t and head h, in fp32:
+            x = xbc[t, h P .. h P + P],  B = xbc[t, nh P + g N ..],  C = xbc[t, nh P + G N + g N ..]  (g: h's group)
+            dt = softplus(dt[t, h] + dt_bias[h])     (softplus(y) = y past 20)
+            S = e^(dt a_neg[h]) S + dt x B^T;   out[t, h P + p] = sum_n S[p, n] C[n] + d_skip[h] x[p]
+        xbc [T, nh P + 2 G N] (the conv's output: x | B | C); dt [T, nh]; a_neg (= -exp(A_log)), d_skip,
+        dt_bias float32 Weights [nh]; out [T, nh P]; state [num_slots, nh, P, N]. S starts at 0 for a
+        sequence whose step starts at position 0. A backend may run a sequence in chunks (the SSD chunked
+        form: reference.ssm_chunked) instead of token by token: the same function; stepwise: token by
+        token (a verification of drafted tokens, as decode runs)."""
         raise NotImplementedError
 
     def gate_mul(self, out, x, gate, act: str):

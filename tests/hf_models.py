@@ -221,6 +221,16 @@ FAMILY_CASES["llama4_text"] = ("llama4_text", dict(
     max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
                          high_freq_factor=4.0, original_max_position_embeddings=64)))
+# Granite 4.0-H (issue 49): Mamba-2 layers (3 heads of 16, a state of 8, 4 taps) around one attention layer
+# without rope, top-2 of 4 experts beside a shared MLP, every Granite multiplier away from 1
+FAMILY_CASES["granitemoehybrid"] = ("granitemoehybrid", dict(
+    vocab_size=97, hidden_size=24, intermediate_size=20, shared_intermediate_size=28, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"], mamba_n_heads=3,
+    mamba_d_head=16, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_n_groups=1, mamba_chunk_size=8,
+    position_embedding_type=None, embedding_multiplier=3.0, residual_multiplier=0.6, logits_scaling=2.0,
+    attention_multiplier=0.3, max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1,
+    eos_token_id=2, pad_token_id=0))
 QWEN35_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=48, patch_size=4,
                      temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
 GEMMA4_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -242,7 +252,7 @@ def config_for(model_type: str, **overrides):
            "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig, "qwen3_next": transformers.Qwen3NextConfig,
            "minimax_m2": transformers.MiniMaxM2Config, "hunyuan_v1_moe": transformers.HunYuanMoEV1Config,
            "lfm2_moe": transformers.Lfm2MoeConfig, "phimoe": transformers.PhimoeConfig,
-           "llama4_text": transformers.Llama4TextConfig,
+           "llama4_text": transformers.Llama4TextConfig, "granitemoehybrid": transformers.GraniteMoeHybridConfig,
            "qwen3_5_moe": lambda **kw: transformers.Qwen3_5MoeConfig(text_config=kw, vision_config=QWEN35_VISION,
                                                                     tie_word_embeddings=False)}[model_type]
     return cls(**overrides)

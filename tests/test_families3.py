@@ -279,3 +279,81 @@ def test_a_wrapped_llama4_runs_its_text_model(tmp_path):
     with Engine.open(str(tmp_path / "m"), backend="reference", max_seq_len=64) as eng:
         got = eng.infer(ids)
     assert np.abs(want).max() > 1.0 and np.abs(got - want).max() / np.abs(want).max() < 1e-4
+
+
+def _mb(**kw):
+    return lambda c: c["mamba"].update(kw)
+
+
+@pytest.mark.parametrize("edit,field,words", [
+    (_mb(conv_kernel=1), "mamba.conv_kernel", "out of range"),
+    (_mb(conv_kernel=3), "layers.0.ssm.conv", "shape"),
+    (_mb(state_size=16), "layers.0.ssm.wxbc", "shape"),
+    (_mb(n_groups=2), "mamba.n_groups", "one group"),
+    (_mb(chunk=8), "mamba.chunk", "not a field"),
+    (lambda c: c["mamba"].pop("head_dim"), "mamba.head_dim", "missing"),
+    (lambda c: c.pop("mamba"), "mamba", "missing"),
+    (lambda c: c.update(layer_types=["full_attention"] * 4), "layer_types", "no mamba"),
+    (lambda c: c["layers"][0].update(head_dim=8), "layers", "per-layer attention geometry"),
+])
+def test_mamba_fields_are_checked(model_cache, tmp_path, edit, field, words):
+    """Granite 4.0-H's Mamba-2 fields typed and ranged, refused by name; a config implying other tensors
+    than the directory holds refused naming the tensor."""
+    from helpers import refused_edit
+    from hf_models import convert_case
+    refused_edit(convert_case(model_cache, "granitemoehybrid")[1], str(tmp_path / "m"), edit, field, words)
+
+
+def test_granite_hybrid_refusals_by_name():
+    """What the Granite 4.0-H converter cannot compute is refused naming the field; the older spelling of
+    the layer types ("mamba" / "attention") is the same model."""
+    from colibri_edge import ColibriError
+    from colibri_edge.model.convert import translate_config
+    from hf_models import config_for
+    base = config_for(FAMILY_CASES["granitemoehybrid"][0], **FAMILY_CASES["granitemoehybrid"][1]).to_dict()
+    for field, value in (("mamba_proj_bias", True), ("mamba_conv_bias", False), ("time_step_limit", [0.0, 10.0]),
+                         ("mamba_n_groups", 2), ("num_local_experts", 0), ("position_embedding_type", "alibi"),
+                         ("layer_types", ["conv"] * 4), ("mamba_d_head", 12), ("mamba_d_conv", 12)):
+        with pytest.raises(ColibriError) as e:
+            translate_config({**base, field: value}, {}, "config.json")
+        assert field in e.value.message, (field, e.value.message)
+    old = translate_config({**base, "layer_types": ["mamba", "attention", "mamba", "mamba"]}, {}, "config.json")
+    assert old == translate_config(base, {}, "config.json")
+    assert old["layer_types"] == ["mamba", "full_attention", "mamba", "mamba"] and old["layers"][1]["nope"]
+    roped = translate_config({**base, "position_embedding_type": "rope"}, {}, "config.json")
+    assert not any(l.get("nope") for l in roped["layers"])
+
+
+def test_mamba_state_is_constant_and_counted(model_cache, capsys):
+    """The Mamba-2 layers' state per sequence is the conv's last K-1 inputs and S [nh, P, N] per layer, the
+    same at a context of 256 as at 64 (only the attention layer's KV grows); inspect prints it per layer;
+    a Granite-4.0-H-Tiny-shaped config (48 heads of 64, a state of 128, 4 taps, 1536 hidden) holds
+    39,936 + 1,572,864 bytes a Mamba-2 layer."""
+    from colibri_edge.analysis.sizing import kv_full_bytes_per_token, state_bytes_per_sequence
+    from colibri_edge.model.convert import translate_config
+    from colibri_edge.model.modeldir import ModelDir
+    from colibri_edge.serving.cli import main
+    from hf_models import config_for, convert_case
+    _, col = convert_case(model_cache, "granitemoehybrid")
+    cfg = ModelDir(col).config
+    mb = cfg["mamba"]
+    per_layer = 4 * (3 * (3 * 16 + 2 * 8) + 3 * 16 * 8)
+    assert state_bytes_per_sequence(cfg) == 3 * per_layer
+    got = {}
+    for ctx in (64, 256):
+        with Engine.open(col, backend="reference", max_seq_len=ctx, max_batch=1, prefill_chunk=32,
+                         kv_cache_tokens=ctx) as eng:
+            got[ctx] = (eng.runner.state_bytes, eng.runner.state_bytes_per_seq)
+    assert got[64][1] == got[256][1] == 3 * per_layer
+    assert got[256][0] - got[64][0] == (256 - 64) * kv_full_bytes_per_token(cfg) > 0
+    assert mb == {"conv_kernel": 4, "num_heads": 3, "head_dim": 16, "n_groups": 1, "state_size": 8}
+    main(["inspect", col])
+    out = capsys.readouterr().out
+    assert f"Mamba-2 (3 heads of 16, state 8, conv 4; state {per_layer} bytes)" in out
+    assert "3 Mamba-2 layers" in out
+    tiny = translate_config(config_for("granitemoehybrid", hidden_size=1536, num_hidden_layers=4,
+                                       layer_types=["linear_attention"] * 3 + ["full_attention"], mamba_n_heads=48,
+                                       mamba_d_head=64, mamba_d_state=128, mamba_d_conv=4, num_attention_heads=12,
+                                       num_key_value_heads=4, num_local_experts=8, intermediate_size=512).to_dict(),
+                            {}, "config.json")
+    assert state_bytes_per_sequence(tiny) == 3 * (39_936 + 1_572_864)

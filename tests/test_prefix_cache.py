@@ -82,11 +82,11 @@ def test_idle_blocks_are_evicted_least_recently_used(model_cache):
 HYBRID = dict(max_seq_len=128, max_batch=2, kv_block_size=4, prefill_chunk=64)
 
 
-@pytest.mark.parametrize("case", ["qwen3_5_moe", "lfm2_moe"])
+@pytest.mark.parametrize("case", ["qwen3_5_moe", "lfm2_moe", "granitemoehybrid"])
 @pytest.mark.parametrize("backend", ["reference", "cpu", "opencl", "cuda"])
 def test_a_hybrid_model_resumes_from_a_state_snapshot(backend, case, model_cache):
-    """Qwen3.5 (gated delta-nets beside full attention) and LFM2-MoE (short convolutions beside attention,
-    the conv's last inputs its state): turn 1's prefill is cut at the last multiple
+    """Qwen3.5 (gated delta-nets beside full attention), LFM2-MoE (short convolutions beside attention,
+    the conv's last inputs its state) and Granite 4.0-H (Mamba-2: the conv's inputs and the scan's S): turn 1's prefill is cut at the last multiple
     of lcm(block 4, delta-rule chunk 16) before its last token, 32, and its recurrent state kept there;
     turn 2 (sharing 37 tokens, 9 whole blocks) resumes from that snapshot: 32 cached tokens, not 36
     (a recurrent state cannot be rewound), and answers as a fresh engine does: tokens, logprobs and top

@@ -39,9 +39,10 @@ STEPS = [([1], [0]), ([1, 1, 1], [5, 0, 2]), ([37, 5, 1], [0, 9, 30]), ([3, 1, 7
 
 
 @pytest.mark.parametrize("lengths,at", STEPS)
-@pytest.mark.parametrize("C,K,silu", [(37, 4, True), (8, 2, True), (130, 3, True), (37, 3, False), (130, 4, False)])
-def test_causal_conv(kernel_backend, lengths, at, C, K, silu, rng):
-    """silu False: LFM2's short convolution (no activation)."""
+@pytest.mark.parametrize("C,K,silu,bias", [(37, 4, True, False), (8, 2, True, False), (130, 3, True, False),
+                                           (37, 3, False, False), (130, 4, False, False), (37, 4, True, True)])
+def test_causal_conv(kernel_backend, lengths, at, C, K, silu, bias, rng):
+    """silu False: LFM2's short convolution (no activation); bias: Mamba-2's conv bias (inside the SiLU)."""
     ref, be = backend(kernel_backend)
     starts, pos = step(lengths, at)
     T, S = int(starts[-1]), len(lengths)
@@ -50,10 +51,12 @@ def test_causal_conv(kernel_backend, lengths, at, C, K, silu, rng):
     x = rng.standard_normal((T, C)).astype(np.float32)
     w = rng.standard_normal((C, K)).astype(np.float32)
     state = rng.standard_normal((nslots, K - 1, C)).astype(np.float32)   # slots of position-0 sequences: garbage
+    bv = rng.standard_normal(C).astype(np.float32) if bias else np.zeros(C, np.float32)
     outs, states = [], []
     for b in (ref, be):
         out, st = b.alloc((T, C)), dev(b, state)
-        b.causal_conv(out, dev(b, x), b.upload(w), st, dev(b, starts), dev(b, slots), dev(b, pos), silu)
+        b.causal_conv(out, dev(b, x), b.upload(w), st, dev(b, starts), dev(b, slots), dev(b, pos), silu,
+                      b.upload(bv) if bias else None)
         outs.append(b.download(out))
         states.append(b.download(st))
     close(outs[1], outs[0], 1e-5)
@@ -63,7 +66,7 @@ def test_causal_conv(kernel_backend, lengths, at, C, K, silu, rng):
     if at[s0] == 0:
         a, n = starts[s0], lengths[s0]
         xp = np.concatenate([np.zeros((K - 1, C), np.float32), x[a:a + n]])
-        y = np.stack([np.einsum("ic,ci->c", xp[j:j + K], w) for j in range(n)])
+        y = np.stack([np.einsum("ic,ci->c", xp[j:j + K], w) for j in range(n)]) + bv
         close(outs[0][a:a + n], y / (1 + np.exp(-y)) if silu else y, 1e-5)
 
 
@@ -217,3 +220,62 @@ def test_gate_mul(kernel_backend, shape, rng):
         r = ref.alloc(shape)
         ref.gate_mul(r, x, g, act)
         close(r, want, 1e-6)
+
+
+# (nh, P, G, N): heads of P dims, G groups of B and C, a state of N (Granite 4.0-H: 1 group)
+SSM_HEADS = [(2, 4, 1, 8), (4, 6, 2, 5), (3, 16, 3, 32), (1, 8, 1, 128)]
+
+
+def ssm_case(heads, lengths, at, rng):
+    nh, P, G, N = heads
+    starts, pos = step(lengths, at)
+    T, S = int(starts[-1]), len(lengths)
+    nslots = S + 1
+    slots = rng.permutation(nslots)[:S].astype(np.int32)
+    xbc = rng.standard_normal((T, nh * P + 2 * G * N)).astype(np.float32)
+    dt = (2 * rng.standard_normal((T, nh))).astype(np.float32)
+    dt[0, 0] = 25.0                                       # softplus past its threshold
+    a_neg = -np.exp(rng.uniform(-2, 1.5, nh)).astype(np.float32)
+    d_skip, dt_bias = rng.standard_normal(nh).astype(np.float32), rng.standard_normal(nh).astype(np.float32)
+    state = (0.3 * rng.standard_normal((nslots, nh, P, N))).astype(np.float32)
+    return starts, pos, slots, xbc, dt, a_neg, d_skip, dt_bias, state
+
+
+@pytest.mark.parametrize("lengths,at", STEPS)
+@pytest.mark.parametrize("heads", SSM_HEADS, ids=lambda h: "x".join(map(str, h)))
+def test_ssm_scan(kernel_backend, heads, lengths, at, rng):
+    """Mamba-2's scan (Granite 4.0-H) on every backend against the reference: sequences from position 0
+    (a garbage slot never read), continued ones, decode tokens; outputs and the states left behind."""
+    ref, be = backend(kernel_backend)
+    starts, pos, slots, xbc, dt, a_neg, d_skip, dt_bias, state = ssm_case(heads, lengths, at, rng)
+    nh, P = heads[:2]
+    T = int(starts[-1])
+    results = []
+    for b in (ref, be):
+        out, st = b.alloc((T, nh * P)), dev(b, state)
+        b.ssm_scan(out, dev(b, xbc), dev(b, dt), b.upload(a_neg), b.upload(d_skip), b.upload(dt_bias), st,
+                   dev(b, starts), dev(b, slots), dev(b, pos), heads)
+        results.append((b.download(out), b.download(st)))
+    close(results[1][0], results[0][0], 1e-4)
+    close(results[1][1], results[0][1], 1e-4)
+
+
+@pytest.mark.parametrize("n", [1, 5, 16, 17, 40])
+@pytest.mark.parametrize("heads", SSM_HEADS[:3], ids=lambda h: "x".join(map(str, h)))
+def test_chunked_ssm_is_the_recurrence(heads, n, rng):
+    """The reference's chunked (SSD) scan against its token-by-token recurrence and against a plain NumPy
+    loop of the definition in float64, on lengths that do not divide the chunk (16), from a non-zero state."""
+    from colibri_edge.backends.reference.backend import ssm_chunked, ssm_inputs, ssm_recurrent
+    starts, pos, slots, xbc, dt, a_neg, d_skip, dt_bias, state = ssm_case(heads, [n], [3], rng)
+    x, B, C, d, la = ssm_inputs(xbc, dt, a_neg, dt_bias, heads)
+    S1, S2 = state[0].copy(), state[0].copy()
+    y1 = ssm_recurrent(x, B, C, d, la, d_skip, S1)
+    y2 = ssm_chunked(x, B, C, d, la, d_skip, S2, 16)
+    close(y2, y1, 1e-4)
+    close(S2, S1, 1e-4)
+    S = state[0].astype(np.float64)
+    for t in range(n):                                    # the definition, one head dim at a time
+        for h in range(heads[0]):
+            dv = float(d[t, h])
+            S[h] = np.exp(dv * float(a_neg[h])) * S[h] + dv * np.outer(x[t, h], B[t, h])
+            np.testing.assert_allclose(y1[t, h], S[h] @ C[t, h] + d_skip[h] * x[t, h], rtol=2e-4, atol=2e-4)

@@ -490,9 +490,17 @@ class Backend(BackendBase):
                                int(block_size), float(scale), int(window), self.none if sinks is None else sinks.data)
 
     # -- recurrent mixers --------------------------------------------------------------------
-    def causal_conv(self, out, x, weight, state, starts, slots, positions, silu=True):
+    def causal_conv(self, out, x, weight, state, starts, slots, positions, silu=True, bias=None):
         self._use_threads()
-        self.r.causal_conv(out, x, weight.data, state, starts, slots, positions, bool(silu))
+        self.r.causal_conv(out, x, weight.data, state, starts, slots, positions, bool(silu),
+                           self.none if bias is None else bias.data)
+
+    def ssm_scan(self, out, xbc, dt, a_neg, d_skip, dt_bias, state, starts, slots, positions, heads, stepwise=False):
+        """Token by token on every path (recurrent.ssm_scan): prefill and decode the same arithmetic."""
+        self._use_threads()
+        nh, P, G, N = (int(h) for h in heads)
+        self.r.ssm_scan(out, xbc, dt, a_neg.data, d_skip.data, dt_bias.data, state, starts, slots, positions,
+                        nh, P, G, N)
 
     def _delta_scratch(self, dk, dv):
         """delta_rule's chunk scratch for heads of dk x dv, one set per thread (recurrent.delta_rule:

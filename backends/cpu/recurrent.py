@@ -27,9 +27,9 @@ GATE_BLOCK = 2048                  # gate_mul's elements per parallel iteration
 
 # -- causal conv ---------------------------------------------------------------------------------
 @njit(parallel=True, nogil=True, cache=True, fastmath=REDUCE, error_model="numpy")
-def causal_conv(out, x, weight, state, starts, slots, positions, silu):
+def causal_conv(out, x, weight, state, starts, slots, positions, silu, bias):
     """Depthwise causal conv1d + SiLU per sequence, its last K-1 inputs carried in state[slot]:
-        out[t, c] = silu(y) (y when not silu: LFM2),  y = sum_{i<K} weight[c, i] * u(m - K + 1 + i, c),  silu(y) = y / (1 + e^-y)
+        out[t, c] = silu(y) (y when not silu: LFM2), plus bias[c] inside (Mamba-2's; empty: none),  y = sum_{i<K} weight[c, i] * u(m - K + 1 + i, c),  silu(y) = y / (1 + e^-y)
     with m = t - a the token's index in its sequence's rows a..b-1 (n = b - a tokens) and
         u(m, c) = x[a + m, c]                   m >= 0 (the step's tokens)
                   state[slot, K - 1 + m, c]     -K < m < 0 (the inputs before the step)
@@ -63,6 +63,8 @@ def causal_conv(out, x, weight, state, starts, slots, positions, silu):
                 else:
                     u = st[K - 1 + j, c]
                 y += weight[c, i] * u
+            if bias.shape[0] > 0:
+                y += bias[c]
             out[a + m, c] = y / (F1 + np.exp(-y)) if silu else y
         for i in range(K - 1):
             j = n - K + 1 + i
@@ -303,6 +305,40 @@ def delta_rule(out, qkv, a, b, a_neg, dt_bias, state, starts, slots, positions, 
             else:
                 delta_chunks(out, qkv, a, b, a_neg, dt_bias, St, r0, r1, h, qo, ko, vo, qscale,
                              ck[c, 0], ck[c, 1], ck[c, 2], cv[c], cc[c, 0], cc[c, 1], cg[c, 0], cg[c, 1])
+
+
+# -- Mamba-2's selective state space ---------------------------------------------------------------
+@njit(parallel=True, nogil=True, cache=True, error_model="numpy")
+def ssm_scan(out, xbc, dt, a_neg, d_skip, dt_bias, state, starts, slots, positions, nh, P, G, N):
+    """Mamba-2's selective state space (base.ssm_scan), token by token in prefill and decode alike:
+        d = softplus(dt[t, h] + dt_bias[h]);  S[p, :] = e^(d a_neg[h]) S[p, :] + d x[p] B
+        out[t, h P + p] = S[p, :] . C + d_skip[h] x[p]
+    Parallel over (sequence, head, head dim p): each owns the state row S[h, p, :] (N floats) in the slot
+    and walks its sequence's tokens."""
+    S = slots.shape[0]
+    di, rep = nh * P, nh // G
+    for shp in prange(S * nh * P):
+        s, hp = shp // (nh * P), shp % (nh * P)
+        h, p = hp // P, hp % P
+        a, b = starts[s], starts[s + 1]
+        if b <= a:
+            continue
+        row = state[slots[s], h, p]
+        if positions[a] == 0:
+            for n in range(N):
+                row[n] = F0
+        g = h // rep
+        b0, c0 = di + g * N, di + G * N + g * N
+        for t in range(a, b):
+            v = dt[t, h] + dt_bias[h]
+            dv = v if v > F20 else np.log1p(np.exp(v))
+            dA = np.exp(dv * a_neg[h])
+            xv = xbc[t, hp]
+            y = F0
+            for n in range(N):
+                row[n] = row[n] * dA + (dv * xbc[t, b0 + n]) * xv
+                y += row[n] * xbc[t, c0 + n]
+            out[t, hp] = y + d_skip[h] * xv
 
 
 # -- output gates --------------------------------------------------------------------------------

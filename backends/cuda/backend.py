@@ -214,7 +214,7 @@ class Backend(CudaRuntime):
     delta_chunk = sources.DEFINES["DELTA_CHUNK"]     # tokens per chunk of delta_rule's prefill form
 
     @guarded
-    def causal_conv(self, out, x, weight, state, starts, slots, positions, silu=True):
+    def causal_conv(self, out, x, weight, state, starts, slots, positions, silu=True, bias=None):
         T, C = x.shape
         K = weight.shape[1] if isinstance(weight, Weight) and len(weight.shape) == 2 else 0
         S = slots.shape[0]
@@ -229,7 +229,26 @@ class Backend(CudaRuntime):
                                "[slots,K-1,C] state, starts [S+1], positions [T])")
         if T and S:
             self._launch("causal_conv", (cdiv(C, CONV_THREADS), S), (CONV_THREADS,),
-                         (out, x, weight.data, state, starts, slots, positions, _i32(C), _i32(K), _i32(bool(silu))))
+                         (out, x, weight.data, state, starts, slots, positions, _i32(C), _i32(K), _i32(bool(silu)),
+                          _NULL if bias is None else bias.data))
+
+    @guarded
+    def ssm_scan(self, out, xbc, dt, a_neg, d_skip, dt_bias, state, starts, slots, positions, heads, stepwise=False):
+        nh, P, G, N = (int(h) for h in heads)
+        T, S = xbc.shape[0], slots.shape[0]
+        vecs = (a_neg, d_skip, dt_bias)
+        if min(nh, P, G, N) < 1 or nh % G or xbc.shape != (T, nh * P + 2 * G * N) or dt.shape != (T, nh) or \
+                out.size != T * nh * P or state.ndim != 4 or state.shape[1:] != (nh, P, N) or S > 65535 or \
+                starts.shape[0] < S + 1 or any(_storage(w) != "float32" or w.data.size != nh for w in vecs) or \
+                not all(a.flags.c_contiguous for a in (out, xbc, dt, state)):
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"ssm_scan: heads (nh, P, G, N) = {tuple(heads)}, xbc "
+                               f"{xbc.shape}, dt {dt.shape}, out {out.shape}, state {state.shape}, {S} sequences (needs "
+                               "contiguous xbc [T, nh P + 2 G N], dt [T, nh], state [slots, nh, P, N], float32 "
+                               "a_neg, d_skip, dt_bias [nh], G dividing nh, at most 65535 sequences)")
+        if T and S:
+            self._launch("ssm_scan", (cdiv(nh * P, 128), S), (128,),
+                         (out, xbc, dt, *(w.data for w in vecs), state, starts, slots, positions, _i32(nh), _i32(P),
+                          _i32(G), _i32(N)))
 
     @guarded
     def delta_rule(self, out, qkv, a, b, a_neg, dt_bias, state, starts, slots, positions, heads, stepwise=False):

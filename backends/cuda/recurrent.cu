@@ -27,7 +27,8 @@
 // grid (ceil(C/blockDim), S), block 128
 template <int K>
 CE_DEV void conv_seq(float* out, const float* x, const float* w, float* state, const int* starts,
-                     const int* slots, const int* positions, int C, int silu) {
+                     const int* slots, const int* positions, int C, int silu,
+                     const float* bias) {
     const int s = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;                              // no barrier in this kernel
     const int t0 = starts[s], t1 = starts[s + 1];
@@ -49,6 +50,7 @@ CE_DEV void conv_seq(float* out, const float* x, const float* w, float* state, c
         float y = 0.f;
 #pragma unroll
         for (int i = 0; i < K; ++i) y += wc[i] * u[i];
+        if (bias) y += bias[c];
         out[(size_t)t * C + c] = silu ? y / (1.0f + expf(-y)) : y;  // silu(y); LFM2's short conv: y
 #pragma unroll
         for (int i = 0; i + 1 < K; ++i) u[i] = u[i + 1];      // slide the window by one token
@@ -59,16 +61,16 @@ CE_DEV void conv_seq(float* out, const float* x, const float* w, float* state, c
 static_assert(CONV_MAX_K == 8, "causal_conv instantiates K = 1 .. 8");
 extern "C" __global__ void causal_conv(float* out, const float* x, const float* w, float* state, const int* starts,
                                        const int* slots, const int* positions, int C, int K,
-                                       int silu) {
+                                       int silu, const float* bias) {
     switch (K) {                                     // K is uniform: the host checked 1 <= K <= CONV_MAX_K
-        case 1: conv_seq<1>(out, x, w, state, starts, slots, positions, C, silu); break;
-        case 2: conv_seq<2>(out, x, w, state, starts, slots, positions, C, silu); break;
-        case 3: conv_seq<3>(out, x, w, state, starts, slots, positions, C, silu); break;
-        case 4: conv_seq<4>(out, x, w, state, starts, slots, positions, C, silu); break;
-        case 5: conv_seq<5>(out, x, w, state, starts, slots, positions, C, silu); break;
-        case 6: conv_seq<6>(out, x, w, state, starts, slots, positions, C, silu); break;
-        case 7: conv_seq<7>(out, x, w, state, starts, slots, positions, C, silu); break;
-        default: conv_seq<8>(out, x, w, state, starts, slots, positions, C, silu); break;
+        case 1: conv_seq<1>(out, x, w, state, starts, slots, positions, C, silu, bias); break;
+        case 2: conv_seq<2>(out, x, w, state, starts, slots, positions, C, silu, bias); break;
+        case 3: conv_seq<3>(out, x, w, state, starts, slots, positions, C, silu, bias); break;
+        case 4: conv_seq<4>(out, x, w, state, starts, slots, positions, C, silu, bias); break;
+        case 5: conv_seq<5>(out, x, w, state, starts, slots, positions, C, silu, bias); break;
+        case 6: conv_seq<6>(out, x, w, state, starts, slots, positions, C, silu, bias); break;
+        case 7: conv_seq<7>(out, x, w, state, starts, slots, positions, C, silu, bias); break;
+        default: conv_seq<8>(out, x, w, state, starts, slots, positions, C, silu, bias); break;
     }
 }
 
@@ -304,6 +306,38 @@ extern "C" __global__ void delta_rule(float* out, const float* qkv, const float*
 //   act 0 (silu, the gated RMSNorm's output gate):  out = x * (g / (1 + e^-g))
 //   act 1 (sigmoid, Qwen3.5's attention output gate): out = x / (1 + e^-g)
 // grid ceil(n/256), block 256
+// Mamba-2's selective state space (base.py ssm_scan), token by token (prefill and decode alike):
+//   d = softplus(dt[t, h] + dt_bias[h]);  S[p, :] = e^(d a_neg[h]) S[p, :] + d x[p] B;  out[t, h P + p] = S[p, :] . C + D[h] x[p]
+// xbc [T, nh P + 2 G N] (x | B | C, head h reading group h / (nh / G)); dt [T, nh]; state [slots, nh, P, N].
+// A thread per (head dim p of head h, sequence s) owns the state row S[h, p, :]: grid (ceil(nh P / 128), S), block 128
+extern "C" __global__ void ssm_scan(float* out, const float* xbc, const float* dt, const float* a_neg, const float* d_skip,
+                                    const float* dt_bias, float* state, const int* starts, const int* slots,
+                                    const int* positions, int nh, int P, int G, int N) {
+    const int hp = blockIdx.x * blockDim.x + threadIdx.x, s = blockIdx.y;
+    if (hp >= nh * P) return;
+    const int r0 = starts[s], r1 = starts[s + 1];
+    if (r1 <= r0) return;
+    const int h = hp / P, di = nh * P, W = di + 2 * G * N, g = h / (nh / G);
+    float* row = state + ((size_t)slots[s] * nh * P + hp) * N;
+    if (positions[r0] == 0)
+        for (int n = 0; n < N; ++n) row[n] = 0.f;
+    const int b0 = di + g * N, c0 = di + G * N + g * N;
+    for (int t = r0; t < r1; ++t) {
+        const float v = dt[(size_t)t * nh + h] + dt_bias[h];
+        const float d = v > 20.f ? v : log1pf(expf(v));
+        const float dA = expf(d * a_neg[h]);
+        const float* xr = xbc + (size_t)t * W;
+        const float xv = xr[hp];
+        float y = 0.f;
+        for (int n = 0; n < N; ++n) {
+            const float sn = row[n] * dA + (d * xr[b0 + n]) * xv;
+            row[n] = sn;
+            y += sn * xr[c0 + n];
+        }
+        out[(size_t)t * di + hp] = y + d_skip[h] * xv;
+    }
+}
+
 // mode: 0 sigmoid, 1 silu, 2 none (out = x * gate: LFM2's short-convolution gates)
 extern "C" __global__ void gate_mul(float* out, const float* x, const float* gate, long long n, int mode) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;

@@ -66,7 +66,7 @@ KERNELS = {
                  "rmsnorm", "layernorm", "pos_scale", "rope", "add", "scale", "f32_to_f16", "f16_to_f32_bias", "bias_add",
                  *(f"{k}_{f}" for f in BLOCK_FORMATS for k in ("embed", "matmul_skinny", "matmul_tiled"))),
     "attention.cu": ("kv_write", "paged_attention", "latent_attention"),
-    "recurrent.cu": ("causal_conv", "delta_rule", "gate_mul"),
+    "recurrent.cu": ("causal_conv", "delta_rule", "ssm_scan", "gate_mul"),
     "moe.cu": ("moe_route", "moe_sparsemixer", "moe_align", "moe_combine",
                "moe_gate_up_skinny_f32", "moe_gate_up_skinny_f16", "moe_gate_up_skinny_bf16", "moe_gate_up_skinny_i8",
                "moe_down_skinny_f32", "moe_down_skinny_f16", "moe_down_skinny_bf16", "moe_down_skinny_i8",

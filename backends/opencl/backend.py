@@ -271,7 +271,7 @@ class Backend(OpenCLRuntime):
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{op}: {what} must be float32, not {self._wdtype(w)}")
         return self._data(w)
 
-    def causal_conv(self, out, x, weight, state, starts, slots, positions, silu=True):
+    def causal_conv(self, out, x, weight, state, starts, slots, positions, silu=True, bias=None):
         T, C = x.shape
         K = weight.shape[1] if len(weight.shape) == 2 else -1
         S = slots.shape[0]
@@ -286,7 +286,22 @@ class Backend(OpenCLRuntime):
         w = self._float32("causal_conv", "the conv weight", weight)
         k = self._kernel("recurrent.cl", "causal_conv")
         g, l = self._2d(k, C, S)
-        self._launch(k, g, l, out, x, w, state, starts, slots, positions, S, C, K, int(bool(silu)))
+        self._launch(k, g, l, out, x, w, state, starts, slots, positions, S, C, K, int(bool(silu)),
+                     self._dummy if bias is None else self._float32("causal_conv", "the bias", bias), int(bias is not None))
+
+    def ssm_scan(self, out, xbc, dt, a_neg, d_skip, dt_bias, state, starts, slots, positions, heads, stepwise=False):
+        nh, P, G, N = (int(h) for h in heads)
+        T, S = xbc.shape[0], slots.shape[0]
+        if min(nh, P, G, N) < 1 or nh % G or tuple(xbc.shape) != (T, nh * P + 2 * G * N) or \
+                tuple(dt.shape) != (T, nh) or out.size != T * nh * P or tuple(state.shape[1:]) != (nh, P, N) or \
+                starts.shape[0] != S + 1:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"ssm_scan: heads {heads} and the shapes out {out.shape}, "
+                               f"xbc {xbc.shape}, dt {dt.shape}, state {state.shape}, starts {starts.shape}, "
+                               f"slots {slots.shape} do not agree")
+        vecs = [self._float32("ssm_scan", n, w) for n, w in (("a_neg", a_neg), ("d_skip", d_skip), ("dt_bias", dt_bias))]
+        k = self._kernel("recurrent.cl", "ssm_scan")
+        g, l = self._2d(k, nh * P, S)
+        self._launch(k, g, l, out, xbc, dt, *vecs, state, starts, slots, positions, S, nh, P, G, N)
 
     def delta_local_bytes(self, dk, L, Cm=DELTA_CHUNK):
         """Local memory of one delta_rule work-group (recurrent.cl): q, k, W [Cm, dk], A, QK [Cm, Cm],

@@ -29,13 +29,14 @@
  * global (C, S) */
 __kernel void causal_conv(ARG(float, out), CARG(float, x), CARG(float, weight), ARG(float, state),
                           CARG(int, starts), CARG(int, slots), CARG(int, positions), const int S, const int C,
-                          const int K, const int silu)
+                          const int K, const int silu, CARG(float, bias), const int has_bias)
 {
     const int c = get_global_id(0), s = get_global_id(1);
     if (c >= C || s >= S)
         return;
     BIND(float, out); CBIND(float, x); CBIND(float, weight); BIND(float, state);
-    CBIND(int, starts); CBIND(int, slots); CBIND(int, positions);
+    CBIND(int, starts); CBIND(int, slots); CBIND(int, positions); CBIND(float, bias);
+    const float bc = has_bias ? bias[c] : 0.0f;
     const int r0 = starts[s], r1 = starts[s + 1];
     if (r1 <= r0)
         return;
@@ -64,6 +65,7 @@ __kernel void causal_conv(ARG(float, out), CARG(float, x), CARG(float, weight), 
                 wl = w[i];
         }
         y += wl * xt;
+        y += bc;
         out[(size_t)t * C + c] = silu ? y / (1.0f + exp(-y)) : y;     /* silu(y) = y sigmoid(y); LFM2: y */
         /* slide the window: win[i] = win[i+1], the newest input x[t] last */
         #pragma unroll
@@ -324,6 +326,46 @@ __kernel void delta_rule(ARG(float, out), CARG(float, qkv), CARG(float, a), CARG
             }
         }
         fresh = 0;                             /* later chunks continue the state just written */
+    }
+}
+
+/* Mamba-2's selective state space (base.py ssm_scan), token by token (prefill and decode alike):
+ *   d = softplus(dt[t, h] + dt_bias[h]);  S[p, :] = e^(d a_neg[h]) S[p, :] + d x[p] B;
+ *   out[t, h P + p] = S[p, :] . C + d_skip[h] x[p]
+ * xbc [T, nh P + 2 G N] (x | B | C, head h reading group h / (nh / G)); dt [T, nh]; state [slots, nh, P, N].
+ * One work-item per (head dim p of head h, sequence s) owns the state row S[h, p, :] in the slot.
+ * global (nh P, S) */
+__kernel void ssm_scan(ARG(float, out), CARG(float, xbc), CARG(float, dt), CARG(float, a_neg), CARG(float, d_skip),
+                       CARG(float, dt_bias), ARG(float, state), CARG(int, starts), CARG(int, slots),
+                       CARG(int, positions), const int S, const int nh, const int P, const int G, const int N)
+{
+    const int hp = get_global_id(0), s = get_global_id(1);
+    if (hp >= nh * P || s >= S)
+        return;
+    BIND(float, out); CBIND(float, xbc); CBIND(float, dt); CBIND(float, a_neg); CBIND(float, d_skip);
+    CBIND(float, dt_bias); BIND(float, state); CBIND(int, starts); CBIND(int, slots); CBIND(int, positions);
+    const int r0 = starts[s], r1 = starts[s + 1];
+    if (r1 <= r0)
+        return;
+    const int h = hp / P, di = nh * P, W = di + 2 * G * N, g = h / (nh / G);
+    __global float* row = state + ((size_t)slots[s] * nh * P + hp) * N;
+    if (positions[r0] == 0)
+        for (int n = 0; n < N; ++n)
+            row[n] = 0.0f;
+    const int b0 = di + g * N, c0 = di + G * N + g * N;
+    for (int t = r0; t < r1; ++t) {
+        const float v = dt[(size_t)t * nh + h] + dt_bias[h];
+        const float d = v > 20.0f ? v : log1p(exp(v));
+        const float dA = exp(d * a_neg[h]);
+        __global const float* xr = xbc + (size_t)t * W;
+        const float xv = xr[hp];
+        float y = 0.0f;
+        for (int n = 0; n < N; ++n) {
+            const float sn = row[n] * dA + (d * xr[b0 + n]) * xv;
+            row[n] = sn;
+            y += sn * xr[c0 + n];
+        }
+        out[(size_t)t * di + hp] = y + d_skip[h] * xv;
     }
 }
 

@@ -150,6 +150,53 @@ def delta_rule_recurrent(q, k, v, g, beta, S):
     return out
 
 
+def ssm_inputs(xbc, dt, a_neg, dt_bias, heads):
+    """Mamba-2's per-token inputs (base.ssm_scan): x [T, nh, P], B and C [T, nh, N] (each head its group's),
+    dt = softplus(dt + dt_bias) [T, nh], the log decay dt * a_neg [T, nh]."""
+    nh, P, G, N = heads
+    T, di = xbc.shape[0], nh * P
+    x = xbc[:, :di].reshape(T, nh, P)
+    B = np.repeat(xbc[:, di:di + G * N].reshape(T, G, N), nh // G, axis=1)
+    C = np.repeat(xbc[:, di + G * N:di + 2 * G * N].reshape(T, G, N), nh // G, axis=1)
+    d = softplus(dt + _f32(dt_bias)[None, :])
+    return x, B, C, d, (d * _f32(a_neg)[None, :]).astype(np.float32)
+
+
+def ssm_recurrent(x, B, C, d, la, D, S):
+    """Token by token: S = e^la S + d x B^T; y = S C + D x.  S [nh, P, N] in place."""
+    y = np.empty(x.shape, np.float32)
+    for t in range(x.shape[0]):
+        S *= np.exp(la[t])[:, None, None]
+        S += (d[t][:, None, None] * B[t][:, None, :]) * x[t][:, :, None]
+        y[t] = np.einsum("hpn,hn->hp", S, C[t]) + D[:, None] * x[t]
+    return y
+
+
+def ssm_chunked(x, B, C, d, la, D, S, chunk=DELTA_CHUNK):
+    """The chunked (SSD) form, as transformers' mamba2_chunk_scan: within a chunk, with A the cumulative
+    log decay (A_l = la_0 + .. + la_l) and L[l, s] = e^(A_l - A_s) (s <= l),
+        y_l = sum_{s<=l} L[l, s] (C_l . B_s) d_s x_s + e^(A_l) S C_l + D x_l
+        S   = e^(A_last) S + sum_s e^(A_last - A_s) d_s x_s B_s^T
+    S [nh, P, N] in place; the last chunk may be shorter (no padding)."""
+    n = x.shape[0]
+    y = np.empty(x.shape, np.float32)
+    for c0 in range(0, n, chunk):
+        c1 = min(n, c0 + chunk)
+        c = c1 - c0
+        A = np.cumsum(la[c0:c1], axis=0).T                                    # [nh, c]
+        low = np.tril(np.ones((c, c), bool))
+        L = np.where(low, np.exp(np.where(low, A[:, :, None] - A[:, None, :], 0)), 0).astype(np.float32)
+        xd = (x[c0:c1] * d[c0:c1][..., None]).transpose(1, 0, 2)             # [nh, c, P]
+        Bh, Ch = B[c0:c1].transpose(1, 0, 2), C[c0:c1].transpose(1, 0, 2)    # [nh, c, N]
+        M = (Ch @ Bh.transpose(0, 2, 1)) * L                                  # [nh, c, c]
+        yc = M @ xd + np.exp(A)[..., None] * (Ch @ S.transpose(0, 2, 1))      # [nh, c, P]
+        y[c0:c1] = yc.transpose(1, 0, 2) + D[None, :, None] * x[c0:c1]
+        last = A[:, -1]
+        S *= np.exp(last)[:, None, None]
+        S += (xd * np.exp(last[:, None] - A)[..., None]).transpose(0, 2, 1) @ Bh
+    return y
+
+
 def delta_rule_chunked(q, k, v, g, beta, S, chunk=DELTA_CHUNK):
     """The chunked form (DeltaNet's WY / UT transform, as transformers' torch_chunk_gated_delta_rule):
     within a chunk of c tokens, with G the cumulative log decay and D[i, j] = e^(G_i - G_j) (i >= j),
@@ -300,8 +347,9 @@ class Backend(BackendBase):
             out[t] = routing.softmax(s) @ c
 
     # recurrent mixers
-    def causal_conv(self, out, x, weight, state, starts, slots, positions, silu=True):
+    def causal_conv(self, out, x, weight, state, starts, slots, positions, silu=True, bias=None):
         w = _f32(weight)                                   # [C, K]
+        bv = np.zeros(w.shape[0], np.float32) if bias is None else _f32(bias)
         K = w.shape[1]
         for s in range(len(slots)):
             a, b = int(starts[s]), int(starts[s + 1])
@@ -310,7 +358,7 @@ class Backend(BackendBase):
             prev = np.zeros((K - 1, x.shape[1]), np.float32) if positions[a] == 0 else state[slots[s]].copy()
             u = np.concatenate([prev, x[a:b]])             # positions p0-K+1 .. pl
             for j in range(b - a):
-                y = np.einsum("ic,ci->c", u[j:j + K], w)
+                y = np.einsum("ic,ci->c", u[j:j + K], w) + bv
                 out[a + j] = y / (np.float32(1) + np.exp(-y)) if silu else y
             state[slots[s]] = u[u.shape[0] - (K - 1):]
 
@@ -327,6 +375,19 @@ class Backend(BackendBase):
             o = delta_rule_recurrent(q, k, v, g, beta, S) if r1 - r0 == 1 or stepwise else \
                 delta_rule_chunked(q, k, v, g, beta, S, self.delta_chunk)
             out[r0:r1] = o.reshape(r1 - r0, Hv * dv)
+            state[slots[s]] = S
+
+    def ssm_scan(self, out, xbc, dt, a_neg, d_skip, dt_bias, state, starts, slots, positions, heads, stepwise=False):
+        nh, P = heads[0], heads[1]
+        for s in range(len(slots)):
+            r0, r1 = int(starts[s]), int(starts[s + 1])
+            if r1 <= r0:
+                continue
+            S = np.zeros(state.shape[1:], np.float32) if positions[r0] == 0 else state[slots[s]].copy()
+            x, B, C, d, la = ssm_inputs(xbc[r0:r1], dt[r0:r1], a_neg, dt_bias, heads)
+            y = ssm_recurrent(x, B, C, d, la, _f32(d_skip), S) if r1 - r0 == 1 or stepwise else \
+                ssm_chunked(x, B, C, d, la, _f32(d_skip), S, self.delta_chunk)
+            out[r0:r1] = y.reshape(r1 - r0, nh * P)
             state[slots[s]] = S
 
     def gate_mul(self, out, x, gate, act):

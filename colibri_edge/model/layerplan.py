@@ -9,20 +9,20 @@ def geometry(cfg: dict, layer: dict) -> tuple:
         layer.get("head_dim", cfg["head_dim"])
 
 
-RECURRENT_TYPES = ("linear_attention", "short_conv")
+RECURRENT_TYPES = ("linear_attention", "short_conv", "mamba")
 
 
 def mixer_type(cfg: dict, layer: dict) -> str:
     """A layer's layer_types entry: "full_attention" where the config has none (and for the MTP head's
     layer, past layer_types), "sliding_attention", or a recurrent mixer: "linear_attention" (gated
-    delta-net) or "short_conv" (LFM2's gated short convolution)."""
+    delta-net), "short_conv" (LFM2's gated short convolution) or "mamba" (Granite 4.0-H's Mamba-2)."""
     types = cfg.get("layer_types")
     return types[layer["layer_id"]] if types and layer["layer_id"] < len(types) else "full_attention"
 
 
 def is_linear(cfg: dict, layer: dict) -> bool:
     """Whether a layer's mixer is a recurrent one (a fixed-size state per sequence, no KV cache: a gated
-    delta-net or a short convolution)."""
+    delta-net, a short convolution or a Mamba-2 mixer)."""
     return mixer_type(cfg, layer) in RECURRENT_TYPES
 
 

@@ -134,6 +134,26 @@ def short_conv_tensors(cfg: dict, p: str) -> dict:
     return t
 
 
+def mamba_tensors(cfg: dict, p: str) -> dict:
+    """A Mamba-2 layer's tensors (Granite 4.0-H; H hidden, nh heads of P dims, G groups of B / C, N the state
+    size, K the conv kernel, D = nh P, C = D + 2 G N the conv's channels), each [out, in]; in_proj's three
+    parts stored apart:
+        ssm.wz [D, H]            the gate: y = rmsnorm(scan(..) * silu(z)) * norm
+        ssm.wxbc [C, H]          x | B | C, the conv's input
+        ssm.wdt [nh, H]          the time steps: dt = softplus(wdt @ h + dt_bias)
+        ssm.conv [C, K], ssm.conv_bias [C]   the depthwise causal conv's taps and bias (SiLU after)
+        ssm.a_neg, ssm.d, ssm.dt_bias [nh]   a_neg = -exp(A_log), d the skip (D): y += d x
+        ssm.norm [D]             the gated RMSNorm's weight
+        ssm.wo [H, D]"""
+    mb, H, W, f32 = cfg["mamba"], cfg["hidden_size"], "weight", "float32"
+    nh, P, G, N = (mb[k] for k in ("num_heads", "head_dim", "n_groups", "state_size"))
+    D, C = nh * P, nh * P + 2 * G * N
+    return {p + "ssm.wz": ((D, H), W), p + "ssm.wxbc": ((C, H), W), p + "ssm.wdt": ((nh, H), f32),
+            p + "ssm.conv": ((C, mb["conv_kernel"]), f32), p + "ssm.conv_bias": ((C,), f32),
+            p + "ssm.a_neg": ((nh,), f32), p + "ssm.d": ((nh,), f32), p + "ssm.dt_bias": ((nh,), f32),
+            p + "ssm.norm": ((D,), f32), p + "ssm.wo": ((H, D), W)}
+
+
 def _attention_tensors(cfg: dict, layer: dict, p: str) -> dict:
     """A GQA layer's attention tensors."""
     H, W, f32 = cfg["hidden_size"], "weight", "float32"
@@ -214,6 +234,8 @@ def tensor_roles(cfg: dict) -> dict:
             t.update(latent_tensors(cfg, p))
         elif layerplan.mixer_type(cfg, layer) == "short_conv":
             t.update(short_conv_tensors(cfg, p))
+        elif layerplan.mixer_type(cfg, layer) == "mamba":
+            t.update(mamba_tensors(cfg, p))
         elif layerplan.is_linear(cfg, layer):
             t.update(linear_tensors(cfg, p))
         else:

@@ -199,7 +199,12 @@ CONFIG_FIELDS = (
     "swiglu_alpha", "swiglu_limit", "norm_layout", "ffn_act", "embed_scale", "final_logit_softcap", "v_norm",
     "layer_scalar", "router_input_norm", "expert_scale", "latent_attention", "router_score", "router_groups",
     "routed_scaling_factor", "linear_attention", "attention_output_gate", "rope_dim", "mtp", "short_conv",
-    "norm_type", "lm_head_bias", "router_jitter", "attention_chunk", "attn_temperature", "router_input_scale")
+    "norm_type", "lm_head_bias", "router_jitter", "attention_chunk", "attn_temperature", "router_input_scale",
+    "mamba")
+# mamba (Granite 4.0-H): the layers of layer_types "mamba" are Mamba-2 mixers with a fixed-size state per
+# sequence: {conv_kernel K, num_heads nh, head_dim P, n_groups G, state_size N}: in_proj's z [nh P], x|B|C
+# [nh P + 2 G N] (through a depthwise causal conv of K taps with a bias, then SiLU) and dt [nh]; the state is
+# the conv's last K-1 inputs and S [nh, P, N]; the gated RMSNorm over the nh P channels (one group)
 # Llama 4: layer_types "chunked_attention" attend within chunks of attention_chunk positions (p - p mod C .. p);
 # attn_temperature {floor_scale, attn_scale}: the nope layers' queries times log1p(floor((p + 1) / floor_scale))
 # * attn_scale + 1; router_input_scale: the routed experts see h times the token's routing weight (top-1),
@@ -249,7 +254,8 @@ OPTIONAL = ("architectures", "bos_token_id", "attention_scale", "folded_multipli
             "embed_scale", "final_logit_softcap", "v_norm", "layer_scalar", "router_input_norm", "expert_scale",
             "latent_attention", "router_score", "router_groups", "routed_scaling_factor", "linear_attention",
             "attention_output_gate", "rope_dim", "mtp", "short_conv", "norm_type", "lm_head_bias", "router_jitter",
-            "attention_chunk", "attn_temperature", "router_input_scale")
+            "attention_chunk", "attn_temperature", "router_input_scale", "mamba")
+MAMBA_FIELDS = ("conv_kernel", "num_heads", "head_dim", "n_groups", "state_size")
 SHORT_CONV_FIELDS = ("conv_kernel",)
 MTP_FIELDS = ("layers", "own_head", "own_embed")
 LINEAR_FIELDS = ("conv_kernel", "num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim",
@@ -258,7 +264,8 @@ LINEAR_FIELDS = ("conv_kernel", "num_key_heads", "num_value_heads", "key_head_di
 MAX_CONV_KERNEL = 8
 LATENT_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "norm_eps")
 GROUP_FIELDS = ("n_group", "topk_group", "group_top")
-ATTENTION_TYPES = ("full_attention", "sliding_attention", "linear_attention", "short_conv", "chunked_attention")
+ATTENTION_TYPES = ("full_attention", "sliding_attention", "linear_attention", "short_conv", "chunked_attention",
+                   "mamba")
 EXPERT_ACTS = ("silu", "swiglu_oai", "gelu_tanh")
 FOLDED = ("embedding_multiplier", "residual_multiplier", "logits_scaling")
 
@@ -364,6 +371,7 @@ def config(cfg, path: str = "config.json", model_types: tuple | None = None) -> 
     _latent_fields(path, cfg)
     _linear_fields(path, cfg)
     _short_conv_fields(path, cfg)
+    _mamba_fields(path, cfg)
     _router_fields(path, cfg, E)
     layers = _list(path, "layers", cfg["layers"], MAX_LAYERS)
     if len(layers) != L:
@@ -531,6 +539,27 @@ def _short_conv_fields(path, cfg):
                             "sandwich norms")
     if any(k in l for l in cfg["layers"] for k in LAYER_OPTIONAL):
         raise invalid_model(path, "layers", "per-layer attention geometry does not combine with short_conv")
+
+
+def _mamba_fields(path, cfg):
+    """mamba (Granite 4.0-H's Mamba-2 layers)."""
+    mb = _mixer_section(path, cfg, "mamba", MAMBA_FIELDS)
+    if mb is None:
+        return
+    for f in MAMBA_FIELDS:
+        if f not in mb:
+            raise invalid_model(path, f"mamba.{f}", "missing")
+        _int(path, f"mamba.{f}", mb[f], 2 if f == "conv_kernel" else 1,
+             MAX_CONV_KERNEL if f == "conv_kernel" else MAX_HEADS if f in ("num_heads", "n_groups") else 1 << 10)
+    if mb["n_groups"] != 1:
+        raise invalid_model(path, "mamba.n_groups", f"{mb['n_groups']}: Colibri's gated RMSNorm normalises the "
+                            "heads' channels as one group (Granite 4.0-H's n_groups is 1)")
+    if any(k in cfg for k in ("linear_attention", "short_conv")) or cfg.get("latent_attention") or \
+            cfg.get("norm_layout", "pre") != "pre":
+        raise invalid_model(path, "mamba", "does not combine with linear_attention, short_conv, latent_attention "
+                            "or sandwich norms")
+    if any(k in l for l in cfg["layers"] for k in LAYER_OPTIONAL if k != "nope"):
+        raise invalid_model(path, "layers", "per-layer attention geometry does not combine with mamba")
 
 
 def _router_fields(path, cfg, E):

@@ -95,6 +95,12 @@ def buffers(cfg: dict, lim: Limits) -> dict:
     if cfg.get("short_conv") and lim.fixed_pools:                               # LFM2's short convolutions:
         for name in ("b", "c", "x", "conv"):                                    # in_proj's thirds, the conv's
             spec[f"sc.{name}"] = ((R, H), f32)                                  # output (state: the fixed pool)
+    mb = cfg.get("mamba")
+    if mb and lim.fixed_pools:                                                  # Mamba-2 (rows only: the state
+        nh, P, G, N = (mb[k] for k in ("num_heads", "head_dim", "n_groups", "state_size"))   # is the fixed pool's)
+        for name, width in (("z", nh * P), ("xbc", nh * P + 2 * G * N), ("conv", nh * P + 2 * G * N),
+                            ("dt", nh), ("y", nh * P)):
+            spec[f"ssm.{name}"] = ((R, width), f32)
     la = cfg.get("latent_attention")
     if la:                                                                      # latent attention (rows only:
         nh, r, dr = cfg["num_attention_heads"], la["kv_lora_rank"], la["qk_rope_head_dim"]   # nothing here grows

@@ -12,6 +12,7 @@ Mixers:    Attention        GQA over a paged KV pool (optional q/k/v/o biases, q
                             cache of latents and rope keys, computed in the latent space
            GatedDeltaNet    Qwen3.5 / Qwen3-Next linear attention, a fixed-size state per sequence
            ShortConv        LFM2's gated short convolution, its last K-1 inputs per sequence
+           Mamba2           Granite 4.0-H's selective state space: the conv's last inputs and S [nh, P, N] per sequence
 FFN parts: MoE              route (optionally a router bias, a choice-only bias, a renormalisation
                             floor, per-expert scales, normed inputs), align, the chosen experts' SwiGLU
                             (or gpt-oss's clamped SwiGLU with expert biases, or GeGLU), combine
@@ -270,6 +271,52 @@ class ShortConv:
 
 
 @dataclass
+class Mamba2:
+    """Mamba-2's selective state space (Granite 4.0-H's "mamba" layers; modeling_granitemoehybrid's
+    GraniteMoeHybridMambaLayer), nh heads of P dims, B and C of N in one group; its state per sequence is
+    the conv's last K-1 inputs and S [nh, P, N] (the recurrent pool's slot):
+        z | xbc | dt = in_proj @ h                            (converted as three matrices)
+        x | B | C = silu(conv(xbc) + conv_bias)               a depthwise causal conv of K taps
+        S = e^(d a_neg) S + d x B^T,  y = S C + skip x        per head, d = softplus(dt + dt_bias) (base.ssm_scan)
+        x += wo @ (rmsnorm(y * silu(z)) * norm)               the gate before the norm (norm_before_gate False)"""
+    wz: Weight                  # [nh*P, H]
+    wxbc: Weight                # [nh*P + 2*G*N, H]
+    wdt: Weight                 # [nh, H] float32
+    conv: Weight                # [nh*P + 2*G*N, K] float32
+    conv_bias: Weight           # [nh*P + 2*G*N]
+    a_neg: Weight               # [nh]  -exp(A_log)
+    d_skip: Weight              # [nh]  D
+    dt_bias: Weight             # [nh]
+    norm: Weight                # [nh*P]
+    wo: Weight                  # [H, nh*P]
+    heads: tuple                # (nh, P, G, N)
+    eps: float
+    pool: int                   # the recurrent pool's index among the engine's pools (its storage)
+    fixed: int                  # ... and among the fixed pools (the step's slots)
+    conv_state: object = None   # [slots, K-1, nh*P + 2*G*N]
+    ssm_state: object = None    # [slots, nh, P, N]
+
+    def bind(self, storage: dict, layer: int):
+        self.conv_state, self.ssm_state = storage[(self.pool, layer, "conv")], storage[(self.pool, layer, "ssm")]
+
+    def forward(self, be, s):
+        v, slots = s.ssm, s.fslots[self.fixed]
+        be.matmuls((v.z, v.xbc, v.dt), s.h, (self.wz, self.wxbc, self.wdt), (None, None, None))
+        if s.lora is not None:
+            for out, w in ((v.z, self.wz), (v.xbc, self.wxbc), (v.dt, self.wdt)):
+                s.lora.linear(out, s.h, w)
+        be.causal_conv(v.conv, v.xbc, self.conv, self.conv_state, s.starts, slots, s.pos, silu=True,
+                       bias=self.conv_bias)
+        be.ssm_scan(v.y, v.conv, v.dt, self.a_neg, self.d_skip, self.dt_bias, self.ssm_state, s.starts, slots,
+                    s.pos, self.heads, s.stepwise)
+        be.gate_mul(v.y, v.y, v.z, "silu")
+        be.rmsnorm(v.y, v.y, self.norm, self.eps)
+        be.matmul(s.o, v.y, self.wo)
+        lora(s, s.o, v.y, self.wo)
+        be.add(s.x, s.x, s.o)
+
+
+@dataclass
 class FFNContext:
     """What an FFN part's forward may use of the step runner (built once by runner.Runner):
     be           the backend
@@ -432,7 +479,7 @@ class ParallelFFN:
 class Layer:
     index: int
     input_norm: Weight          # [H]
-    mixer: object               # Attention | LatentAttention | GatedDeltaNet | ShortConv
+    mixer: object               # Attention | LatentAttention | GatedDeltaNet | ShortConv | Mamba2
     post_norm: Weight           # [H]
     ffns: tuple                 # FFN parts, run in order, each adding into the residual
     scalar: float = 1.0         # x *= scalar after the layer (Gemma 4's layer_scalar)
@@ -562,6 +609,8 @@ def build(model, be, pools, resident: bool, fixed_pools=(), mtp: bool = False, m
     lin = cfg.get("linear_attention")
     lin_layers = set(fixed_pools[0].layers) if lin and fixed_pools else set()
     conv_layers = set(fixed_pools[0].layers) if cfg.get("short_conv") and fixed_pools else set()
+    mamba = cfg.get("mamba")
+    mamba_layers = set(fixed_pools[0].layers) if mamba and fixed_pools else set()
     lin_heads = tuple(lin[k] for k in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim")) \
         if lin else ()
     if lin:       # value head h reads key head (h // group) % Hk: grouped (HF) group = Hv / Hk, tiled (GGUF) 1
@@ -576,6 +625,11 @@ def build(model, be, pools, resident: bool, fixed_pools=(), mtp: bool = False, m
         if conv_layers and i in conv_layers:
             mixer = ShortConv(w(p + "conv.wb"), w(p + "conv.wc"), w(p + "conv.wx"), w(p + "conv.w"), w(p + "conv.wo"),
                               len(pools), 0)
+        elif mamba_layers and i in mamba_layers:
+            mixer = Mamba2(*(w(p + "ssm." + n) for n in ("wz", "wxbc", "wdt", "conv", "conv_bias", "a_neg", "d",
+                                                          "dt_bias", "norm", "wo")),
+                           tuple(mamba[k] for k in ("num_heads", "head_dim", "n_groups", "state_size")), eps,
+                           len(pools), 0)
         elif lin_layers and i in lin_layers:
             mixer = GatedDeltaNet(w(p + "lin.wqkv"), w(p + "lin.conv"), w(p + "lin.wz"), w(p + "lin.wa"),
                                   w(p + "lin.wb"), w(p + "lin.a_neg"), w(p + "lin.dt_bias"), w(p + "lin.norm"),

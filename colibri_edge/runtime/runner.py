@@ -96,6 +96,7 @@ class StepViews:
         self.attn_gate = a["attn_gate"][:T] if "attn_gate" in a else None
         self.lin = LinearViews(a, cfg, T) if fixed and cfg.get("linear_attention") else None
         self.sc = ShortConvViews(a, T) if fixed and cfg.get("short_conv") else None
+        self.ssm = MambaViews(a, T) if fixed and cfg.get("mamba") else None
         self.ones = a["ones"][:T] if "ones" in a else None   # [T, 1] of 1.0 (router_input_scale)
         self.starts = inputs["starts"][:nseq + 1] if fixed else None    # sequences' token ranges, their state
         self.fslots = [inputs[f"fslots{p}"][:nseq] for p in range(fixed)]   # slot in each fixed pool
@@ -120,6 +121,14 @@ class ShortConvViews:
 
     def __init__(self, a: dict, T: int):
         self.b, self.c, self.x, self.conv = (a[f"sc.{n}"][:T] for n in ("b", "c", "x", "conv"))
+
+
+class MambaViews:
+    """Mamba-2's step buffers (arena "ssm.*") cut to T tokens: in_proj's z, x|B|C and dt parts, the conv's
+    output and the scan's."""
+
+    def __init__(self, a: dict, T: int):
+        self.z, self.xbc, self.conv, self.dt, self.y = (a[f"ssm.{n}"][:T] for n in ("z", "xbc", "conv", "dt", "y"))
 
 
 class LatentViews:

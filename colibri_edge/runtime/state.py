@@ -590,9 +590,14 @@ def recurrent_pool(cfg: dict, num_slots: int) -> FixedPool | None:
     """The fixed-size state of the recurrent layers (layer_types "linear_attention": gated delta-nets), one
     slot per sequence for all of them: per layer the conv's last K-1 inputs [K-1, C] (C = 2 Hk dk + Hv dv
     channels) and the delta rule's state [Hv, dk, dv]; LFM2's short convolutions (layer_types "short_conv")
-    keep only their conv's last K-1 inputs [K-1, H]. None when the model has no recurrent layer."""
-    la = cfg.get("linear_attention")
+    keep only their conv's last K-1 inputs [K-1, H]; Mamba-2 layers (layer_types "mamba") the conv's last K-1
+    inputs [K-1, nh P + 2 G N] and the scan's state [nh, P, N]. None when the model has no recurrent layer."""
+    la, mb = cfg.get("linear_attention"), cfg.get("mamba")
     layers = [l["layer_id"] for l in cfg["layers"] if is_linear(cfg, l)]
+    if mb and layers:
+        nh, P, G, N = (mb[k] for k in ("num_heads", "head_dim", "n_groups", "state_size"))
+        return FixedPool("recurrent state", layers, num_slots,
+                         {"conv": (mb["conv_kernel"] - 1, nh * P + 2 * G * N), "ssm": (nh, P, N)})
     if cfg.get("short_conv") and layers:
         return FixedPool("recurrent state", layers, num_slots,
                          {"conv": (cfg["short_conv"]["conv_kernel"] - 1, cfg["hidden_size"])})

@@ -170,6 +170,11 @@ def _cmd_inspect(a):
         elif types[l["layer_id"]] == "short_conv":
             K = cfg["short_conv"]["conv_kernel"]
             mixer = f"gated short convolution ({K} taps; state {4 * (K - 1) * cfg['hidden_size']} bytes)"
+        elif types[l["layer_id"]] == "mamba":
+            mb = cfg["mamba"]
+            nh, P, G, N, K = (mb[k] for k in ("num_heads", "head_dim", "n_groups", "state_size", "conv_kernel"))
+            mixer = (f"Mamba-2 ({nh} heads of {P}, state {N}, conv {K}; state "
+                     f"{4 * ((K - 1) * (nh * P + 2 * G * N) + nh * P * N)} bytes)")
         elif cfg.get("attention_output_gate"):
             mixer += " with an output gate" + (f", rope on {cfg['rope_dim']} of {cfg['head_dim']} dims"
                                                if cfg.get("rope_dim") else "")
@@ -188,6 +193,7 @@ def _cmd_inspect(a):
              f"sliding-window layers (blocks of {block})" if s["kv_window_bytes_per_sequence"] else "")
           + (f"; recurrent state: {s['state_bytes_per_sequence']} bytes per sequence at any length ("
              + (f"conv + delta rule, {sum(t == 'linear_attention' for t in types)} layers" if "linear_attention" in
+                types else f"conv + selective scan, {sum(t == 'mamba' for t in types)} Mamba-2 layers" if "mamba" in
                 types else f"the short convolutions' last inputs, {sum(t == 'short_conv' for t in types)} layers")
              + ")" if s["state_bytes_per_sequence"] else ""))
     if s["snapshot_bytes"]:
