@@ -204,6 +204,7 @@ def check_models(workdir):
 OPS_STEPS = [([19, 3, 1], [0, 5, 9]), ([1, 1], [22, 0])]
 OPS_DELTA_HEADS = [(2, 4, 16, 12), (1, 2, 8, 20, 1)]     # grouped key heads; tiled (GGUF's order)
 OPS_CONV = (37, 4)                                        # channels, taps
+OPS_SSM_HEADS = (3, 5, 1, 7)                              # Mamba-2: heads, head dim, groups, state size
 
 
 def _ops_child(out_path):
@@ -240,6 +241,28 @@ def _ops_child(out_path):
             got.append((b.download(out), b.download(st)))
         err("causal_conv", got[0][0], got[1][0])
         err("causal_conv state", got[0][1], got[1][1])
+        bias = rng.standard_normal(C).astype(np.float32)          # Mamba-2's conv: a bias inside the SiLU
+        got = []
+        for b in (be, ref):
+            out = b.alloc((T, C))
+            b.causal_conv(out, dev(b, x), b.upload(w), dev(b, st0), dev(b, starts), dev(b, slots), dev(b, pos),
+                          True, b.upload(bias))
+            got.append(b.download(out))
+        err("causal_conv bias", got[0], got[1])
+        nh, P, G, N = OPS_SSM_HEADS
+        xbc = rng.standard_normal((T, nh * P + 2 * G * N)).astype(np.float32)
+        dts = (2 * rng.standard_normal((T, nh))).astype(np.float32)
+        a_neg = -np.exp(rng.uniform(-2, 1.5, nh)).astype(np.float32)
+        d_skip, dt_bias = rng.standard_normal(nh).astype(np.float32), rng.standard_normal(nh).astype(np.float32)
+        s0 = (0.3 * rng.standard_normal((S + 1, nh, P, N))).astype(np.float32)
+        got = []
+        for b in (be, ref):
+            out, st = b.alloc((T, nh * P)), dev(b, s0)
+            b.ssm_scan(out, dev(b, xbc), dev(b, dts), b.upload(a_neg), b.upload(d_skip), b.upload(dt_bias), st,
+                       dev(b, starts), dev(b, slots), dev(b, pos), OPS_SSM_HEADS)
+            got.append((b.download(out), b.download(st)))
+        err("ssm_scan", got[0][0], got[1][0])
+        err("ssm_scan state", got[0][1], got[1][1])
         for heads in OPS_DELTA_HEADS:
             Hk, Hv, dk, dv = heads[:4]
             qkv = rng.standard_normal((T, 2 * Hk * dk + Hv * dv)).astype(np.float32)

@@ -4,7 +4,7 @@ of gated short convolutions and attention, modeling_lfm2_moe.Lfm2MoeDecoderLayer
 mixer, by layer_types:
   * "conv" (our "short_conv", program.ShortConv): b | c | x = in_proj @ h, y = c * conv(b * x), out_proj @ y,
     conv a depthwise causal conv of conv_L_cache taps with no activation; its state per sequence is the
-    conv's last L-1 inputs (the recurrent pool's slot, H floats per tap: 3 x 2048 x 4 B = 24 KiB a layer
+    conv's last L-1 inputs (the recurrent pool's slot, H floats per tap: 2 x 2048 x 4 B = 16 KiB a layer
     for LFM2-8B-A1B);
   * "full_attention": GQA with per-head q/k RMSNorms (q_layernorm, k_layernorm) before rope (half-split).
 ffn: a dense SwiGLU (w1 gate, w3 up, w2 down) on the first num_dense_layers, routed SwiGLU experts after;
