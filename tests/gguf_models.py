@@ -632,3 +632,38 @@ try:
         return gguf_case
 except ImportError:          # pragma: no cover - outside pytest
     pass
+
+
+def rewrite_gguf(src, dst, alignment=None, fields=None, drop=(), edit=None, **writer_kw):
+    """src's fields and tensors written again by gguf-py's writer: fields {key: (value, GGUFValueType)} set or
+    replaced, keys and tensor names in `drop` left out, edit {tensor name: fn(float32 data) -> data} (with split_max_tensors: as NAME-0000k-of-0000N.gguf;
+    with alignment: general.alignment set)."""
+    import gguf
+    import numpy as np
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), r.fields["general.architecture"].contents(), **writer_kw)
+    w.kv_data[0].clear()
+    if alignment:
+        w.data_alignment = alignment
+    fields = dict(fields or {})
+    for key, field in r.fields.items():
+        if key in SKIP_KEYS or key in drop or key in fields:
+            continue
+        val, vtype, sub = _field_value(field)
+        w.add_key_value(key, val, vtype, sub_type=sub)
+    for key, (val, vtype) in fields.items():
+        w.add_key_value(key, val, vtype)
+    if alignment:
+        w.add_key_value("general.alignment", alignment, gguf.GGUFValueType.UINT32)
+    for t in r.tensors:
+        if t.name in drop:
+            continue
+        raw = None if t.tensor_type.name in ("F32", "F16") else t.tensor_type
+        data = np.ascontiguousarray(t.data)
+        if edit and t.name in edit:
+            data = np.ascontiguousarray(edit[t.name](np.array(data, np.float32)), np.float32)
+        w.add_tensor(t.name, data, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

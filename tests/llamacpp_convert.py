@@ -9,11 +9,12 @@ newer than the venv's `gguf` package and shadows it (it must never be imported i
     python tests/llamacpp_convert.py fetch                          # set-up step: the only network access
     python tests/llamacpp_convert.py convert HF_DIR OUT.gguf [OUTTYPE [PRE]]
 
-Three monkeypatches make the converter work offline on a home-made tokenizer (see run_convert in
+Monkeypatches make the converter work offline on a home-made tokenizer (see run_convert in
 /work/notes/gguf-research-scripts/): the BPE pre-tokenizer hash check is bypassed (it only knows
 published tokenizers) and returns PRE, a pre-tokenizer name llama.cpp knows ("gpt-2" matches
 `tokenizers`' ByteLevel(use_regex=True)); and a missing sentencepiece makes the llama vocab path fall
-through to the BPE path instead of crashing (LlamaModel tries sentencepiece first).
+through to the BPE path instead of crashing (LlamaModel tries sentencepiece first); ERNIE-4.5's
+and Phi-3's (sentencepiece) and Hunyuan-MoE's (tiktoken) set_vocab take the BPE path on a tokenizer.json.
 
 Standard library only in this process (the converter subprocess needs torch, numpy, transformers).
 """
@@ -244,6 +245,25 @@ def _import_converter():
             return self._set_vocab_gpt2()
         return orig_ernie(self)
     ce.Ernie4_5Model.set_vocab = _ernie_vocab
+    # 4) Hunyuan-MoE's set_vocab reads a tiktoken tokenizer (mergeable_ranks) and writes Hunyuan-A13B's
+    #    <|bos|> id (127959): a tokenizers BPE tokenizer takes the BPE path, its own special tokens kept
+    import conversion.hunyuan as ch
+    orig_hunyuan = ch.HunYuanMoEModel.set_vocab
+
+    def _hunyuan_vocab(self):
+        if not (self.dir_model / "tokenizer.json").is_file():
+            return orig_hunyuan(self)
+        return self._set_vocab_gpt2()
+    ch.HunYuanMoEModel.set_vocab = _hunyuan_vocab
+    # 5) Phi-3's (and PhiMoE's) set_vocab is sentencepiece unless tokenizer_config names GPT2Tokenizer
+    import conversion.phi as cp
+    orig_phi3 = cp.Phi3MiniModel.set_vocab
+
+    def _phi3_vocab(self):
+        if not (self.dir_model / "tokenizer.model").is_file():
+            return self._set_vocab_gpt2()
+        return orig_phi3(self)
+    cp.Phi3MiniModel.set_vocab = _phi3_vocab
 
     import convert_hf_to_gguf
     return convert_hf_to_gguf

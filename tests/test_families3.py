@@ -7,6 +7,10 @@ checkpoints against transformers, on every backend, and the q8_0 files' blocks a
   * LFM2-MoE (families/lfm2_moe.py, lfm2moe): the layer types from per-layer KV head counts, shortconv.in_proj
     cut into its thirds on import, token_embd_norm the final norm, a dense first layer.
 The checkpoint paths run in test_family_suite.py (parity, routing, greedy, slot pool)."""
+import json
+import math
+import os
+
 import numpy as np
 import pytest
 
@@ -19,8 +23,27 @@ from hf_models import FAMILY_CASES
 # (the qwen3next converter maps no dense MLP), with norm_topk_prob (its graph always renormalises); 64 wide
 # (rows of a multiple of 32 columns: q8_0 blocks, not the converter's f16 fallback)
 # LFM2-MoE without routed_scaling_factor (the lfm2moe metadata has none: llama.cpp's graph does not scale)
+# Hunyuan-MoE as Hunyuan-A13B's config spells it (per-layer lists; the converter accepts only A13B's own NTK
+# alpha, so a plain rope); Phi-3.5-MoE with the published jitter 0.01 (the file has none) and mscales equal to the
+# attention factor the converter writes (it drops the config's); Llama 4 with the values llama.cpp assumes for
+# every llama4 file (no rope every 4th layer, chunks and floor_scale 8192, attn_scale 0.1)
+PHI_FACTOR = math.sqrt(1 + math.log(256 / 128) / math.log(128))     # max_position 256 over an original 128
 GGUF_CASES = {"qwen3_next": dict(mlp_only_layers=[], norm_topk_prob=True, hidden_size=64),
-              "minimax_m2": {}, "lfm2_moe": dict(hidden_size=64, moe_intermediate_size=32, routed_scaling_factor=1.0)}
+              "minimax_m2": {}, "lfm2_moe": dict(hidden_size=64, moe_intermediate_size=32, routed_scaling_factor=1.0),
+              "hunyuan_v1_moe": dict(hidden_size=64, intermediate_size=32, moe_intermediate_size=[32, 32],
+                                     moe_topk=[2, 2], num_shared_expert=[1, 1],
+                                     rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+              "phimoe": dict(router_jitter_noise=0.01, rope_parameters=dict(
+                  FAMILY_CASES["phimoe"][1]["rope_parameters"], short_mscale=PHI_FACTOR, long_mscale=PHI_FACTOR)),
+              "llama4_text": dict(hidden_size=64, no_rope_layer_interval=4, attention_chunk_size=8192,
+                                  floor_scale=8192, attn_scale=0.1),
+              "granitemoehybrid": dict(hidden_size=32, mamba_n_heads=4)}
+# config.json as the published checkpoints write it, where transformers 5.24 saves another spelling: Phi-3.5-MoE's
+# architecture name (the converter registers PhiMoEForCausalLM), Granite 4.0-H's layer types (mamba / attention:
+# the converter finds attention layers by that name)
+RELEASED = {"phimoe": lambda c: c.update(architectures=["PhiMoEForCausalLM"]),
+            "granitemoehybrid": lambda c: c.update(layer_types=[{"linear_attention": "mamba"}.get(
+                t, "attention") for t in c["layer_types"]])}
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +67,12 @@ def family_ggufs(tmp_path_factory):
         model.save_pretrained(hf)
         if mt == "qwen3_next":
             add_mtp_weights(hf, cfg)
+        if case in RELEASED:
+            with open(os.path.join(hf, "config.json")) as f:
+                c = json.load(f)
+            RELEASED[case](c)
+            with open(os.path.join(hf, "config.json"), "w") as f:
+                json.dump(c, f)
         built[case] = (hf, ft)
         jobs += [(hf, str(d / f"{case}-f32.gguf"), "f32", "gpt-2"), (hf, str(d / f"{case}-q8.gguf"), "q8_0", "gpt-2")]
     paths = llamacpp_convert.convert_many(jobs)
@@ -64,8 +93,31 @@ def test_gguf_matches_transformers(backend_name, case, family_ggufs, tmp_path):
         assert cfg["layer_types"] == ["short_conv", "full_attention", "short_conv", "short_conv"]
         assert cfg["short_conv"] == {"conv_kernel": 3} and cfg["tie_word_embeddings"] and cfg["router_choice_bias"]
         assert [l["type"] for l in cfg["layers"]] == ["dense", "moe", "moe", "moe"]
-    else:
+    elif case == "minimax_m2":
         assert cfg["rope_dim"] == 8 and cfg["router_score"] == "sigmoid" and cfg["router_choice_bias"]
+    elif case == "hunyuan_v1_moe":
+        assert cfg["qk_norm"] == "per_head_after_rope" and cfg["norm_topk_prob"] and cfg["top_k"] == 2
+    elif case == "phimoe":
+        rs = cfg["rope_scaling"]
+        assert np.allclose(rs["short_factor"], FAMILY_CASES[case][1]["rope_parameters"]["short_factor"], rtol=1e-7)
+        assert abs(rs["attention_factor"] - PHI_FACTOR) < 1e-6 and cfg["router_jitter"] == 0.01
+        assert cfg["lm_head_bias"] and cfg["norm_type"] == "layernorm"
+    elif case == "llama4_text":
+        # the llama3 table as llama.cpp's rope_freqs divisors: the same frequencies as the checkpoint's
+        from colibri_edge.runtime.rope import inv_freq
+        assert cfg["rope_scaling"]["rope_type"] == "freq_factors" and cfg["attention_chunk"] == 8192
+        rp = FAMILY_CASES[case][1]["rope_parameters"]
+        want_f, _ = inv_freq(rp["rope_theta"], 12, {k: v for k, v in rp.items() if k != "rope_theta"})
+        got_f, _ = inv_freq(cfg["rope_theta"], 12, cfg["rope_scaling"])
+        assert np.allclose(got_f, want_f, rtol=1e-6, atol=0)
+        assert [bool(l.get("nope")) for l in cfg["layers"]] == [False, False, False, True]
+    else:                   # Granite 4.0-H: the multipliers taken out exactly (granitemoehybrid.py)
+        kw = FAMILY_CASES[case][1]
+        r = kw["residual_multiplier"]
+        assert cfg["layer_types"] == ["mamba", "full_attention", "mamba", "mamba"] and cfg["layers"][1]["nope"]
+        assert cfg["embed_scale"] == pytest.approx(kw["embedding_multiplier"] / r)
+        assert cfg["rms_norm_eps"] == pytest.approx(1e-6 / r ** 2) and cfg["mamba"]["norm_eps"] == pytest.approx(1e-6)
+        assert cfg["attention_scale"] == pytest.approx(kw["attention_multiplier"])
     ids = np.random.default_rng(3).integers(0, len(ft), size=(2, 19))
     want = hf_logits(hf, ids)
     with Engine.open(str(tmp_path / "m"), backend=backend_name, max_seq_len=64, **fp32(backend_name)) as eng:
@@ -84,9 +136,10 @@ def test_gguf_matches_transformers(backend_name, case, family_ggufs, tmp_path):
 
 def test_gguf_q8_0_runs_as_stored(backend_name, family_ggufs, tmp_path):
     """The q8_0 files: Qwen3-Next's ssm_ba rows cut into b and a (per key head, whole rows: never
-    requantised) and attn_qkv as stored, MiniMax-M2's attn_q rows reordered for partial rotary, each equal
+    requantised) and attn_qkv as stored, MiniMax-M2's attn_q rows reordered for partial rotary, LFM2's
+    in_proj thirds, Granite 4.0-H's ssm_in cut into z / xBC / dt, Llama 4's q rows un-permuted, each equal
     to the file's decoded rows; every backend equal to the reference backend on the same file (float32
-    activations)."""
+    activations), Hunyuan-MoE's and Phi-3.5-MoE's too."""
     import gguf
     from colibri_edge.model.convert import convert
     from colibri_edge.model.dtypes import widen
@@ -124,11 +177,38 @@ def test_gguf_q8_0_runs_as_stored(backend_name, family_ggufs, tmp_path):
     for j, part in enumerate("bcx"):
         assert lm.tensor_dtype(f"layers.0.conv.w{part}") == "q8_0"
         assert (widen(lm.raw_tensor(f"layers.0.conv.w{part}"), "q8_0") == inp[j * H:(j + 1) * H]).all(), part
+    # Granite 4.0-H: ssm_in's rows cut into z / xBC / dt; Llama 4: q rows un-permuted to the half-split pairs
+    _, _, _, gq8 = family_ggufs["granitemoehybrid"]
+    gcfg = convert(gq8, str(tmp_path / "gq8"), progress=False)
+    gm_ = ModelDir(str(tmp_path / "gq8"))
+    t = {x.name: x for x in gguf.GGUFReader(gq8).tensors}
+    inp = gguf.dequantize(t["blk.0.ssm_in.weight"].data, t["blk.0.ssm_in.weight"].tensor_type)
+    mb = gcfg["mamba"]
+    D = mb["num_heads"] * mb["head_dim"]
+    edges = (0, D, 2 * D + 2 * mb["state_size"], 2 * D + 2 * mb["state_size"] + mb["num_heads"])
+    for j, part in enumerate(("wz", "wxbc", "wdt")):
+        fmt = gm_.tensor_dtype(f"layers.0.ssm.{part}")          # dt's rows decoded (a float32 matrix)
+        assert fmt == ("float32" if part == "wdt" else "q8_0")
+        got = widen(gm_.raw_tensor(f"layers.0.ssm.{part}"), fmt)
+        assert (got == inp[edges[j]:edges[j + 1]]).all(), part
+    _, _, _, l4q8 = family_ggufs["llama4_text"]
+    l4cfg = convert(l4q8, str(tmp_path / "l4q8"), progress=False)
+    l4 = ModelDir(str(tmp_path / "l4q8"))
+    t = {x.name: x for x in gguf.GGUFReader(l4q8).tensors}
+    q = gguf.dequantize(t["blk.0.attn_q.weight"].data, t["blk.0.attn_q.weight"].tensor_type)
+    hd = l4cfg["head_dim"]
+    half = np.concatenate([np.arange(0, hd, 2), np.arange(1, hd, 2)])        # interleaved pairs -> halves
+    want = q.reshape(l4cfg["num_attention_heads"], hd, -1)[:, half].reshape(q.shape)
+    assert l4.tensor_dtype("layers.0.attn.wq") == "q8_0"
+    assert (widen(l4.raw_tensor("layers.0.attn.wq"), "q8_0") == want).all()
     ids = np.random.default_rng(4).integers(0, len(ft), size=(1, 17))
     from colibri_edge.backends import backend_class
     opts = dict(fp32(backend_name), **({"int8_activations": False} if "int8_activations" in
                                        backend_class(backend_name).OPTIONS else {}))
-    for model in (out, str(tmp_path / "mq8"), str(tmp_path / "lq8")):
+    for case in ("hunyuan_v1_moe", "phimoe"):
+        convert(family_ggufs[case][3], str(tmp_path / case), progress=False)
+    for model in (out, str(tmp_path / "mq8"), str(tmp_path / "lq8"), str(tmp_path / "gq8"), str(tmp_path / "l4q8"),
+                  str(tmp_path / "hunyuan_v1_moe"), str(tmp_path / "phimoe")):
         with Engine.open(model, backend="reference", max_seq_len=64) as eng:
             ref = eng.infer(ids)
         with Engine.open(model, backend=backend_name, max_seq_len=64, **opts) as eng:
@@ -357,3 +437,39 @@ def test_mamba_state_is_constant_and_counted(model_cache, capsys):
                                        num_key_value_heads=4, num_local_experts=8, intermediate_size=512).to_dict(),
                             {}, "config.json")
     assert state_bytes_per_sequence(tiny) == 3 * (39_936 + 1_572_864)
+
+
+U32, F32 = 4, 6         # gguf.GGUFValueType.UINT32 / FLOAT32 (this module imports gguf only inside tests)
+
+
+# case -> (what the file is changed by: fields {key: (value, type)} and names dropped, the field the refusal names,
+# words of its message): what each arch's import refuses rather than guesses
+GGUF_REFUSALS = [
+    ("hunyuan_v1_moe", {"hunyuan-moe.expert_shared_feed_forward_length": (48, U32)}, (),
+     "expert_shared_feed_forward_length", "a shared MLP of 48"),
+    ("hunyuan_v1_moe", {"hunyuan-moe.expert_shared_count": (2, U32)}, (), "expert_shared_count", "2 shared experts"),
+    ("phimoe", {}, ("rope_factors_long.weight",), "rope_factors_long.weight", "both factor lists"),
+    ("llama4_text", {"llama4.attention.sliding_window": (0, U32)}, (), "attention.sliding_window",
+     "its own attention pattern"),
+    ("llama4_text", {}, (), "rope_freqs.weight", "positive"),
+    ("granitemoehybrid", {"granitehybrid.expert_count": (0, U32)}, (), "expert_count", "without routed experts"),
+    ("granitemoehybrid", {"granitehybrid.residual_scale": (-1.0, F32)}, (), "residual_scale", "positive finite"),
+    ("granitemoehybrid", {"granitehybrid.ssm.inner_size": (50, U32)}, (), "ssm.inner_size", "multiple"),
+]
+
+
+@pytest.mark.parametrize("case,fields,drop,field,words", GGUF_REFUSALS,
+                         ids=[f"{c}-{f}" for c, _, _, f, _ in GGUF_REFUSALS])
+def test_gguf_refusals_by_name(family_ggufs, tmp_path, case, fields, drop, field, words):
+    import gguf
+    import gguf_models as gm
+    from colibri_edge import COLIBRI_ERR_INVALID_MODEL, ColibriError
+    from colibri_edge.model.convert import convert
+    src = family_ggufs[case][2]
+    bad = tmp_path / "bad.gguf"
+    fields = {k: (v, gguf.GGUFValueType(t)) for k, (v, t) in fields.items()}
+    edit = {field: lambda f: np.where(np.arange(f.size) == 0, 0.0, f)} if field == "rope_freqs.weight" else None
+    gm.rewrite_gguf(src, bad, fields=fields, drop=drop, edit=edit)      # rope_freqs: a zero divisor
+    with pytest.raises(ColibriError) as e:
+        convert(str(bad), str(tmp_path / "out"), progress=False)
+    assert e.value.code == COLIBRI_ERR_INVALID_MODEL and field in str(e.value) and words in str(e.value), str(e.value)

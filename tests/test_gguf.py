@@ -309,33 +309,9 @@ def test_unsupported_gguf_architectures_and_features(tmp_path, gguf_cases):
     assert e2.value.code == COLIBRI_ERR_INVALID_ARGUMENT and "no requantisation" in str(e2.value)
 
 
-def _rewrite(src, dst, arch=None, alignment=None, **writer_kw):
-    """src's fields and tensors written again by gguf-py's writer (with split_max_tensors: as
-    NAME-0000k-of-0000N.gguf; with alignment: general.alignment set)."""
-    r = gguf.GGUFReader(str(src))
-    w = gguf.GGUFWriter(str(dst), r.fields["general.architecture"].contents(), **writer_kw)
-    w.kv_data[0].clear()
-    if alignment:
-        w.data_alignment = alignment
-    for key, field in r.fields.items():
-        if key in gm.SKIP_KEYS:
-            continue
-        val, vtype, sub = gm._field_value(field)
-        w.add_key_value(key, val, vtype, sub_type=sub)
-    if alignment:
-        w.add_key_value("general.alignment", alignment, gguf.GGUFValueType.UINT32)
-    for t in r.tensors:
-        raw = None if t.tensor_type.name in ("F32", "F16") else t.tensor_type
-        w.add_tensor(t.name, np.ascontiguousarray(t.data), raw_dtype=raw)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 def test_split_gguf(tmp_path, gguf_cases):
     src = gguf_cases("qwen3_moe", "q8_0").gguf
-    _rewrite(src, tmp_path / "m.gguf", split_max_tensors=7)
+    gm.rewrite_gguf(src, tmp_path / "m.gguf", split_max_tensors=7)
     parts = sorted(p.name for p in tmp_path.glob("m-*-of-*.gguf"))
     assert len(parts) > 2
     convert(str(tmp_path / parts[0]), str(tmp_path / "split"), progress=False)
@@ -352,7 +328,7 @@ def test_split_gguf(tmp_path, gguf_cases):
 def test_general_alignment_is_honoured(tmp_path, gguf_cases):
     """A file written with general.alignment 256 (the converter's default is 32)."""
     src = gguf_cases("olmoe", "q8_0").gguf
-    _rewrite(src, tmp_path / "a.gguf", alignment=256)
+    gm.rewrite_gguf(src, tmp_path / "a.gguf", alignment=256)
     back = gguf.GGUFReader(str(tmp_path / "a.gguf"))
     assert back.alignment == 256 and all(t.data_offset % 256 == 0 for t in back.tensors)
     convert(str(tmp_path / "a.gguf"), str(tmp_path / "out"), progress=False)
@@ -400,7 +376,7 @@ def test_a_gguf_file_opens_as_a_model_through_the_cache(tmp_path, gguf_cases, mo
     os.utime(src, ns=(1, 1))                                       # the file changed: a new key
     second = model_source(str(src), progress=False)
     assert second != first and not os.path.exists(first) and os.path.exists(os.path.join(second, "config.json"))
-    _rewrite(gguf_cases("qwen3_moe", "q8_0").gguf, tmp_path / "s.gguf", split_max_tensors=9)
+    gm.rewrite_gguf(gguf_cases("qwen3_moe", "q8_0").gguf, tmp_path / "s.gguf", split_max_tensors=9)
     parts = sorted(tmp_path.glob("s-*-of-*.gguf"))
     split = model_source(str(parts[-1]), progress=False)         # any part names the model
     with Engine.open(split, backend="reference") as eng:

@@ -39,7 +39,8 @@ LAYER_OPTIONAL = ("head_dim", "num_key_value_heads", "rope_theta", "rope_partial
 YARN_FIELDS = ("rope_type", "factor", "beta_fast", "beta_slow", "original_max_position_embeddings",
                "attention_factor", "truncate", "mscale", "mscale_all_dim",
                "short_factor", "long_factor", "short_mscale", "long_mscale",     # longrope's
-               "low_freq_factor", "high_freq_factor")                             # llama3's
+               "low_freq_factor", "high_freq_factor",                             # llama3's
+               "freq_factors")                                                    # a GGUF's rope_freqs
 
 
 ROUTER_MODES = ("topk", "gated", "sparsemixer")    # sparsemixer: Phi-3.5-MoE's (top-2, router_jitter)
@@ -204,12 +205,14 @@ CONFIG_FIELDS = (
 # mamba (Granite 4.0-H): the layers of layer_types "mamba" are Mamba-2 mixers with a fixed-size state per
 # sequence: {conv_kernel K, num_heads nh, head_dim P, n_groups G, state_size N}: in_proj's z [nh P], x|B|C
 # [nh P + 2 G N] (through a depthwise causal conv of K taps with a bias, then SiLU) and dt [nh]; the state is
-# the conv's last K-1 inputs and S [nh, P, N]; the gated RMSNorm over the nh P channels (one group)
+# the conv's last K-1 inputs and S [nh, P, N]; the gated RMSNorm over the nh P channels (one group), its epsilon
+# norm_eps when given (else rms_norm_eps: a GGUF import sets the residual stream's apart, granitemoehybrid.py)
 # Llama 4: layer_types "chunked_attention" attend within chunks of attention_chunk positions (p - p mod C .. p);
 # attn_temperature {floor_scale, attn_scale}: the nope layers' queries times log1p(floor((p + 1) / floor_scale))
 # * attn_scale + 1; router_input_scale: the routed experts see h times the token's routing weight (top-1),
 # not their output scaled; rope_scaling rope_type "llama3" (factor, low_freq_factor, high_freq_factor,
-# original_max_position_embeddings)
+# original_max_position_embeddings); rope_type "freq_factors" (freq_factors [head_dim / 2]: f_i divided by them, a
+# GGUF file's rope_freqs tensor)
 # Phi-3.5-MoE: norm_type "layernorm" (every norm a LayerNorm with a bias: layers.N.input_norm_bias /
 # post_attention_norm_bias, norm_bias [H]); lm_head_bias: the head's bias lm_head_bias [V]; router_mode
 # "sparsemixer" with router_jitter (top-2, each weight its expert's softmax within a 2 jitter band);
@@ -543,9 +546,11 @@ def _short_conv_fields(path, cfg):
 
 def _mamba_fields(path, cfg):
     """mamba (Granite 4.0-H's Mamba-2 layers)."""
-    mb = _mixer_section(path, cfg, "mamba", MAMBA_FIELDS)
+    mb = _mixer_section(path, cfg, "mamba", MAMBA_FIELDS + ("norm_eps",))
     if mb is None:
         return
+    if "norm_eps" in mb:
+        _num(path, "mamba.norm_eps", mb["norm_eps"], 0.0, 1.0, lo_open=True)
     for f in MAMBA_FIELDS:
         if f not in mb:
             raise invalid_model(path, f"mamba.{f}", "missing")
@@ -621,16 +626,18 @@ def _attention_fields(path, cfg, L):
     if "rope_scaling" in cfg:
         rs = _obj(path, "rope_scaling", cfg["rope_scaling"])
         _known(path, "rope_scaling.", rs, YARN_FIELDS)
-        kind = _enum(path, "rope_scaling.rope_type", rs.get("rope_type"), ("yarn", "longrope", "llama3"))
+        kind = _enum(path, "rope_scaling.rope_type", rs.get("rope_type"),
+                     ("yarn", "longrope", "llama3", "freq_factors"))
         need = {"yarn": ("factor", "original_max_position_embeddings"),
                 "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
-                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                "freq_factors": ("freq_factors",)}
         for f in need[kind]:
             if f not in rs:
                 raise invalid_model(path, f"rope_scaling.{f}", "missing")
         if "factor" in rs:
             _num(path, "rope_scaling.factor", rs["factor"], 0.0, 1e6, lo_open=True)
-        for f in ("short_factor", "long_factor"):
+        for f in ("short_factor", "long_factor", "freq_factors"):
             if f in rs:
                 fs = _list(path, f"rope_scaling.{f}", rs[f], 1 << 12)
                 if len(fs) != cfg["head_dim"] // 2:
@@ -644,8 +651,9 @@ def _attention_fields(path, cfg, L):
         for f in ("short_mscale", "long_mscale"):
             if rs.get(f) is not None:
                 _num(path, f"rope_scaling.{f}", rs[f], 0.0, 1e6, lo_open=True)
-        _int(path, "rope_scaling.original_max_position_embeddings", rs["original_max_position_embeddings"], 1,
-             MAX_POSITIONS)
+        if kind != "freq_factors" or "original_max_position_embeddings" in rs:
+            _int(path, "rope_scaling.original_max_position_embeddings", rs["original_max_position_embeddings"], 1,
+                 MAX_POSITIONS)
         for f in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
             if rs.get(f) is not None:
                 _num(path, f"rope_scaling.{f}", rs[f], 0.0, 1e6, lo_open=True)

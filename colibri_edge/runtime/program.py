@@ -592,7 +592,8 @@ def build(model, be, pools, resident: bool, fixed_pools=(), mtp: bool = False, m
                 tables[key] = (f, 1.0)
             elif cfg.get("rope_scaling"):
                 rs = cfg["rope_scaling"]
-                tables[key] = rope.inv_freq(theta, hd, rs, long=max_seq_len > rs["original_max_position_embeddings"])
+                tables[key] = rope.inv_freq(theta, hd, rs, long=max_seq_len > rs.get("original_max_position_embeddings",
+                                                                                   max_seq_len))
             else:
                 tables[key] = (None, 1.0)
         return theta, *tables[key]
@@ -628,7 +629,8 @@ def build(model, be, pools, resident: bool, fixed_pools=(), mtp: bool = False, m
         elif mamba_layers and i in mamba_layers:
             mixer = Mamba2(*(w(p + "ssm." + n) for n in ("wz", "wxbc", "wdt", "conv", "conv_bias", "a_neg", "d",
                                                           "dt_bias", "norm", "wo")),
-                           tuple(mamba[k] for k in ("num_heads", "head_dim", "n_groups", "state_size")), eps,
+                           tuple(mamba[k] for k in ("num_heads", "head_dim", "n_groups", "state_size")),
+                           mamba.get("norm_eps", eps),
                            len(pools), 0)
         elif lin_layers and i in lin_layers:
             mixer = GatedDeltaNet(w(p + "lin.wqkv"), w(p + "lin.conv"), w(p + "lin.wz"), w(p + "lin.wa"),

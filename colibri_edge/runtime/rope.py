@@ -20,6 +20,8 @@ the attention scores.
     llama3    (Llama 3.1 / 4; transformers' _compute_llama3_parameters) wavelength w_i = 2 pi / f_i: kept where
               w_i < L0 / high_freq_factor, divided by factor where w_i > L0 / low_freq_factor, between them
               (1 - s) f_i / factor + s f_i with s = (L0 / w_i - low_freq_factor) / (high - low); attention factor 1.
+    freq_factors  f_i = theta^(-2i/D) / freq_factors_i, attention factor 1: llama.cpp's rope_freqs tensor, in which
+              a GGUF file carries its scaling as per-pair divisors (Llama 3.1 / 4 files: their llama3 table).
 """
 from __future__ import annotations
 
@@ -59,6 +61,9 @@ def inv_freq(theta: float, D: int, scaling: dict | None = None, long: bool = Fal
         smoothed = (np.float32(1) - smooth) * g / np.float32(factor) + smooth * g
         medium = ~(wavelen < np.float32(L0 / hi)) & ~(wavelen > np.float32(L0 / lo))
         return np.where(medium, smoothed, g).astype(np.float32), 1.0
+    if scaling.get("rope_type") == "freq_factors":
+        ff = np.asarray(scaling["freq_factors"], np.float32)
+        return (np.float32(1.0) / (ff * pos)).astype(np.float32), 1.0
     if scaling.get("rope_type") == "longrope":
         ext = np.asarray(scaling["long_factor" if long else "short_factor"], np.float32)
         af = scaling.get("long_mscale" if long else "short_mscale", scaling.get("attention_factor"))

@@ -8,10 +8,14 @@
 * a float32 softmax router (mlp.gate.wg), top-k renormalised; routed experts of intermediate_size and
   a shared MLP of intermediate_size added without a gate (mlp.shared_mlp).
 Per-layer lists of experts or top-k (num_experts / moe_topk as lists) are refused unless constant.
+
+GGUF (llama.cpp's hunyuan-moe): the converter writes the NTK-alpha base already stretched (rope.freq_base) and
+Hunyuan's q/k norms as attn_q_norm / attn_k_norm; experts and the shared MLP must share one width
+(expert_feed_forward_length = expert_shared_feed_forward_length, as Hunyuan-A13B's) and one shared expert.
 """
 from __future__ import annotations
 
-from .common import Family, get, refuse
+from .common import Family, get, pos, refuse
 from .registry import register
 from ...errors import invalid_model
 
@@ -28,7 +32,9 @@ def _one(hf: dict, key: str, path: str):
 @register
 class HunyuanMoe(Family):
     model_types = ("hunyuan_v1_moe",)
-    gguf_archs = ()
+    gguf_archs = ("hunyuan-moe",)
+    gguf_model_type = "hunyuan_v1_moe"
+    gguf_norm_topk = True           # llama.cpp's hunyuan-moe graph renormalises the top-k weights
     parts = {"mixer": "attention, q/k norm per head after rope, NTK-alpha rope",
              "ffn": "routed SwiGLU experts + shared MLP (no gate)", "router": "softmax top-k, renormalised"}
     qk_norm = "per_head_after_rope"
@@ -63,3 +69,18 @@ class HunyuanMoe(Family):
         m[p + "attn.k_norm"] = s + "self_attn.key_layernorm.weight"
         for x in ("gate", "up", "down"):
             m[p + f"shared.{x}"] = s + f"mlp.shared_mlp.{x}_proj.weight"
+
+    def gguf_fields(self, m, g, hf, d):
+        a = d["a"]
+        shared = pos(m, a + "expert_shared_feed_forward_length", g("expert_shared_feed_forward_length",
+                                                                   required=False, default=d["ff_exp"]))
+        if shared != d["ff_exp"]:
+            refuse(m.path, a + "expert_shared_feed_forward_length", f"a shared MLP of {shared} beside experts of "
+                   f"{d['ff_exp']} (Hunyuan-MoE's share intermediate_size)")
+        n = g("expert_shared_count", required=False, default=1)
+        if n != 1:
+            refuse(m.path, a + "expert_shared_count", f"{n} shared experts (Hunyuan-MoE has one)")
+        if d["dense"]:
+            refuse(m.path, a + "leading_dense_block_count", f"{d['dense']} dense layers in a hunyuan-moe model")
+        hf.update(num_experts=d["E"], moe_topk=d["k"], intermediate_size=d["ff_exp"],
+                  attention_bias="blk.0.attn_q.bias" in m.tensors)

@@ -13,13 +13,19 @@ Maverick-17B-128E), modeling_llama4.Llama4TextDecoderLayer:
   ungated shared expert of the experts' width; elsewhere a dense SwiGLU of intermediate_size_mlp;
 * experts stored fused and transposed: gate_up_proj [E, H, 2I] (gate columns first), down_proj [E, I, H].
 
-GGUF (llama.cpp's llama4) is not imported yet.
+GGUF (llama.cpp's llama4): the file says less than the config, and llama.cpp fills the rest with Scout's and
+Maverick's values, as Colibri does: a no-rope layer every 4th (n_no_rope_layer_step), chunks of 8192 positions on
+the rope layers, the temperature's floor_scale 8192 and attn_scale 0.1, L2 q/k norms unless the model has 128
+experts (Maverick); a file with attention.sliding_window (MobileLLM-style patterns) is refused. The llama3 scaling arrives as rope_freqs, divisors of the frequencies (rope_scaling "freq_factors"); q/k
+rows are stored as the checkpoint's (interleaved pairs), permuted on import as from a checkpoint.
 """
 from __future__ import annotations
 
 import sys
 
-from .common import Family, eos_bos, refuse, unwrap_text
+import numpy as np
+
+from .common import Family, eos_bos, pos, refuse, unwrap_text
 from .registry import register
 from ...errors import invalid_model
 
@@ -96,6 +102,9 @@ def translate(hf: dict, gen: dict, path: str, dtype) -> dict:
 @register
 class Llama4(Family):
     model_types = ("llama4_text", "llama4")
+    gguf_archs = ("llama4",)
+    gguf_model_type = "llama4_text"
+    gguf_interleaved = True             # the checkpoint's interleaved q/k rows, as stored by the converter
     parts = {"mixer": "attention: chunked, rope + L2 q/k norm / full, no rope, query temperature",
              "ffn": "routed SwiGLU experts (input scaled by the weight) + ungated shared expert; dense SwiGLU "
                     "between MoE layers",
@@ -128,3 +137,31 @@ class Llama4(Family):
         I = cfg["moe_intermediate_size"]
         return (lambda: src.float32(gu, j)[:, :I].T.copy(), lambda: src.float32(gu, j)[:, I:].T.copy(),
                 lambda: src.float32(dn, j).T.copy()), [gu, dn]
+
+    # -- GGUF ----------------------------------------------------------------------------------------
+    def gguf_fields(self, m, g, hf, d):
+        a, E = d["a"], d["E"]
+        step = pos(m, a + "interleave_moe_layer_step", g("interleave_moe_layer_step", required=False, default=1),
+                   1, d["L"])
+        if d["dense"]:
+            refuse(m.path, a + "leading_dense_block_count", f"{d['dense']} leading dense layers in a llama4 model "
+                   "(its dense layers are those between interleave_moe_layer_step)")
+        window = g("attention.sliding_window", required=False)
+        if window is not None:          # llama.cpp: absent -> Scout's chunks; 0 -> none (its rope pattern unstated)
+            refuse(m.path, a + "attention.sliding_window", f"{window}: a llama4 file with its own attention "
+                   "pattern (Colibri runs llama4 files as llama.cpp does without the key: chunks of 8192)")
+        hf.update(num_local_experts=E, intermediate_size=d["ff_exp"], intermediate_size_mlp=d["ff"] or 0,
+                  interleave_moe_layer_step=step, use_qk_norm=E != 128,
+                  no_rope_layer_interval=4, attention_chunk_size=8192, floor_scale=8192, attn_scale=0.1,
+                  attention_bias="blk.0.attn_q.bias" in m.tensors)
+
+    def gguf_fixup(self, cfg, m):
+        if "rope_freqs.weight" in m.tensors:
+            ff = np.asarray(m.tensor("rope_freqs.weight").data, np.float64).reshape(-1)
+            if ff.size != cfg["head_dim"] // 2 or not np.all(np.isfinite(ff) & (ff > 0)):
+                raise invalid_model(m.path, "rope_freqs.weight", f"{ff.size} factors, expected head_dim / 2 = "
+                                    f"{cfg['head_dim'] // 2} positive ones")
+            cfg["rope_scaling"] = {"rope_type": "freq_factors", "freq_factors": ff.tolist()}
+
+    def gguf_skipped(self, m, cfg, arch, progress):
+        return {"rope_freqs.weight"} & set(m.tensors)

@@ -15,21 +15,32 @@
 * routed SwiGLU experts under block_sparse_moe (Mixtral's names, as the checkpoints and save_pretrained
   write them).
 
-GGUF (llama.cpp's phimoe) is not imported yet: its rope factors are tensors (rope_factors_long / _short)
-and its attention factor a metadata value computed by the converter, not the config's mscale.
+GGUF (llama.cpp's phimoe): the LongRoPE factors are tensors (rope_factors_short / rope_factors_long), the
+original context rope.scaling.original_context_length, and the attention factor rope.scaling.attn_factor, which
+llama.cpp's converter computes as sqrt(1 + ln(factor) / ln(L0)) instead of copying the config's short_mscale /
+long_mscale (Phi-3.5-MoE-instruct's 1.2432 become 1.1902 in its files): the file's value is run, as llama.cpp
+does. The file does not carry router_jitter_noise: the sparsemixer band is Phi-3.5-MoE's published 0.01.
 """
 from __future__ import annotations
 
 import math
+
+import numpy as np
 
 from .common import Family, refuse
 from .registry import register
 from ...errors import invalid_model
 
 
+ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")
+PUBLISHED_JITTER = 0.01             # Phi-3.5-MoE-instruct's router_jitter_noise (not in its GGUF files)
+
+
 @register
 class PhiMoe(Family):
     model_types = ("phimoe",)
+    gguf_archs = ("phimoe",)
+    gguf_model_type = "phimoe"
     parts = {"mixer": "attention with q/k/v/o biases, LongRoPE", "ffn": "routed SwiGLU experts (block_sparse_moe)",
              "router": "sparsemixer top-2 (softmax within the jitter band), LayerNorms with biases"}
     moe_prefix = "block_sparse_moe"
@@ -60,13 +71,43 @@ class PhiMoe(Family):
         return cfg
 
     def source_names(self, cfg, src=None):
-        m = super().source_names(cfg, src)
-        m.update({"norm_bias": "model.norm.bias", "lm_head_bias": "lm_head.bias"})
-        for l in cfg["layers"]:
-            p, s = f"layers.{l['layer_id']}.", f"model.layers.{l['layer_id']}."
-            m[p + "input_norm_bias"] = s + "input_layernorm.bias"
-            m[p + "post_attention_norm_bias"] = s + "post_attention_layernorm.bias"
-        return m
+        return biases(super().source_names(cfg, src), cfg, "model.norm.bias", "lm_head.bias", "model.layers.{}.",
+                      "input_layernorm.bias", "post_attention_layernorm.bias")
+
+    # -- GGUF ----------------------------------------------------------------------------------------
+    def gguf_fields(self, m, g, hf, d):
+        a = d["a"]
+        if d["dense"]:
+            refuse(m.path, a + "leading_dense_block_count", f"{d['dense']} dense layers in a phimoe model")
+        hf.update(num_local_experts=d["E"], intermediate_size=d["ff_exp"], attention_bias="blk.0.attn_q.bias"
+                  in m.tensors, lm_head_bias="output.bias" in m.tensors, router_jitter_noise=PUBLISHED_JITTER)
+        have = [n in m.tensors for n in ROPE_FACTORS]
+        if any(have) and not all(have):
+            raise invalid_model(m.path, ROPE_FACTORS[have.index(False)], "missing (LongRoPE needs both factor lists)")
+        if all(have):
+            short, long_ = (np.asarray(m.tensor(n).data, np.float64).reshape(-1).tolist() for n in ROPE_FACTORS)
+            orig = g("rope.scaling.original_context_length")
+            hf["rope_parameters"] = {"rope_type": "longrope", "rope_theta": d["theta"], "short_factor": short,
+                                     "long_factor": long_, "original_max_position_embeddings": orig,
+                                     "attention_factor": g("rope.scaling.attn_factor", float, required=False,
+                                                           default=1.0)}
+
+    def gguf_names(self, cfg):
+        return biases(super().gguf_names(cfg), cfg, "output_norm.bias", "output.bias", "blk.{}.", "attn_norm.bias",
+                      "ffn_norm.bias")
+
+    def gguf_skipped(self, m, cfg, arch, progress):
+        return {n for n in ROPE_FACTORS if n in m.tensors}       # read into rope_scaling
+
+
+def biases(m: dict, cfg: dict, norm: str, head: str, layer: str, inp: str, post: str) -> dict:
+    """The LayerNorms' and the head's biases added to a name map (layer: the source's layer prefix, "{}" the
+    layer id)."""
+    m.update({"norm_bias": norm, "lm_head_bias": head})
+    for l in cfg["layers"]:
+        p, s = f"layers.{l['layer_id']}.", layer.format(l["layer_id"])
+        m[p + "input_norm_bias"], m[p + "post_attention_norm_bias"] = s + inp, s + post
+    return m
 
 
 def longrope(rope: dict, hf: dict, path: str) -> dict:
