@@ -99,13 +99,13 @@ def delta_rule_op(backend: str, P: int, reps: int = 3) -> tuple:
 
 
 class LlamaCpp:
-    """llama.cpp on the checkpoint's f32 GGUF (its own converter), its logits of the prompt's first tokens
-    checked against Colibri's (`err`) before anything is timed."""
+    """llama.cpp on the checkpoint's GGUF (its own converter, f32 unless `path` names another file), its
+    logits of the prompt's first tokens checked against Colibri's (`err`) before anything is timed."""
 
-    def __init__(self, hf: str, d: str, prompt: list, steps: int, threads: int, want: np.ndarray):
+    def __init__(self, hf: str, d: str, prompt: list, steps: int, threads: int, want: np.ndarray, path=None):
         import gguf_models as gm
         from llama_cpp import Llama
-        path = os.path.join(d, "f32.gguf")
+        path = path or os.path.join(d, "f32.gguf")
         if not os.path.exists(path):
             gm.to_gguf(hf, path, "f32")
         chk = Llama(path, n_ctx=64, n_threads=threads, logits_all=True, verbose=False)

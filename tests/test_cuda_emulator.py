@@ -2,6 +2,7 @@
 values a warp shuffle delivers, and the barrier bugs it must refuse. It is what stands for a GPU in
 CI, so a scheduler shortcut that let a wrong kernel pass would hide bugs everywhere; it needs g++
 only (no GPU, no CuPy)."""
+import gc
 import importlib.util
 import os
 import shutil
@@ -32,6 +33,10 @@ extern "C" __global__ void half_barrier(float* out) {
 extern "C" __global__ void shuffle_after_exit(float* out) {
     if (threadIdx.x < 16) return;   // (the other way round, lanes 0-15 wait first: a deadlock)
     out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, (float)threadIdx.x, 1);
+}
+
+extern "C" __global__ void write_at(float* out, int i) {   // one thread writes out[i], in bounds or not
+    if (threadIdx.x == 0) out[i] = 2.0f;
 }
 
 extern "C" __global__ void sync_after_exit(float* out) {
@@ -92,3 +97,18 @@ def test_barrier_bugs_fail_the_launch(emu, kernel, message):
     good = cp.empty(32, dtype=np.float32)
     mod.get_function("shuffles")((1,), (32,), (good, cp.asarray(np.ones(32, np.float32)), np.int32(1)))
     np.testing.assert_allclose(cp.asnumpy(good), shuffles_numpy(np.ones(32, np.float32), 1))
+
+
+@pytest.mark.parametrize("index", [-1, 64, 127])
+def test_a_write_outside_a_buffer_fails_the_launch(emu, index):
+    """The guard bytes around every device buffer: a write just before or past it is cudaErrorIllegalAddress
+    naming the kernel, whichever buffer's guard it lands in; a write inside passes."""
+    cp, mod = emu
+    out, other = cp.zeros(64, dtype=np.float32), cp.zeros(16, dtype=np.float32)
+    mod.get_function("write_at")((1,), (32,), (out, np.int32(63)))
+    assert float(cp.asnumpy(out)[63]) == 2.0
+    with pytest.raises(cp.CUDARuntimeError, match="cudaErrorIllegalAddress: kernel write_at wrote outside"):
+        mod.get_function("write_at")((1,), (32,), (out, np.int32(index)))
+    assert float(cp.asnumpy(other).sum()) == 0.0
+    del out                     # its guard is spoilt: gone before the next launch checks every live buffer
+    gc.collect()
