@@ -473,3 +473,4 @@ def test_gguf_refusals_by_name(family_ggufs, tmp_path, case, fields, drop, field
     with pytest.raises(ColibriError) as e:
         convert(str(bad), str(tmp_path / "out"), progress=False)
     assert e.value.code == COLIBRI_ERR_INVALID_MODEL and field in str(e.value) and words in str(e.value), str(e.value)
+
