@@ -635,7 +635,8 @@ except ImportError:          # pragma: no cover - outside pytest
 
 
 def rewrite_gguf(src, dst, alignment=None, fields=None, drop=(), edit=None, **writer_kw):
-    """src's fields and tensors written again by gguf-py's writer: fields {key: (value, GGUFValueType)} set or
+    """src's fields and tensors written again by gguf-py's writer: fields {key: (value, GGUFValueType[, sub type of
+    an ARRAY])} set or
     replaced, keys and tensor names in `drop` left out, edit {tensor name: fn(float32 data) -> data} (with split_max_tensors: as NAME-0000k-of-0000N.gguf;
     with alignment: general.alignment set)."""
     import gguf
@@ -651,8 +652,8 @@ def rewrite_gguf(src, dst, alignment=None, fields=None, drop=(), edit=None, **wr
             continue
         val, vtype, sub = _field_value(field)
         w.add_key_value(key, val, vtype, sub_type=sub)
-    for key, (val, vtype) in fields.items():
-        w.add_key_value(key, val, vtype)
+    for key, (val, vtype, *sub) in fields.items():
+        w.add_key_value(key, val, vtype, sub_type=sub[0] if sub else None)
     if alignment:
         w.add_key_value("general.alignment", alignment, gguf.GGUFValueType.UINT32)
     for t in r.tensors:

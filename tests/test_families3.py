@@ -439,7 +439,7 @@ def test_mamba_state_is_constant_and_counted(model_cache, capsys):
     assert state_bytes_per_sequence(tiny) == 3 * (39_936 + 1_572_864)
 
 
-U32, F32 = 4, 6         # gguf.GGUFValueType.UINT32 / FLOAT32 (this module imports gguf only inside tests)
+U32, F32, ARRAY = 4, 6, 9   # gguf.GGUFValueType.UINT32 / FLOAT32 / ARRAY (gguf is imported inside the tests)
 
 
 # case -> (what the file is changed by: fields {key: (value, type)} and names dropped, the field the refusal names,
@@ -455,6 +455,9 @@ GGUF_REFUSALS = [
     ("granitemoehybrid", {"granitehybrid.expert_count": (0, U32)}, (), "expert_count", "without routed experts"),
     ("granitemoehybrid", {"granitehybrid.residual_scale": (-1.0, F32)}, (), "residual_scale", "positive finite"),
     ("granitemoehybrid", {"granitehybrid.ssm.inner_size": (50, U32)}, (), "ssm.inner_size", "multiple"),
+    # what llama.cpp's converter writes from a transformers 5 config (full_attention): every layer 0 KV heads
+    ("granitemoehybrid", {"granitehybrid.attention.head_count_kv": ([0, 0, 0, 0], ARRAY, U32)}, (),
+     "attention.head_count_kv", "layer 1 is a Mamba-2 layer here"),
 ]
 
 
@@ -467,7 +470,7 @@ def test_gguf_refusals_by_name(family_ggufs, tmp_path, case, fields, drop, field
     from colibri_edge.model.convert import convert
     src = family_ggufs[case][2]
     bad = tmp_path / "bad.gguf"
-    fields = {k: (v, gguf.GGUFValueType(t)) for k, (v, t) in fields.items()}
+    fields = {k: (v, *map(gguf.GGUFValueType, t)) for k, (v, *t) in fields.items()}
     edit = {field: lambda f: np.where(np.arange(f.size) == 0, 0.0, f)} if field == "rope_freqs.weight" else None
     gm.rewrite_gguf(src, bad, fields=fields, drop=drop, edit=edit)      # rope_freqs: a zero divisor
     with pytest.raises(ColibriError) as e:

@@ -166,6 +166,12 @@ class GraniteMoeHybrid(GraniteMoeShared):
         if len(nkvs) > 1:
             raise invalid_model(m.path, a + "attention.head_count_kv", f"{sorted(nkvs)}: Colibri runs one KV head "
                                 "count over the attention layers")
+        odd = [i for i, x in enumerate(kv) if not x and f"blk.{i}.attn_q.weight" in m.tensors]
+        if odd:
+            raise invalid_model(m.path, a + "attention.head_count_kv", f"layer {odd[0]} is a Mamba-2 layer here (0 KV "
+                                "heads) but holds attention tensors: llama.cpp's converter read a config whose layer "
+                                "types it does not know (transformers 5 writes full_attention / linear_attention; it "
+                                "needs attention / mamba); convert again from the published config.json")
         E = pos(m, a + "expert_count", g("expert_count", required=False, default=0), 0, validate.MAX_EXPERTS)
         if not E:
             refuse(m.path, a + "expert_count", "a granitehybrid model without routed experts (a dense model)")
