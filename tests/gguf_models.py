@@ -634,10 +634,11 @@ except ImportError:          # pragma: no cover - outside pytest
     pass
 
 
-def rewrite_gguf(src, dst, alignment=None, fields=None, drop=(), edit=None, **writer_kw):
+def rewrite_gguf(src, dst, alignment=None, fields=None, drop=(), edit=None, dequantize=False, **writer_kw):
     """src's fields and tensors written again by gguf-py's writer: fields {key: (value, GGUFValueType[, sub type of
     an ARRAY])} set or
-    replaced, keys and tensor names in `drop` left out, edit {tensor name: fn(float32 data) -> data} (with split_max_tensors: as NAME-0000k-of-0000N.gguf;
+    replaced, keys and tensor names in `drop` left out, edit {tensor name: fn(float32 data) -> data}, with
+    dequantize every tensor written as float32 by gguf-py's own dequantisation (the file's truth) (with split_max_tensors: as NAME-0000k-of-0000N.gguf;
     with alignment: general.alignment set)."""
     import gguf
     import numpy as np
@@ -661,6 +662,8 @@ def rewrite_gguf(src, dst, alignment=None, fields=None, drop=(), edit=None, **wr
             continue
         raw = None if t.tensor_type.name in ("F32", "F16") else t.tensor_type
         data = np.ascontiguousarray(t.data)
+        if dequantize and raw is not None:
+            data, raw = np.ascontiguousarray(gguf.dequantize(t.data, t.tensor_type), np.float32), None
         if edit and t.name in edit:
             data = np.ascontiguousarray(edit[t.name](np.array(data, np.float32)), np.float32)
         w.add_tensor(t.name, data, raw_dtype=raw)

@@ -164,36 +164,50 @@ def _reference(model_dir, int8_activations=False):
         return eng.infer(ids)[0], eng.generate(ids, max_new_tokens=DECODE_TOKENS)
 
 
-def check_models(workdir):
+def _check_model(job):
+    """One micro model: built, run by the reference backend, then under Oclgrind (a subprocess).
+    -> (name, ok, report)."""
+    workdir, case, overrides, out_dtype, options = job
     import numpy as np
     sys.path.insert(0, os.path.join(ROOT, "tests"))     # the tests' model builder (hf_models)
     import colibri_edge  # noqa: F401
     from hf_models import convert_case
+    sub = os.path.join(workdir, f"{case}_{len(overrides)}_{out_dtype}")
+    os.makedirs(sub, exist_ok=True)
+    _, col = convert_case(sub, case, out_dtype=out_dtype, **overrides)
+    want_logits, want_gen = _reference(col, options.get("int8_activations", False) and out_dtype != "int8")
+    out_npz = os.path.join(sub, "oclgrind_out.npz")
+    log = os.path.join(sub, "oclgrind.log")
+    name = f"{case}{overrides or ''} ({out_dtype or 'float32'} weights{', ' if options else ''}" \
+           f"{', '.join(f'{k}={v}' for k, v in options.items())})"
+    ok, report, _ = run_checked([sys.executable, os.path.abspath(__file__), "_child", col, out_npz,
+                                 json.dumps(options)], log)
+    if ok:
+        got = np.load(out_npz)
+        err = np.abs(got["logits"] - want_logits).max() / max(1.0, np.abs(want_logits).max())
+        tol = 1e-4 if out_dtype is None else 1e-3
+        if not err <= tol:
+            ok, report = False, f"logits under Oclgrind differ from the reference backend by {err:.3g}"
+        elif got["gen"].tolist() != list(want_gen):
+            ok, report = False, f"decode under Oclgrind gave {got['gen'].tolist()}, reference {want_gen}"
+        else:
+            report = f"clean; logits within {err:.2g} of the reference, decode agrees"
+    return name, ok, report
+
+
+def check_models(workdir):
+    """Every micro model, one process a core (at most 4; each Oclgrind run is single-threaded: on 2 cores the
+    16 models took 7 min one after another), reported in MICRO's order."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    jobs = [(workdir, *m) for m in MICRO]
+    workers = max(1, min(4, len(os.sched_getaffinity(0))))
     failures = []
-    for case, overrides, out_dtype, options in MICRO:
-        sub = os.path.join(workdir, f"{case}_{len(overrides)}_{out_dtype}")
-        os.makedirs(sub, exist_ok=True)
-        _, col = convert_case(sub, case, out_dtype=out_dtype, **overrides)
-        want_logits, want_gen = _reference(col, options.get("int8_activations", False) and out_dtype != "int8")
-        out_npz = os.path.join(sub, "oclgrind_out.npz")
-        log = os.path.join(sub, "oclgrind.log")
-        name = f"{case}{overrides or ''} ({out_dtype or 'float32'} weights{', ' if options else ''}" \
-               f"{', '.join(f'{k}={v}' for k, v in options.items())})"
-        ok, report, _ = run_checked([sys.executable, os.path.abspath(__file__), "_child", col, out_npz,
-                                     json.dumps(options)], log)
-        if ok:
-            got = np.load(out_npz)
-            err = np.abs(got["logits"] - want_logits).max() / max(1.0, np.abs(want_logits).max())
-            tol = 1e-4 if out_dtype is None else 1e-3
-            if not err <= tol:
-                ok, report = False, f"logits under Oclgrind differ from the reference backend by {err:.3g}"
-            elif got["gen"].tolist() != list(want_gen):
-                ok, report = False, f"decode under Oclgrind gave {got['gen'].tolist()}, reference {want_gen}"
-            else:
-                report = f"clean; logits within {err:.2g} of the reference, decode agrees"
-        print(f"[oclgrind] {name}: {'OK' if ok else 'FAIL'} - {report}", flush=True)
-        if not ok:
-            failures.append(name)
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as ex:
+        for name, ok, report in ex.map(_check_model, jobs):
+            print(f"[oclgrind] {name}: {'OK' if ok else 'FAIL'} - {report}", flush=True)
+            if not ok:
+                failures.append(name)
     return failures
 
 
