@@ -43,7 +43,10 @@ def quantize(src: str, dst: str, ftype: str, threads: int) -> None:
 def llama_logits(path: str, ids: list, threads: int, f32_kv: bool = False) -> np.ndarray:
     from llama_cpp import Llama
     kw = dict(type_k=0, type_v=0) if f32_kv else {}
-    llm = Llama(path, n_ctx=len(ids) + 8, n_batch=len(ids), n_threads=threads, logits_all=True, verbose=False,
+    # one token a batch: llama-cpp-python 0.3.36's batched matmul over quantised weights (n_batch > 1) dies with
+    # SIGSEGV on these files on the 2026-12 AVX-512 host (f16 / f32 files run either way); per-token logits are
+    # the same math
+    llm = Llama(path, n_ctx=len(ids) + 8, n_batch=1, n_ubatch=1, n_threads=threads, logits_all=True, verbose=False,
                 **kw)
     llm.eval(ids)
     out = np.array(llm.scores[:len(ids)], np.float64)
