@@ -16,8 +16,9 @@ Maverick-17B-128E), modeling_llama4.Llama4TextDecoderLayer:
 GGUF (llama.cpp's llama4): the file says less than the config, and llama.cpp fills the rest with Scout's and
 Maverick's values, as Colibri does: a no-rope layer every 4th (n_no_rope_layer_step), chunks of 8192 positions on
 the rope layers, the temperature's floor_scale 8192 and attn_scale 0.1, L2 q/k norms unless the model has 128
-experts (Maverick); a file with attention.sliding_window (MobileLLM-style patterns) is refused. The llama3 scaling arrives as rope_freqs, divisors of the frequencies (rope_scaling "freq_factors"); q/k
-rows are stored as the checkpoint's (interleaved pairs), permuted on import as from a checkpoint.
+experts (Maverick); a file with attention.sliding_window (MobileLLM-style patterns) is refused. The llama3
+scaling arrives as rope_freqs, divisors of the frequencies (rope_scaling "freq_factors"); q/k rows are stored
+as the checkpoint's (interleaved pairs), permuted on import as from a checkpoint.
 """
 from __future__ import annotations
 
