@@ -22,6 +22,9 @@ KNOBS = {
     "COLIBRI_EXPERT_SLOTS": (0, "a non-negative integer (0: every expert resident, no slot pool) or auto "
                                 "(sized from the memory free for the engine)"),
     "COLIBRI_SLOT_POLICY": ("lru", "one of lru, lfu, prefetch"),
+    "COLIBRI_IO_THREADS": (4, "an integer from 0 to 64 (threads reading expert slots' misses; 0: the step reads them itself)"),
+    "COLIBRI_DIRECT_IO": ("auto", "one of auto, on, off (O_DIRECT reads of expert slots; auto: probe-device's verdict)"),
+    "COLIBRI_HOT_SET": (25, "an integer from 0 to 100 (percent of the expert slots pinned to the learned hot set)"),
     "COLIBRI_CUDA_GRAPHS": (1, "0 or 1 (0 runs CUDA decode steps on streams)"),
     "COLIBRI_INT8_ACTIVATIONS": (1, "0 or 1 (0: block formats decode with float32 activations on the cpu and opencl backends)"),
     "COLIBRI_CORE_THREAD": (1, "0 or 1 (0: the threads waiting for results run the steps, no core thread)"),
@@ -31,7 +34,8 @@ KNOBS = {
 FLAGS = ("COLIBRI_DISABLE_FP16", "COLIBRI_CUDA_GRAPHS", "COLIBRI_INT8_ACTIVATIONS", "COLIBRI_CORE_THREAD")      # 0 or 1 (or a bool)
 # upper bounds (far past any real use; a larger value is a mistake, refused before anything is sized by it)
 UPPER = {"COLIBRI_NUM_STREAMS": 64, "COLIBRI_KV_BLOCK_SIZE": 1 << 16, "COLIBRI_ROUTER_WARMUP": 1000,
-         "COLIBRI_NUM_THREADS": 4096, "COLIBRI_EXPERT_SLOTS": 1 << 24, "COLIBRI_TOP_K": 1 << 16}
+         "COLIBRI_NUM_THREADS": 4096, "COLIBRI_EXPERT_SLOTS": 1 << 24, "COLIBRI_TOP_K": 1 << 16,
+         "COLIBRI_IO_THREADS": 64, "COLIBRI_HOT_SET": 100}
 # Engine.open option -> its knob, for the options a backend may or may not take (Backend.OPTIONS)
 BACKEND_KNOBS = {"num_streams": "COLIBRI_NUM_STREAMS", "disable_fp16": "COLIBRI_DISABLE_FP16",
                  "num_threads": "COLIBRI_NUM_THREADS", "cuda_graphs": "COLIBRI_CUDA_GRAPHS",
@@ -48,6 +52,10 @@ def _parse(name, raw):
         return raw
     if name == "COLIBRI_KV_DTYPE":
         if raw not in KV_DTYPES:
+            raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{name}={raw!r}: expected {what}")
+        return raw
+    if name == "COLIBRI_DIRECT_IO":
+        if raw not in ("auto", "on", "off"):
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{name}={raw!r}: expected {what}")
         return raw
     if name == "COLIBRI_SLOT_POLICY":

@@ -12,6 +12,12 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))     # the tests' own helpers (hf_models); the package is installed
+# what engines write to Colibri's cache (the learned hot set's heat files, GGUF conversions) goes to a
+# directory of this test process, never the user's: one test's routing heat must not pin experts in
+# another's engine (a test that wants the cache sets its own)
+if "COLIBRI_CACHE_DIR" not in os.environ:
+    import tempfile
+    os.environ["COLIBRI_CACHE_DIR"] = tempfile.mkdtemp(prefix="colibri-test-cache-")
 
 from helpers import ALL_BACKENDS, ENGINE_VARIANTS, KERNEL_VARIANTS, need as _need, pairs as _pairs  # noqa: E402
 

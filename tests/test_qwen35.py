@@ -132,7 +132,7 @@ def test_trace_replays_to_the_engine_counters(model_cache, tmp_path):
     for j, layer in enumerate(tr.layer_ids):
         np.add.at(seen[layer], tr.expert_ids[:, j].reshape(-1), 1)
     assert (seen == counts).all() and stats["misses"] > 0
-    res = replay(tr, 8, "lru")
+    res = replay(tr, 8, "lru", pinned=stats["pinned_keys"])
     assert (res["hits"], res["misses"]) == (stats["hits"], stats["misses"])
     prof = {"memory_bandwidth_gbs": 10.0, "miss_bandwidth_gbs": 1.0, "memory_bytes": 1 << 30}
     need = estimate(res, tr, prof, 100)["memory_needed_bytes"]

@@ -44,7 +44,8 @@ def test_kernels_read_the_slots(model_cache):
         want = e.infer(b)
         used = {(int(l), int(x)) for j, l in enumerate(tr.layer_ids) for x in np.unique(tr.expert_ids[:, j])}
         pool = e.runner.slot_pool
-        assert pool.buf.nbytes == 16 * pool.blob_bytes    # the pool's memory is exactly N blobs
+        assert pool.buf.shape == (16, pool.row_bytes)     # the pool's memory is N blobs, each rounded up to a page
+        assert 0 <= pool.row_bytes - pool.blob_bytes < 4096 and pool.row_bytes % 4096 == 0
         unused = [s for k, s in pool.cache.where.items() if k not in used]
         for s in unused:
             pool.buf[s] = 0xFF                             # NaN everywhere in float32
@@ -66,7 +67,7 @@ def test_simulate_equals_engine_counters(policy, slots, model_cache):
                      prefill_chunk=8) as e:
         tr = e.trace(PROMPTS, max_new_tokens=6, ignore_eos=True)   # prefill (chunked) and decode steps
         engine_counts = e.slot_stats
-    sim = replay(tr, slots, policy)
+    sim = replay(tr, slots, policy, pinned=engine_counts["pinned_keys"])   # an earlier test's heat may pin some
     for f in ("hits", "misses", "cold_misses", "evictions", "prefetch_hits"):
         assert sim[f] == engine_counts[f], (f, sim, engine_counts)
     assert sim["bytes_moved"] == engine_counts["bytes_loaded"]
@@ -225,7 +226,7 @@ def test_slots_trace_and_simulate_on_ernie(backend_name, policy, model_cache):
         tr = e.trace(PROMPTS, max_new_tokens=5, ignore_eos=True)
         counts = e.slot_stats
     assert tr.layer_ids.tolist() == [1, 2] and tr.expert_ids.shape[2] == 4
-    sim = replay(tr, 4, policy)
+    sim = replay(tr, 4, policy, pinned=counts["pinned_keys"])   # an earlier run's hot set
     for f in ("hits", "misses", "evictions", "prefetch_hits"):
         assert sim[f] == counts[f], (f, sim, counts)
 
@@ -340,3 +341,138 @@ def test_simulate_recommends_the_fewest_slots_for_a_target(tmp_path):
     r2 = subprocess.run([sys.executable, "-m", "colibri_edge", "simulate", "--trace", str(tmp_path / "t.npz"),
                          "--device", "rk3588", "--target-ms", "1000"], capture_output=True, text=True, cwd=ROOT)
     assert r2.returncode == 0 and "slots meets 1000.0 ms/token" in r2.stdout, r2.stderr
+
+
+# -- streaming: the I/O pool, direct reads, the learned hot set (issue 50) -----------------------------
+def _direct_ok(path):
+    """Whether this filesystem takes O_DIRECT (tmpfs does not): the pool then says why it reads buffered."""
+    try:
+        os.close(os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0)))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("io_threads,direct", [(0, "off"), (4, "off"), (4, "on"), (1, "on")])
+def test_streaming_reads_never_change_results(backend_name, io_threads, direct, model_cache, monkeypatch):
+    """Misses read on the I/O pool while resident experts compute, landing in any order, buffered or
+    O_DIRECT into page-aligned slots (staged through page-aligned host memory on device backends):
+    logits and tokens equal the all-resident engine's, and direct reads really happen where the
+    filesystem takes them."""
+    _, col = convert_case(model_cache, "olmoe")
+    monkeypatch.setenv("COLIBRI_HOT_SET", "0")
+    ids = np.random.default_rng(3).integers(0, 99, size=(2, 12))
+    with Engine.open(col, backend=backend_name, **fp32(backend_name)) as e:
+        want, want_gen = e.infer(ids), e.generate(PROMPTS[2], max_new_tokens=8, ignore_eos=True)
+    for policy in ("lru", "prefetch"):
+        monkeypatch.setenv("COLIBRI_IO_THREADS", str(io_threads))
+        monkeypatch.setenv("COLIBRI_DIRECT_IO", direct)
+        with Engine.open(col, backend=backend_name, expert_slots=3, slot_policy=policy, **fp32(backend_name)) as e:
+            np.testing.assert_array_equal(e.infer(ids), want)
+            assert e.generate(PROMPTS[2], max_new_tokens=8, ignore_eos=True) == want_gen
+            st = e.slot_stats
+        assert st["io_threads"] == io_threads and st["misses"] > 0 and st["load_seconds"] > 0
+        if direct == "on" and _direct_ok(os.path.join(col, "colibri_weights.bin")):
+            assert st["direct_io"] and st["direct_reads"] > 0
+        elif direct == "on":
+            assert not st["direct_io"] and "refused" in st["direct_io_why"]
+        else:
+            assert st["direct_reads"] == 0
+        monkeypatch.delenv("COLIBRI_IO_THREADS")
+        monkeypatch.delenv("COLIBRI_DIRECT_IO")
+
+
+def test_a_failed_read_fails_its_request_and_nothing_else(model_cache, monkeypatch):
+    """A load that fails (here: a read error on the I/O pool) fails the step's request with the error;
+    the slot it was loading is forgotten, so the next request loads it again and gets the right logits."""
+    from colibri_edge.errors import ColibriError
+    _, col = convert_case(model_cache, "olmoe")
+    monkeypatch.setenv("COLIBRI_HOT_SET", "0")
+    ids = np.random.default_rng(4).integers(0, 99, size=(1, 10))
+    with Engine.open(col, backend="reference") as e:
+        want = e.infer(ids)
+    with Engine.open(col, backend="reference", expert_slots=3, slot_policy="lru") as e:
+        pool = e.runner.slot_pool
+        real, calls = pool._load, []
+
+        def flaky(layer, x, slot):
+            calls.append((layer, x))
+            if len(calls) == 2:
+                raise OSError(5, "Input/output error")
+            return real(layer, x, slot)
+        pool._load = flaky
+        with pytest.raises((ColibriError, OSError)):
+            e.infer(ids)
+        bad = calls[1]
+        assert bad not in pool.cache.where                # forgotten: no slot claims the half-read expert
+        pool._load = real
+        np.testing.assert_array_equal(e.infer(ids), want)
+
+
+def test_hot_set_is_learned_and_pinned(model_cache, monkeypatch, tmp_path):
+    """A run's routing heat is written at close (per model, in the cache); the next engine pins the
+    hottest experts into COLIBRI_HOT_SET percent of its slots at open, keeps them through any traffic,
+    and computes the same logits. The heat is the first run's own expert counts, decayed (x0.5) each run."""
+    from colibri_edge.runtime.slots import HEAT_DECAY
+    monkeypatch.setenv("COLIBRI_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("COLIBRI_HOT_SET", "50")
+    _, col = convert_case(model_cache, "olmoe")
+    ids = np.random.default_rng(5).integers(0, 99, size=(2, 12))
+    with Engine.open(col, backend="reference") as e:
+        want = e.infer(ids)
+    with Engine.open(col, backend="reference", expert_slots=6, slot_policy="lru") as e:
+        assert e.slot_stats["hot_set"] == 0                # nothing learned yet
+        e.generate(PROMPTS[0], max_new_tokens=12, ignore_eos=True)
+        counts = e.expert_counts.astype(np.float64)
+        heat_path = e.slot_stats["hot_set_file"]
+    assert heat_path.startswith(str(tmp_path / "cache")) and os.path.exists(heat_path)
+    saved = json.load(open(heat_path))
+    layers = saved["layers"]
+    np.testing.assert_array_equal(np.asarray(saved["heat"]), counts[layers])
+    hottest = sorted(((l, x) for l in layers for x in range(counts.shape[1]) if counts[l, x] > 0),
+                     key=lambda k: (-counts[k], k))[:3]
+    with Engine.open(col, backend="reference", expert_slots=6, slot_policy="lru") as e:
+        st = e.slot_stats
+        assert [tuple(k) for k in st["pinned_keys"]] == hottest and st["hot_set"] == 3
+        np.testing.assert_array_equal(e.infer(ids), want)
+        e.generate(PROMPTS[1], max_new_tokens=12, ignore_eos=True)
+        assert all(k in e.runner.slot_pool.cache.where for k in hottest)    # never evicted
+        second = e.expert_counts.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(json.load(open(heat_path))["heat"]),
+                               second[layers] + HEAT_DECAY * counts[layers])
+    monkeypatch.setenv("COLIBRI_HOT_SET", "0")
+    with Engine.open(col, backend="reference", expert_slots=6) as e:
+        assert e.slot_stats["hot_set"] == 0
+
+
+def test_streaming_knobs_are_validated(model_cache, monkeypatch):
+    from colibri_edge.errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
+    _, col = convert_case(model_cache, "olmoe")
+    for knob, bad in (("COLIBRI_IO_THREADS", "65"), ("COLIBRI_IO_THREADS", "-1"), ("COLIBRI_DIRECT_IO", "yes"),
+                      ("COLIBRI_HOT_SET", "101"), ("COLIBRI_HOT_SET", "half")):
+        monkeypatch.setenv(knob, bad)
+        with pytest.raises(ColibriError) as err:
+            Engine.open(col, backend="reference", expert_slots=4)
+        assert err.value.code == COLIBRI_ERR_INVALID_ARGUMENT and knob in err.value.message
+        monkeypatch.delenv(knob)
+
+
+def test_prediction_accuracy_engine_equals_simulator(model_cache, monkeypatch):
+    """The lookahead's accuracy (layer L+1's router on layer L's MoE input): the engine's counters
+    (slot_stats) equal the simulator's replay of the trace, and equal a count straight from the trace."""
+    monkeypatch.setenv("COLIBRI_HOT_SET", "0")
+    _, col = convert_case(model_cache, "olmoe")
+    with Engine.open(col, backend="reference", expert_slots=5, slot_policy="prefetch", max_batch=2,
+                     prefill_chunk=8) as e:
+        tr = e.trace(PROMPTS, max_new_tokens=6, ignore_eos=True)
+        st = e.slot_stats
+    sim = replay(tr, 5, "prefetch")
+    assert st["prediction_recall"] == sim["prediction_recall"] and 0 < st["prediction_recall"] <= 1
+    assert st["prediction_precision"] == sim["prediction_precision"]
+    used = routed = predicted = 0
+    for _, idx in tr.steps():
+        for j in range(1, len(tr.layer_ids)):
+            run = set(np.unique(tr.expert_ids[idx, j]).tolist())
+            pred = set(np.unique(tr.predicted_ids[idx, j]).tolist())
+            used, routed, predicted = used + len(run & pred), routed + len(run), predicted + len(pred)
+    assert st["prediction_recall"] == used / routed and st["prediction_precision"] == used / predicted

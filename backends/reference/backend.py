@@ -241,6 +241,10 @@ class Backend(BackendBase):
     def alloc(self, shape, dtype=np.float32):
         return np.zeros(shape, dtype=dtype)
 
+    def alloc_slots(self, num_slots, blob_bytes):
+        from colibri_edge.runtime.slots import aligned_host
+        return aligned_host(num_slots, blob_bytes)   # page-aligned rows: direct reads land in them
+
     def slot_host_view(self, slots, slot):
         return slots[slot]                 # host memory: a miss is read from storage straight into it
 

@@ -49,11 +49,14 @@ def _layer_accesses(tr: Trace, min_p: float = PREFETCH_MIN_P):
             yield j, int(tr.layer_ids[j]), experts, prefetch
 
 
-def replay(tr: Trace, slots: int, policy: str, min_p: float = PREFETCH_MIN_P) -> dict:
+def replay(tr: Trace, slots: int, policy: str, min_p: float = PREFETCH_MIN_P, pinned=()) -> dict:
+    """pinned: the learned hot set, (layer, expert) keys hottest first, pinned as the engine's pool pins
+    them at open (SlotCache.pin)."""
     if policy not in POLICIES:
         raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"--policy {policy!r}: use one of {', '.join(POLICIES)}")
     blob = int(tr.meta["bytes_per_expert"])
     cache = SlotCache(slots, policy, blob)
+    cache.pin(pinned)
     if policy == "belady":
         cache.set_future([(layer, int(e)) for _, layer, experts, _ in _layer_accesses(tr) for e in experts])
     for _, layer, experts, prefetch in _layer_accesses(tr, min_p):
@@ -62,7 +65,9 @@ def replay(tr: Trace, slots: int, policy: str, min_p: float = PREFETCH_MIN_P) ->
     return {"policy": policy, "slots": slots, "hits": c["hits"], "misses": c["misses"],
             "cold_misses": c["cold_misses"], "hit_rate": c["hit_rate"],
             "prefetch_hits": c["prefetch_hits"], "prefetches": c["prefetches"], "evictions": c["evictions"],
-            "bytes_moved": c["bytes_loaded"], "stall_misses": c["misses"], "tokens": int(tr.expert_ids.shape[0])}
+            "bytes_moved": c["bytes_loaded"], "stall_misses": c["misses"], "tokens": int(tr.expert_ids.shape[0]),
+            "pinned": c["pinned"], "prediction_recall": c["prediction_recall"],
+            "prediction_precision": c["prediction_precision"]}
 
 
 def load_profile(name_or_path: str) -> dict:

@@ -27,12 +27,17 @@ HEADER_BYTES = 1 << 20
 SOURCE_FILE = "gguf_source.json"          # in each cached directory: the file it came from, and its key
 
 
-def cache_root() -> str:
+def cache_base() -> str:
+    """Colibri's cache: $COLIBRI_CACHE_DIR, else $XDG_CACHE_HOME/colibri-edge, else ~/.cache/colibri-edge."""
     root = os.environ.get("COLIBRI_CACHE_DIR")
     if not root:
         root = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache")),
                             "colibri-edge")
-    return os.path.join(root, "gguf")
+    return root
+
+
+def cache_root() -> str:
+    return os.path.join(cache_base(), "gguf")
 
 
 def is_gguf(path) -> bool:

@@ -381,6 +381,10 @@ class Engine:
             if self.profiler is not None:
                 self.profiler.close()
             if self.runner.slot_pool is not None:
+                try:
+                    self.runner.slot_pool.save_heat(self.runner.expert_counts())   # the learned hot set
+                except OSError:
+                    pass                                # a read-only cache: the next run starts cold
                 self.runner.slot_pool.close()
             self.backend.close()
             self.runner = None
@@ -763,9 +767,7 @@ class Engine:
         """Expert slot pool counters (hits, misses, prefetch_hits, bytes_loaded, evictions, hit_rate),
         or None when every expert is resident."""
         pool = self.runner.slot_pool
-        return None if pool is None else {**pool.counters.as_dict(), "slots": pool.cache.n,
-                                          "policy": pool.cache.policy, "resident_bytes": pool.resident_bytes(),
-                                          "read_bytes": pool.read_bytes, "memory": pool.locked}
+        return None if pool is None else pool.stats()
 
     def trace_meta(self) -> dict:
         from ..analysis.sizing import kv_window_bytes, state_bytes_per_sequence, summary

@@ -40,11 +40,19 @@ class Counters:
     bytes_loaded: int = 0
     evictions: int = 0
     prefetches: int = 0        # loads issued by prefetch
+    pinned: int = 0            # experts of the learned hot set loaded at open (never evicted; not misses)
+    predicted: int = 0         # experts the lookahead predicted for a layer (every token's k, as a set)
+    predicted_used: int = 0    # ... of which the layer then ran
+    routed: int = 0            # experts run by layers that had a prediction
 
     def as_dict(self):
         d = dict(self.__dict__)
         total = self.hits + self.misses
         d["hit_rate"] = self.hits / total if total else 1.0
+        # the lookahead predictor (layer L+1's router on layer L's MoE input): of the experts a layer
+        # ran, the share predicted one layer ahead (recall), and of those predicted, the share run
+        d["prediction_recall"] = self.predicted_used / self.routed if self.routed else None
+        d["prediction_precision"] = self.predicted_used / self.predicted if self.predicted else None
         return d
 
 
@@ -70,6 +78,8 @@ class SlotCache:
         self.loaded: set = set()                     # every key ever loaded (cold_misses)
         self._future = None                          # belady: key -> sorted positions of its uses
         self._t = 0                                  # belady: index into the access sequence
+        self.fixed: set = set()                      # the pinned hot set: never a victim
+        self._predicted: dict = {}                   # layer -> the experts predicted for it (scored when it runs)
 
     # -- belady ---------------------------------------------------------------------------------
     def set_future(self, keys):
@@ -86,10 +96,38 @@ class SlotCache:
         return uses[p] if p < len(uses) else float("inf")
 
     # -- core -----------------------------------------------------------------------------------
+    def pin(self, keys) -> list:
+        """The learned hot set: install `keys` (hottest first) into free slots for good -- never evicted,
+        their accesses hits. At most n - 1 keys (one slot stays for everything else). -> [(key, slot)]
+        to load."""
+        out = []
+        for key in keys:
+            key = (int(key[0]), int(key[1]))
+            if len(self.fixed) >= self.n - 1 or key in self.where:
+                continue
+            slot = self._victim(set())
+            self._install(key, slot)
+            self.c.bytes_loaded -= self.blob_bytes       # loaded at open: not a streaming cost
+            self.fixed.add(key)
+            self.c.pinned += 1
+            out.append((key, slot))
+        return out
+
+    def drop(self, key):
+        """Forget a key whose load failed: its slot holds nothing valid."""
+        slot = self.where.pop(key, None)
+        if slot is not None:
+            self.key_of[slot] = None
+            self.recency.pop(key, None)
+            self.prefetched.discard(key)
+            self.fixed.discard(key)
+            self.loaded.discard(key)
+
     def _victim(self, pinned):
         free = [s for s, k in enumerate(self.key_of) if k is None]
         if free:
             return free[0]
+        pinned = pinned | self.fixed if self.fixed else pinned
         cands = [k for k in self.recency if k not in pinned]   # least recent first
         if not cands:
             return None
@@ -185,6 +223,14 @@ class SlotCache:
         prefetch=(next_layer, likely experts[, every predicted expert]). -> (waves, prefetch loads)."""
         protect = frozenset((prefetch[0], int(e)) for e in (prefetch[2] if len(prefetch) > 2 else prefetch[1])) \
             if prefetch is not None else frozenset()
+        pred = self._predicted.pop(layer, None)
+        if pred is not None:                         # score the lookahead made for this layer
+            run = {int(e) for e in experts}
+            self.c.predicted += len(pred)
+            self.c.predicted_used += len(pred & run)
+            self.c.routed += len(run)
+        if prefetch is not None:
+            self._predicted[prefetch[0]] = {int(e) for e in (prefetch[2] if len(prefetch) > 2 else prefetch[1])}
         waves = self.plan_layer(layer, experts, protect)
         loads = self.prefetch(prefetch[0], prefetch[1], layer, prefetch[2] if len(prefetch) > 2 else ()) \
             if prefetch is not None and len(waves) == 1 else []
@@ -236,10 +282,59 @@ def _mlock(arr) -> str:
         return f"not locked: {err}"
 
 
-class SlotPool:
-    """SlotCache + data: N slots of one expert blob each in the backend's memory."""
+PAGE = 4096          # O_DIRECT's alignment of buffer address, file offset and length (the blobs are
+                     # 4096-aligned in colibri_weights.bin: model/modeldir.py)
 
-    def __init__(self, backend, model, num_slots: int, policy: str):
+
+def aligned_host(rows: int, row_bytes: int) -> np.ndarray:
+    """[rows, row_bytes rounded up to PAGE] uint8 zeros, each row PAGE-aligned: host slots that a direct
+    read (whole pages) lands in without a bounce buffer."""
+    row_bytes = -(-row_bytes // PAGE) * PAGE
+    raw = np.zeros(rows * row_bytes + PAGE, np.uint8)
+    off = (-raw.ctypes.data) % PAGE
+    return raw[off:off + rows * row_bytes].reshape(rows, row_bytes)
+
+
+def io_threads_knob(explicit=None) -> int:
+    from ..knobs import resolve
+    return resolve("COLIBRI_IO_THREADS", explicit)
+
+
+def direct_io_choice(path: str, explicit=None) -> tuple[bool, str]:
+    """COLIBRI_DIRECT_IO: on, off, or auto -- what `colibri probe-device` measured for the device holding
+    `path` (its profile's "direct_io": {"device": st_dev, "use": bool, "why": ...}); off without a
+    measurement. -> (use it, why)."""
+    from ..knobs import resolve
+    v = resolve("COLIBRI_DIRECT_IO", explicit)
+    if v != "auto":
+        return v == "on", f"COLIBRI_DIRECT_IO={v}"
+    try:
+        from ..analysis.simulate import profile_path
+        import json
+        d = json.load(open(profile_path())).get("direct_io") or {}
+        if int(d.get("device", -1)) == os.stat(path).st_dev:
+            return bool(d["use"]), f"probe-device: {d.get('why', '')}"
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return False, "buffered reads (no probe-device measurement of this drive)"
+
+
+class SlotPool:
+    """SlotCache + data: N slots of one expert blob each in the backend's memory.
+
+    Reads: a miss is one positioned read of the expert's whole blob (gate, up, down and scales are
+    adjacent in colibri_weights.bin) into its slot, on a bounded pool of I/O threads (io_threads;
+    0: on the compute thread). A layer's misses are all issued at once (the union of the step's
+    tokens' experts, each read once); while they load the layer computes the experts already resident,
+    then each arriving expert as it lands. Each expert writes its own rows of y and the combine runs
+    after the layer in a fixed order, so arrival order never changes the logits. Prefetch loads go
+    through the same pool, after the layer's demand misses. With direct I/O (O_DIRECT, chosen by
+    probe-device's measurement or COLIBRI_DIRECT_IO) reads bypass the page cache into PAGE-aligned slot
+    rows; buffered reads drop their pages after the copy (posix_fadvise DONTNEED): the slots are the
+    engine's copy either way."""
+
+    def __init__(self, backend, model, num_slots: int, policy: str, io_threads=None, direct_io=None,
+                 hot_fraction=None):
         cfg = model.config
         if policy not in ENGINE_POLICIES:
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"slot policy {policy!r}: the engine runs "
@@ -248,55 +343,104 @@ class SlotPool:
         self.H, self.I = cfg["hidden_size"], cfg["moe_intermediate_size"]
         # one slot holds any layer's expert: sized by the largest blob (layers may differ in formats)
         self.blob_bytes = max(e.weight_size for e in model.experts)
+        self.row_bytes = -(-self.blob_bytes // PAGE) * PAGE      # a direct read is whole pages
         self.cache = SlotCache(num_slots, policy, self.blob_bytes)
-        self.buf = backend.alloc_slots(num_slots, self.blob_bytes)
+        self.buf = backend.alloc_slots(num_slots, self.blob_bytes)   # host slots: page-aligned rows of row_bytes
         self._path = os.path.join(model.path, WEIGHTS_FILE)
         self._fd = os.open(self._path, os.O_RDONLY)
+        self._dfd = None
+        self.direct, self.direct_why = direct_io_choice(self._path, direct_io)
+        if self.direct:
+            try:
+                self._dfd = os.open(self._path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+            except OSError as err:
+                self.direct, self.direct_why = False, f"O_DIRECT refused by the filesystem ({err.strerror})"
         self._tls = threading.local()               # per-thread staging buffers (device slots)
-        self.reads = self.read_bytes = 0
+        self.reads = self.read_bytes = self.direct_reads = 0
+        self.load_s = 0.0                           # seconds spent in loads, all threads
+        self.stall_s = 0.0                          # seconds the compute thread waited for loads
+        self._lock = threading.Lock()
         self.locked = _mlock(backend.slot_host_view(self.buf, 0) is not None and self.buf)
         self._views = {}                            # (slot, formats) -> the FFN viewing that slot
         self._pending: dict = {}                    # slot -> Future of a prefetch copy
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="colibri-prefetch") \
-            if policy == "prefetch" else None
+        self.io_threads = io_threads_knob(io_threads)
+        self._pool = ThreadPoolExecutor(max_workers=max(self.io_threads, 1), thread_name_prefix="colibri-io") \
+            if self.io_threads or policy == "prefetch" else None
         self.prefetch_hook = PrefetchHook() if policy == "prefetch" else None
+        self.heat_path = heat_file(model)
+        self.hot_fraction = hot_fraction_knob(hot_fraction)
+        self.pinned_keys = []                       # the hot set pinned at open, hottest first
+        self.hot_set = self._pin_hot_set()
 
     @property
     def counters(self) -> Counters:
         return self.cache.c
 
+    def _pin_hot_set(self) -> int:
+        """Load the learned hot set (the hottest experts of earlier runs, heat_file) into hot_fraction of
+        the slots, for good. -> how many."""
+        heat = load_heat(self.heat_path, self.model) if self.hot_fraction > 0 else None
+        if heat is None:
+            return 0
+        n = int(self.hot_fraction * self.cache.n)
+        order = sorted(heat, key=lambda k: (-heat[k], k))[:n]
+        loads = self.cache.pin([k for k in order if heat[k] > 0])
+        self.pinned_keys = [k for k, _ in loads]
+        futs = [self._pool.submit(self._load, k[0], k[1], slot) if self._pool else self._load(k[0], k[1], slot)
+                for k, slot in loads]
+        for f in futs:
+            if f is not None:
+                f.result()
+        return len(loads)
+
+    def _read(self, fd, view, offset, n):
+        done = 0
+        while done < n:                             # pread may return short
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got <= 0:
+                return done
+            done += got
+        return done
+
     def _load(self, layer, e, slot):
         """A miss (or a prefetch): the expert's blob read from the weights file with one positioned read
         of its whole size, straight into the slot where the slot is host memory (cpu, reference), else
-        into this thread's staging buffer and on to the device; its pages then dropped from the page
-        cache (posix_fadvise DONTNEED), so that streaming does not grow the page cache: the slots are
-        the engine's copy. Not through the memmap: under memory pressure its page faults read 4 KiB at
-        a time (measured on this machine's storage, README: 26 MB/s against 0.8-1 GB/s for large
-        reads)."""
+        into this thread's staging buffer and on to the device. Buffered: its pages then dropped from
+        the page cache (posix_fadvise DONTNEED), so that streaming does not grow the page cache. Direct:
+        whole pages into the PAGE-aligned slot row, no page cache at all. Not through the memmap: under
+        memory pressure its page faults read 4 KiB at a time (measured on this machine's storage,
+        README: 26 MB/s against 0.8-1 GB/s for large reads)."""
+        import time
+        t0 = time.perf_counter()
         rec = self.model.expert_record(layer, e)
         dst = self.be.slot_host_view(self.buf, slot)
         staged = dst is None
         if staged:
             dst = getattr(self._tls, "staging", None)
             if dst is None:
-                dst = self._tls.staging = self.be.alloc_staging(self.blob_bytes)
+                dst = self._tls.staging = aligned_host(1, self.row_bytes)[0] if self.direct else \
+                    self.be.alloc_staging(self.row_bytes)
         n = rec.weight_size
-        view = memoryview(dst)[:n]
-        done = 0
-        while done < n:                             # pread may return short
-            got = os.preadv(self._fd, [view[done:]], rec.weight_offset + done)
-            if got <= 0:
-                raise ColibriError(COLIBRI_ERR_INVALID_MODEL, f"{self._path}: expert {e} of layer {layer} ends "
-                                   f"past the end of the file (offset {rec.weight_offset}, {n} bytes)")
-            done += got
+        direct = self._dfd is not None and dst.ctypes.data % PAGE == 0 and rec.weight_offset % PAGE == 0 and \
+            dst.size >= -(-n // PAGE) * PAGE
+        if direct:                                  # whole pages; past the end of the file it reads short
+            got = self._read(self._dfd, memoryview(dst)[:-(-n // PAGE) * PAGE], rec.weight_offset, n)
+        else:
+            got = self._read(self._fd, memoryview(dst)[:n], rec.weight_offset, n)
+        if got < n:
+            raise ColibriError(COLIBRI_ERR_INVALID_MODEL, f"{self._path}: expert {e} of layer {layer} ends "
+                               f"past the end of the file (offset {rec.weight_offset}, {n} bytes)")
         if n < self.blob_bytes:                     # a smaller layer's expert: the slot's tail is unused
-            dst[n:] = 0
-        if hasattr(os, "posix_fadvise"):
+            dst[n:self.blob_bytes] = 0
+        if not direct and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fd, rec.weight_offset, n, os.POSIX_FADV_DONTNEED)
-        self.reads += 1
-        self.read_bytes += n
         if staged:
-            self.be.load_slot(self.buf, slot, dst)
+            self.be.load_slot(self.buf, slot, dst[:self.blob_bytes])
+        with self._lock:
+            self.reads += 1
+            self.read_bytes += n
+            self.direct_reads += direct
+            self.load_s += time.perf_counter() - t0
 
     def ffn(self, slot, layer):
         """The FFN reading slot `slot` as an expert of `layer` (its formats)."""
@@ -311,44 +455,167 @@ class SlotPool:
         if fut is not None:
             fut.result()
 
-    def waves(self, layer, experts, prefetch=None):
-        """Yields waves, each a list of (expert, FFN in its slot), after loading the wave's misses.
-        A generator: a later wave may reuse an earlier wave's slots, so run each before the next.
-        prefetch=(next_layer, likely experts): loaded on the prefetch thread while this layer runs
-        (only when the layer fits in one wave: then no slot of this layer is touched)."""
-        plan, loads = self.cache.access_layer(layer, experts, prefetch)
-        for i, wave in enumerate(plan):
-            for e, slot, hit in wave:
-                self._wait(slot)                    # a prefetch into this slot must land first
-                if not hit:
-                    self._load(layer, e, slot)
-            if i == 0:
-                for e, slot in loads:               # overlap the next layer's loads with this one
-                    self._wait(slot)
-                    self._pending[slot] = self._pool.submit(self._load, prefetch[0], e, slot)
-            yield [(e, self.ffn(slot, layer)) for e, slot, _ in wave]
+    def _settle(self, layer, futs: dict, err=None):
+        """Wait for every load in futs ({slot: (expert, future)}); a failed load's key is forgotten (its
+        slot holds nothing valid) and the first error raised once nothing is in flight."""
+        for slot, (e, fut) in futs.items():
+            try:
+                fut.result()
+            except Exception as x:                  # noqa: BLE001 -- re-raised below, after the rest land
+                self.cache.drop((layer, e))
+                err = err or x
+        if err is not None:
+            raise err
 
     def run_layer(self, moe, plan, s, prefetch):
-        """grouped_ffn of one MoE layer from the slots, wave by wave (a wave = what fits in the slots)."""
+        """grouped_ffn of one MoE layer from the slots, wave by wave (a wave = what fits in the slots);
+        in a wave the resident experts first, then the loaded ones as they land (class docstring).
+        prefetch=(next_layer, likely experts, every predicted one): loaded on the I/O pool after this
+        layer's misses (only when the layer fits in one wave: then no slot of this layer is touched)."""
         import dataclasses
-        if self._pool is None:
+        import time
+        from concurrent.futures import FIRST_COMPLETED, wait
+        if self.prefetch_hook is None:
             prefetch = None                          # a trace's prediction, but no prefetch policy
-        active = np.asarray(plan.experts_to_run())
+        layer = moe.layer
         experts = list(moe.experts)
-        for wave in self.waves(moe.layer, active, prefetch):
-            for e, ffn in wave:
-                experts[e] = ffn
-            sub = dataclasses.replace(plan, active=np.array([e for e, _ in wave], dtype=np.int64))
+        plan_waves, loads = self.cache.access_layer(layer, np.asarray(plan.experts_to_run()), prefetch)
+
+        def run(ids):
+            for e, slot in ids:
+                experts[e] = self.ffn(slot, layer)
+            sub = dataclasses.replace(plan, active=np.array(sorted(e for e, _ in ids), dtype=np.int64))
             self.be.grouped_ffn(s.y, s.h, experts, sub, s.scratch, moe.act)
+
+        for i, wave in enumerate(plan_waves):
+            ready, flying = [], {}                   # flying: slot -> (expert, future)
+            try:
+                for e, slot, hit in wave:
+                    fut = self._pending.pop(slot, None)
+                    if not hit:
+                        if fut is not None:          # an earlier prefetch into this slot lands first
+                            fut.result()
+                        if self._pool is None or not self.io_threads:
+                            t0 = time.perf_counter()
+                            self._load(layer, e, slot)
+                            self.stall_s += time.perf_counter() - t0
+                            ready.append((e, slot))
+                        else:
+                            flying[slot] = (e, self._pool.submit(self._load, layer, e, slot))
+                    elif fut is not None and not fut.done():
+                        flying[slot] = (e, fut)      # a prefetch of this expert still in flight
+                    else:
+                        if fut is not None:
+                            fut.result()
+                        ready.append((e, slot))
+                if i == 0:
+                    for e, slot in loads:            # the next layer's loads queue behind this one's
+                        self._wait(slot)
+                        self._pending[slot] = self._pool.submit(self._load, prefetch[0], e, slot)
+                if ready:
+                    run(ready)
+                while flying:
+                    t0 = time.perf_counter()
+                    done, _ = wait([f for _, f in flying.values()], return_when=FIRST_COMPLETED)
+                    self.stall_s += time.perf_counter() - t0
+                    landed = [(e, slot) for slot, (e, f) in flying.items() if f in done]
+                    for e, slot in landed:
+                        flying.pop(slot)[1].result()
+                    run(landed)
+            except BaseException as err:
+                self._settle(layer, flying, err)
+                raise
 
     def resident_bytes(self) -> int:
         return sum(k is not None for k in self.cache.key_of) * self.blob_bytes
 
+    def stats(self) -> dict:
+        """Counters, reads and how much of the load time the compute hid."""
+        d = self.counters.as_dict()
+        d.update(slots=self.cache.n, policy=self.cache.policy, resident_bytes=self.resident_bytes(),
+                 read_bytes=self.read_bytes, memory=self.locked, io_threads=self.io_threads,
+                 direct_io=self.direct, direct_io_why=self.direct_why, direct_reads=self.direct_reads,
+                 load_seconds=self.load_s, stall_seconds=self.stall_s,
+                 hidden_fraction=(1.0 - min(self.stall_s / self.load_s, 1.0)) if self.load_s > 0 else None,
+                 hot_set=self.hot_set, hot_set_file=self.heat_path,
+                 pinned_keys=[list(k) for k in self.pinned_keys])
+        return d
+
+    def save_heat(self, counts):
+        """Add this run's routing counts (int [moe layers, E], the engine's tallies) to the heat file."""
+        if self.heat_path is not None:
+            save_heat(self.heat_path, self.model, counts)
+
     def close(self):
         for s in list(self._pending):
-            self._wait(s)
+            try:
+                self._wait(s)
+            except Exception:                         # noqa: BLE001 -- closing: a failed prefetch is moot
+                pass
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        for fd in (self._fd, self._dfd):
+            if fd is not None:
+                os.close(fd)
+        self._fd = self._dfd = None
+
+
+# -- the learned hot set --------------------------------------------------------------------------
+# Routing heat (tokens routed to each expert, summed over runs with the older runs' counts halved each
+# time: a workload that moves is followed within a few runs) is kept per model in the cache
+# ($COLIBRI_CACHE_DIR, else $XDG_CACHE_HOME/colibri-edge, else ~/.cache/colibri-edge)/heat/<key>.json,
+# key = sha256 of the model directory's real path and its weights file's size and mtime (a rewritten
+# model starts cold). At open the pool pins the hottest experts into hot_fraction of its slots.
+HEAT_DECAY = 0.5
+
+
+def hot_fraction_knob(explicit=None) -> float:
+    from ..knobs import resolve
+    return resolve("COLIBRI_HOT_SET", explicit) / 100.0
+
+
+def heat_file(model) -> str | None:
+    import hashlib
+    from ..model.gguf_cache import cache_base
+    try:
+        st = os.stat(os.path.join(model.path, WEIGHTS_FILE))
+    except OSError:
+        return None
+    key = hashlib.sha256(f"{os.path.realpath(model.path)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:20]
+    return os.path.join(cache_base(), "heat", key + ".json")
+
+
+def load_heat(path, model) -> dict | None:
+    """{(layer, expert): heat} from the heat file, or None (none yet, or not this model's shape)."""
+    import json
+    if path is None or not os.path.exists(path):
+        return None
+    try:
+        d = json.load(open(path))
+        layers, heat = [int(x) for x in d["layers"]], np.asarray(d["heat"], np.float64)
+        E = int(model.config["experts_per_layer"])
+        if heat.shape != (len(layers), E) or not np.isfinite(heat).all():
+            return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None                                  # a damaged heat file: start cold, it is rewritten at close
+    return {(l, e): float(heat[j, e]) for j, l in enumerate(layers) for e in range(E)}
+
+
+def save_heat(path, model, counts):
+    import json
+    moe_layers = sorted({int(e.layer) for e in model.experts})
+    counts = np.asarray(counts, np.float64)          # [num_hidden_layers, E]: the MoE layers' rows
+    if counts.ndim != 2 or counts.shape[0] <= max(moe_layers):
+        return
+    counts = counts[moe_layers]
+    if not counts.sum():
+        return
+    old = load_heat(path, model)
+    heat = counts.copy()
+    if old is not None:
+        heat += HEAT_DECAY * np.array([[old.get((l, e), 0.0) for e in range(counts.shape[1])] for l in moe_layers])
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"model": os.path.realpath(model.path), "layers": moe_layers, "heat": heat.tolist()}, f)
+    os.replace(tmp, path)

@@ -14,6 +14,13 @@ What the simulator's estimate needs (simulate.estimate), measured the way the en
                         its own; on a VM the host's cache often serves these (2026-12-02 host: 1.3 GB/s
                         cold, several GB/s re-read)
   page_cache_gbs        the same reads again, now from the page cache (a miss whose pages are cached)
+  parallel_miss_bandwidth_gbs  cold buffered reads with io_threads of them in flight (the slot pool's I/O
+                        threads: a layer's misses are issued together)
+  direct_io             O_DIRECT against buffered cold reads, io_threads in flight, on the same offsets:
+                        {"device": st_dev of the file, "use": direct at least DIRECT_GAIN x buffered,
+                        "direct_gbs", "buffered_gbs", "why"}; the slot pool reads the verdict for a model
+                        on that device (COLIBRI_DIRECT_IO=auto). Direct reads skip the kernel's copy out of
+                        the page cache (CPU time on the cores that also compute) and any readahead
   layer_overhead_ms     a decode step of the demo model less its weight reads at memory_bandwidth_gbs, per
                         layer: the cost that does not scale with a layer's size (Python, launches)
   memory_bytes          what this process may allocate (colibri_edge.memory.host_available)
@@ -99,6 +106,69 @@ def storage_bandwidth(directory: str, file_mib: int, blob: int, reads: int = 64,
             os.unlink(path)
 
 
+DIRECT_GAIN = 1.05     # direct I/O is chosen when its cold reads are at least this much faster
+
+
+def read_modes(path: str, blob: int, reads: int = 32, threads: int = 4) -> dict:
+    """GB/s of cold reads of `blob` bytes (rounded up to pages) at random page-aligned offsets of the file
+    `path`, `threads` reads in flight: buffered (page cache dropped before) and O_DIRECT (None where the
+    filesystem refuses it: tmpfs, some overlays). -> {"buffered_gbs", "direct_gbs", "direct_error"}."""
+    from concurrent.futures import ThreadPoolExecutor
+    from ..runtime.slots import PAGE, aligned_host
+    size = os.path.getsize(path)
+    blob = -(-blob // PAGE) * PAGE
+    n = max(size // blob, 1)
+    offsets = [int(o) * blob for o in np.random.default_rng(3).choice(n, size=min(reads, n), replace=False)]
+    bufs = aligned_host(threads, blob)
+
+    def timed(fd):
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        free = list(range(threads))
+        def one(o):
+            i = free.pop()
+            try:
+                os.preadv(fd, [memoryview(bufs[i])], o)
+            finally:
+                free.append(i)
+        t = time.perf_counter()
+        with ThreadPoolExecutor(threads) as ex:
+            list(ex.map(one, offsets))
+        return len(offsets) * blob / (time.perf_counter() - t) / 1e9
+
+    out = {"direct_gbs": None, "direct_error": None}
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        out["buffered_gbs"] = timed(fd)
+    finally:
+        os.close(fd)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    except OSError as err:
+        out["direct_error"] = err.strerror
+        return out
+    try:
+        out["direct_gbs"] = timed(fd)
+    except OSError as err:
+        out["direct_error"] = err.strerror
+    finally:
+        os.close(fd)
+    return out
+
+
+def direct_io_verdict(path: str, blob: int, threads: int = 4) -> dict:
+    m = read_modes(path, blob, threads=threads)
+    buf, d = m["buffered_gbs"], m["direct_gbs"]
+    if d is None:
+        use, why = False, f"O_DIRECT refused on this filesystem ({m['direct_error']}); buffered {buf:.2f} GB/s"
+    else:
+        use = d >= DIRECT_GAIN * buf
+        why = (f"cold reads, {threads} in flight: direct {d:.2f} GB/s, buffered {buf:.2f} GB/s -> "
+               f"{'direct' if use else 'buffered'}")
+    return {"device": os.stat(path).st_dev, "use": bool(use), "direct_gbs": None if d is None else round(d, 3),
+            "buffered_gbs": round(buf, 3), "threads": threads, "why": why}
+
+
 def layer_overhead_ms(bandwidth_gbs: float) -> float:
     """The demo model's decode step time less its weight reads at bandwidth_gbs, per layer (ms, median
     of 32 steps): the cost of a layer's kernel launches and Python that does not scale with its size."""
@@ -129,6 +199,19 @@ def probe(directory: str | None = None, mem_mib: int = 512, file_mib: int = 256,
             raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"{name}={v}: at least {lo}")
     bw = memory_bandwidth(mem_mib)
     cold, reread, cached = storage_bandwidth(directory, file_mib, blob, existing=weights_file)
+    if weights_file is not None:
+        direct = direct_io_verdict(weights_file, blob)
+    else:
+        fd, path = tempfile.mkstemp(prefix="colibri-probe-", dir=directory)
+        try:
+            chunk = np.random.default_rng(1).integers(0, 256, size=1 << 20, dtype=np.uint8).tobytes()
+            for _ in range(max(file_mib, -(-blob * 8 >> 20))):
+                os.write(fd, chunk)
+            os.fsync(fd)
+            direct = direct_io_verdict(path, blob)
+        finally:
+            os.close(fd)
+            os.unlink(path)
     avail, what = host_available()
     return {"name": f"this machine ({platform.machine()}, {os.cpu_count()} CPUs; {platform.node()})",
             "memory_bytes": int(avail), "memory_limit": what, "memory_bandwidth_gbs": round(bw, 2),
@@ -136,6 +219,7 @@ def probe(directory: str | None = None, mem_mib: int = 512, file_mib: int = 256,
             "miss_source": f"{weights_file or 'storage under ' + directory} (page cache dropped)",
             "miss_bandwidth_gbs": round(cold, 3), "reread_bandwidth_gbs": round(reread, 3),
             "page_cache_gbs": round(cached, 2), "blob_bytes": int(blob),
+            "parallel_miss_bandwidth_gbs": direct["buffered_gbs"], "direct_io": direct,
             "layer_overhead_ms": round(layer_overhead_ms(bw), 4),
             "probed": time.strftime("%Y-%m-%d %H:%M:%S")}
 
