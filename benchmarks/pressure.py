@@ -165,7 +165,7 @@ def warm_cache(paths):
                 pass
 
 
-def run_colibri(cg, model, slots, policy, new, files, resident=False):
+def run_colibri(cg, model, slots, policy, new, files, resident=False, env=None):
     """One worker process, inside the cgroup (cg None: without one); resident: the weights file read
     into the page cache first (truly all resident), else its pages dropped first."""
     if resident:
@@ -175,7 +175,7 @@ def run_colibri(cg, model, slots, policy, new, files, resident=False):
     wrap = cg.wrap if cg is not None else (lambda c: c)
     cmd = wrap([sys.executable, os.path.abspath(__file__), "--worker", "--model", model, "--slots", slots,
                    "--policy", policy, "--new", str(new)])
-    env = {**os.environ, "COLIBRI_NUM_THREADS": "2", "NUMBA_NUM_THREADS": "2"}
+    env = {**os.environ, "COLIBRI_NUM_THREADS": "2", "NUMBA_NUM_THREADS": "2", **(env or {})}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     lines = [l for l in r.stdout.splitlines() if l.startswith("RESULT ")]
     if r.returncode != 0 or not lines:
@@ -298,15 +298,87 @@ def entropy_bits(counts) -> float:
     return float(np.mean(out))
 
 
+def run_matrix(a, s, models_by_router, log_rows):
+    """Per router and memory fraction: Colibri through the memory map, Colibri streaming (cold: no heat
+    yet; learned: the same workload again with the first run's heat), llama.cpp. -> rows."""
+    import tempfile
+    from colibri_edge.serving.probe_device import direct_io_verdict
+    rows = []
+    for router, (col, gguf) in models_by_router.items():
+        weights = os.path.join(col, "colibri_weights.bin")
+        wbytes = os.path.getsize(weights)
+        from colibri_edge.model.modeldir import ModelDir
+        md = ModelDir(col)
+        blob = max(e.weight_size for e in md.experts)
+        verdict = direct_io_verdict(weights, blob)
+        log(f"{router}: direct I/O verdict: {verdict['why']}")
+        env = {"COLIBRI_DIRECT_IO": "on" if verdict["use"] else "off", "COLIBRI_IO_THREADS": str(a.io_threads)}
+        r = run_colibri(None, col, "0", a.policy, a.new, [weights], resident=True)      # the ceiling
+        r.update(router=router, fraction=1.0, limit_bytes=wbytes, engine="colibri all resident (no limit)")
+        log(json.dumps({k: v for k, v in r.items() if k != "expert_counts"})[:400])
+        rows.append(r)
+        for frac in [float(x) for x in a.fractions.split(",")]:
+            cg = Cgroup(int(frac * wbytes))
+            heat_dir = tempfile.mkdtemp(prefix="colibri-pressure-heat-")
+            base = {"router": router, "fraction": frac, "limit_bytes": cg.limit, "direct_io": verdict}
+            try:
+                runs = [("colibri mmap", "0", {}), ("colibri streaming, cold", a.stream_slots, {"COLIBRI_CACHE_DIR": heat_dir}),
+                        ("colibri streaming, learned", a.stream_slots, {"COLIBRI_CACHE_DIR": heat_dir})]
+                for name, slots, extra in runs:
+                    r = run_colibri(cg, col, slots, a.policy, a.new, [weights], env={**env, **extra})
+                    r.update(base, engine=name)
+                    log(json.dumps({k: v for k, v in r.items() if k not in ("expert_counts", "direct_io")})[:700])
+                    rows.append(r)
+                if not a.no_llama:
+                    import llama_server
+                    r = run_llama(cg, llama_server.binary(log), gguf, a.llama_new, [gguf], s)
+                    r.update(base)
+                    log(json.dumps(r)[:600])
+                    rows.append(r)
+            finally:
+                cg.close()
+                shutil.rmtree(heat_dir, ignore_errors=True)
+    return rows
+
+
+def matrix_table(rows) -> list:
+    out = ["| router | memory | engine | decode tok/s | vs mmap | vs llama.cpp | storage / token | hit rate (slots) | "
+           "hot set | lookahead recall | load time hidden |", "|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|"]
+    for r in rows:
+        mem = f"{r['fraction']:.0%} ({r['limit_bytes'] / 2**20:.0f} MiB)"
+        if "error" in r:
+            out.append(f"| {r['router']} | {mem} | {r['engine']} | failed: {r['error'][-160:]!r} | | | | | | | |")
+            continue
+        same = [x for x in rows if x["router"] == r["router"] and x["fraction"] == r["fraction"] and "error" not in x]
+        mm = next((x["decode_tok_s"] for x in same if x["engine"] == "colibri mmap"), None)
+        ll = next((x["decode_tok_s"] for x in same if x["engine"].startswith("llama.cpp")), None)
+        tps = r["decode_tok_s"]
+        ss = r.get("slot_stats") or {}
+        rec, hid = ss.get("prediction_recall"), ss.get("hidden_fraction")
+        cells = [r["router"], mem, r["engine"], f"{tps:.2f}", "-" if mm is None else f"{tps / mm:.2f}x",
+                 "-" if ll is None else f"{tps / ll:.1f}x", f"{r['read_bytes_per_token'] / 2**20:.1f} MiB",
+                 f"{ss['hit_rate']:.3f} ({ss['slots']})" if ss else "-", str(ss.get("hot_set", "-")) if ss else "-",
+                 "-" if rec is None else f"{rec:.2f}", "-" if hid is None else f"{hid:.2f}"]
+        out.append("| " + " | ".join(cells) + " |")
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--model")
-    ap.add_argument("--slots", default="0,auto,18", help="Colibri runs: slot counts, auto, or 0 (every expert "
-                                                        "resident); empty: none")
-    ap.add_argument("--policy", default="lfu")
+    ap.add_argument("--slots", default="", help="extra Colibri runs in the --limit-mib cgroup: slot counts, auto, "
+                                                "or 0 (every expert resident)")
+    ap.add_argument("--policy", default="lru")
     ap.add_argument("--new", type=int, default=48)
-    ap.add_argument("--limit-mib", type=int, default=600, help="the cgroup's memory limit")
+    ap.add_argument("--llama-new", type=int, default=16, help="llama.cpp's tokens a prompt in the matrix (it is slow "
+                                                               "under pressure)")
+    ap.add_argument("--limit-mib", type=int, default=600, help="the cgroup's memory limit of the --slots runs")
+    ap.add_argument("--fractions", default="0.5,0.25", help="the matrix: memory limits as fractions of the weights")
+    ap.add_argument("--routers", default="skewed,uniform", help="the matrix: skewed (Zipf-like), uniform (the "
+                                                                "benchmark model's own random router); empty: none")
+    ap.add_argument("--stream-slots", default="auto", help="the matrix's streaming runs: a slot count or auto")
+    ap.add_argument("--io-threads", type=int, default=4)
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument("--sim-slots", default="0,8,16,32", help="the simulator check's slot counts (0: all resident), "
                                                             "lru, without the cgroup; empty: skip it")
@@ -315,56 +387,76 @@ def main(argv=None):
     if a.worker:
         return colibri_worker(a)
     import models
-    import llama_server
     s = models.spec(False)
     root = os.path.join(HERE, "cache", "pressure")
     os.makedirs(root, exist_ok=True)
-    hf = skewed_hf(models.build_hf(os.path.join(models.cache_dir(False), "hf"), s, log), os.path.join(root, "hf"), s)
+    base_hf = models.build_hf(os.path.join(models.cache_dir(False), "hf"), s, log)
+    hf = skewed_hf(base_hf, os.path.join(root, "hf"), s)
     col = models.build_colibri(hf, os.path.join(root, "colibri-float16"), "float16", log)
     gguf = os.path.join(root, "model-f16.gguf")
     models.build_gguf(hf, gguf, "f16", s, log)
     weights = os.path.join(col, "colibri_weights.bin")
     sizes = {"colibri_weights_bytes": os.path.getsize(weights), "gguf_bytes": os.path.getsize(gguf)}
-    cg = Cgroup(a.limit_mib << 20)
-    res = {"limit_bytes": cg.limit, **sizes, "date": time.strftime("%Y-%m-%d"), "new_tokens": a.new, "runs": []}
-    log(f"cgroup {cg.dir}: limit {a.limit_mib} MiB; weights {sizes['colibri_weights_bytes'] / 2**20:.0f} MiB "
-        f"(Colibri), {sizes['gguf_bytes'] / 2**20:.0f} MiB (GGUF)")
-    try:
-        for sl in filter(None, a.slots.split(",")):        # --slots '': the simulator check alone
-            r = run_colibri(cg, col, sl, a.policy, a.new, [weights])
-            log(json.dumps({k: v for k, v in r.items() if k != "expert_counts"})[:600])
-            res["runs"].append(r)
-        if not a.no_llama:
-            r = run_llama(cg, llama_server.binary(log), gguf, a.new, [gguf], s)
-            log(json.dumps(r)[:600])
-            res["runs"].append(r)
-    finally:
-        cg.close()
+    res = {**sizes, "date": time.strftime("%Y-%m-%d"), "new_tokens": a.new, "runs": [], "matrix": []}
+    by_router = {}
+    for router in filter(None, a.routers.split(",")):
+        if router == "skewed":
+            by_router[router] = (col, gguf)
+        elif router == "uniform":
+            ucol = models.build_colibri(base_hf, os.path.join(root, "uniform-colibri-float16"), "float16", log)
+            ugguf = os.path.join(root, "uniform-model-f16.gguf")
+            models.build_gguf(base_hf, ugguf, "f16", s, log)
+            by_router[router] = (ucol, ugguf)
+        else:
+            raise SystemExit(f"--routers: {router!r} is not skewed or uniform")
+    if by_router:
+        res["matrix"] = run_matrix(a, s, by_router, log)
+    if a.slots:
+        cg = Cgroup(a.limit_mib << 20)
+        res["limit_bytes"] = cg.limit
+        try:
+            for sl in filter(None, a.slots.split(",")):
+                r = run_colibri(cg, col, sl, a.policy, a.new, [weights])
+                log(json.dumps({k: v for k, v in r.items() if k != "expert_counts"})[:600])
+                res["runs"].append(r)
+        finally:
+            cg.close()
     if a.sim_slots:
         res["simulator"] = simulator_check(col, s, a.new, "lru", [int(x) for x in a.sim_slots.split(",")], [weights])
-    counts = next((r["expert_counts"] for r in res["runs"] if "expert_counts" in r), None)
+    counts = next((r["expert_counts"] for r in res["runs"] + res["matrix"]
+                   if "expert_counts" in r and r.get("router", "skewed") == "skewed"), None)
     if counts is not None:
         res["routing_entropy_bits"] = entropy_bits(counts)
         res["max_entropy_bits"] = float(np.log2(s["num_local_experts"]))
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "pressure.json"), "w") as f:
         json.dump(res, f, indent=1)
-    lines = [f"# A model twice the memory it gets ({res['date']})", "",
-             f"Mixtral-shaped bench model, float16, router skewed (routing entropy "
-             f"{res.get('routing_entropy_bits', float('nan')):.2f} of {res.get('max_entropy_bits', 3):.0f} bits a layer); "
+    lines = [f"# Models bigger than the memory they get ({res['date']})", "",
+             f"Mixtral-shaped bench model, float16, 64 experts of {max(1, sizes['colibri_weights_bytes']) / 2**20 / 64:.0f} "
+             f"MiB or so; routers: skewed (Zipf-like; routing entropy {res.get('routing_entropy_bits', float('nan')):.2f} "
+             f"of {res.get('max_entropy_bits', 3):.0f} bits a layer) and uniform (the model's own random router); "
              f"weights {sizes['colibri_weights_bytes'] / 2**20:.0f} MiB (Colibri) / {sizes['gguf_bytes'] / 2**20:.0f} MiB "
-             f"(GGUF); each engine alone in a memory cgroup of {a.limit_mib} MiB (page cache included), its file "
-             f"pages dropped before the run; 2 threads; one stream, {a.new} tokens x 2 prompts after a warm-up.", "",
-             "| engine | decode tok/s | ITL p50 / p99 ms | storage bytes / token | major faults / token | slot hit rate |",
-             "|---|---:|---|---:|---:|---:|"]
-    for r in res["runs"]:
-        if "error" in r:
-            lines.append(f"| {r['engine']} | failed: {r['error'][-200:]!r} | | | | |")
-            continue
-        ss = r.get("slot_stats") or {}
-        hr = f"{ss['hit_rate']:.3f} ({ss['slots']} slots)" if ss else "-"
-        lines.append(f"| {r['engine']} | {r['decode_tok_s']:.2f} | {r['itl_p50_ms']:.0f} / {r['itl_p99_ms']:.0f} | "
-                     f"{r['read_bytes_per_token'] / 2**20:.1f} MiB | {r['major_faults_per_token']:.0f} | {hr} |")
+             f"(GGUF); each engine alone in a memory cgroup (page cache included), the model's file pages dropped "
+             f"before each run; 2 threads; one stream, {a.new} tokens x 2 prompts after a warm-up "
+             f"(llama.cpp: {a.llama_new}). Streaming: policy {a.policy}, slots {a.stream_slots}, {a.io_threads} I/O "
+             "threads; cold = no routing heat yet, learned = the same workload again after the cold run (its heat "
+             "pins the hot set).", ""]
+    if res["matrix"]:
+        lines += matrix_table(res["matrix"])
+        v = res["matrix"][0].get("direct_io") or {}
+        lines += ["", f"Direct I/O (probe-device's measurement on the weights file): {v.get('why', '-')}", ""]
+    if res["runs"]:
+        lines += [f"Extra runs in a cgroup of {a.limit_mib} MiB:", "",
+                  "| engine | decode tok/s | ITL p50 / p99 ms | storage bytes / token | major faults / token | slot hit rate |",
+                  "|---|---:|---|---:|---:|---:|"]
+        for r in res["runs"]:
+            if "error" in r:
+                lines.append(f"| {r['engine']} | failed: {r['error'][-200:]!r} | | | | |")
+                continue
+            ss = r.get("slot_stats") or {}
+            hr = f"{ss['hit_rate']:.3f} ({ss['slots']} slots)" if ss else "-"
+            lines.append(f"| {r['engine']} | {r['decode_tok_s']:.2f} | {r['itl_p50_ms']:.0f} / {r['itl_p99_ms']:.0f} | "
+                         f"{r['read_bytes_per_token'] / 2**20:.1f} MiB | {r['major_faults_per_token']:.0f} | {hr} |")
     if "simulator" in res:
         p = res["simulator"]["profile"]
         lines += ["", f"The simulator against measured runs (lru, without the cgroup, misses from storage): "

@@ -288,8 +288,9 @@ def test_auto_slots_fill_the_free_memory(monkeypatch):
 
 def test_probe_device_then_simulate_this(model_cache, tmp_path):
     """`colibri probe-device` measures this machine (the cpu GEMV's read rate, storage reads of blob size
-    with the page cache dropped and again cached, the demo model's overhead a layer) into a profile
-    that `simulate --device this` uses: its estimate is the profile's formula on the trace's numbers."""
+    with the page cache dropped and again cached, buffered against direct with reads in flight, the demo
+    model's overhead a layer) into a profile that `simulate --device this` uses: its estimate is the
+    profile's formula on the trace's numbers."""
     _, col = convert_case(model_cache, "olmoe")
     env = dict(os.environ, COLIBRI_CACHE=str(tmp_path / "cache"))
     run = lambda *a: subprocess.run([sys.executable, "-m", "colibri_edge", *a], capture_output=True, text=True,
@@ -313,11 +314,24 @@ def test_probe_device_then_simulate_this(model_cache, tmp_path):
     res, m = json.loads(r.stdout), Trace.load(str(tmp_path / "t.npz")).meta
     # 4 slots for olmoe's 2 layers x top-2: some experts miss, are evicted and miss again (re-reads)
     assert 0 < res["cold_misses"] < res["misses"], res
-    want = 1e3 * (m["bytes_per_decoded_token"] / (prof["memory_bandwidth_gbs"] * 1e9) +
-                  res["cold_misses"] * m["bytes_per_expert"] / res["tokens"] / (prof["miss_bandwidth_gbs"] * 1e9) +
-                  (res["misses"] - res["cold_misses"]) * m["bytes_per_expert"] / res["tokens"] /
-                  (prof["reread_bandwidth_gbs"] * 1e9)) + prof["layer_overhead_ms"] * m["num_hidden_layers"]
-    assert res["device"] == prof["name"] and np.isclose(res["est_ms_per_token"], want, rtol=1e-6)
+    # the misses priced as the pool spends them: issued together, one landing every blob / io rate (the
+    # direct rate where probe-device chose direct reads, else its parallel buffered rate), the resident
+    # experts computed meanwhile, each landed one after the compute before it
+    d = prof["direct_io"]
+    assert d["buffered_gbs"] > 0 and (d["direct_gbs"] is None or d["direct_gbs"] > 0) and isinstance(d["use"], bool)
+    io = d["direct_gbs"] if d["use"] else prof["parallel_miss_bandwidth_gbs"]
+    c = m["bytes_per_expert"] / (prof["memory_bandwidth_gbs"] * 1e9)
+    ld = m["bytes_per_expert"] / (io * 1e9)
+    stall = 0.0
+    for h, k, n in res["layer_events"]:
+        done = [h * c]                                    # when the compute thread is free
+        for i in range(1, k + 1):
+            done.append(max(done[-1], i * ld) + c)
+        stall += n * (done[-1] - (h + k) * c)
+    assert sum(n * k for _, k, n in res["layer_events"]) == res["misses"]
+    want = 1e3 * (m["bytes_per_decoded_token"] / (prof["memory_bandwidth_gbs"] * 1e9) + stall / res["tokens"]) + \
+        prof["layer_overhead_ms"] * m["num_hidden_layers"]
+    assert res["device"] == prof["name"] and np.isclose(res["est_ms_per_token"], want, rtol=1e-9)
 
 
 def test_simulate_recommends_the_fewest_slots_for_a_target(tmp_path):
@@ -476,3 +490,83 @@ def test_prediction_accuracy_engine_equals_simulator(model_cache, monkeypatch):
             pred = set(np.unique(tr.predicted_ids[idx, j]).tolist())
             used, routed, predicted = used + len(run & pred), routed + len(run), predicted + len(pred)
     assert st["prediction_recall"] == used / routed and st["prediction_precision"] == used / predicted
+    rs = routing_stats(tr)                                # `colibri stats`: olmoe has 2 MoE layers, one predicted
+    assert rs["layers"][0]["prediction"] is None
+    assert rs["layers"][1]["prediction"]["recall"] == st["prediction_recall"]
+    assert rs["prediction"]["precision"] == st["prediction_precision"]
+
+
+def test_streaming_numbers_reach_metrics(model_cache, monkeypatch):
+    """/metrics carries the slot pool's numbers as slot_stats has them: storage bytes read, the pinned
+    hot set, the lookahead's recall and precision, the share of load time hidden."""
+    from fastapi.testclient import TestClient
+    from prometheus_client.parser import text_string_to_metric_families
+    from colibri_edge.serving.serve import create_app
+    monkeypatch.setenv("COLIBRI_HOT_SET", "0")
+    _, col = convert_case(model_cache, "olmoe")
+    with Engine.open(col, backend="reference", expert_slots=4, slot_policy="prefetch") as e:
+        e.generate([5, 6, 7], max_new_tokens=6, ignore_eos=True)     # (this test model has no tokenizer)
+        with TestClient(create_app({"m": e})) as c:
+            prom = {s.name: s.value for fam in text_string_to_metric_families(c.get("/metrics").text)
+                    for s in fam.samples if s.labels.get("model") == "m"}
+            st = e.slot_stats
+    assert st["read_bytes"] > 0 and st["prediction_recall"] is not None
+    assert prom["colibri_expert_slot_read_bytes"] == st["read_bytes"]
+    assert prom["colibri_expert_slot_pinned"] == st["hot_set"] == 0
+    assert prom["colibri_expert_slot_prediction_recall"] == st["prediction_recall"]
+    assert prom["colibri_expert_slot_prediction_precision"] == st["prediction_precision"]
+    assert prom["colibri_expert_slot_load_hidden"] == st["hidden_fraction"]
+
+
+def test_plan_says_what_lives_where(model_cache, tmp_path):
+    """`colibri plan MODEL --memory SIZE`: the engine's own layout in that memory (the auto slot count,
+    arena, KV), the hot set the pool pins from the model's routing heat, and the simulator's prediction
+    on a device profile for routing drawn from that heat; too little memory is refused with the numbers."""
+    from colibri_edge.analysis.simulate import estimate, load_profile
+    from colibri_edge.analysis.plan import drawn_trace
+    from colibri_edge.runtime.slots import load_heat
+    _, col = convert_case(model_cache, "olmoe")
+    env = dict(os.environ, COLIBRI_CACHE_DIR=str(tmp_path / "cache"), COLIBRI_HOT_SET="50")
+    run = lambda *a: subprocess.run([sys.executable, "-m", "colibri_edge", *a], capture_output=True, text=True,
+                                    cwd=ROOT, env=env, timeout=600)
+    r = run("plan", col, "--memory", "1G", "--device", "rk3588", "--context", "64", "--json")
+    assert r.returncode == 0, r.stderr
+    big = json.loads(r.stdout)
+    assert big["slots"] is None and big["pinned"] == [] and "all 16 experts fit" in big["slot_choice"]["why"]
+    from colibri_edge.runtime.runner import AUTO_HEADROOM_MIN
+    mem = big["resident_weight_bytes"] + big["arena_bytes"] + big["kv_bytes"] + AUTO_HEADROOM_MIN + \
+        6 * big["bytes_per_expert"] + big["bytes_per_expert"] // 2         # room for 6 slots and a half
+    r = run("plan", col, "--memory", str(mem), "--device", "rk3588", "--context", "64", "--json")
+    assert r.returncode == 0, r.stderr
+    cold = json.loads(r.stdout)
+    assert cold["slots"] == 6 and cold["pinned"] == [] and "uniform routing" in cold["routing"]
+    old = os.environ.get("COLIBRI_CACHE_DIR")
+    os.environ["COLIBRI_CACHE_DIR"] = env["COLIBRI_CACHE_DIR"]
+    try:
+        with Engine.open(col, backend="reference", expert_slots=6, max_seq_len=64) as e:
+            e.generate(PROMPTS[0], max_new_tokens=16, ignore_eos=True)     # learns the heat
+            heat_file = e.slot_stats["hot_set_file"]
+        with Engine.open(col, backend="cpu" if _has("cpu") else "reference", expert_slots="auto", memory_budget=mem, max_seq_len=64, max_batch=1) as e:
+            choice, meta = e.slot_choice, e.trace_meta()
+        heat = load_heat(heat_file, e.model)
+    finally:
+        if old is None:
+            os.environ.pop("COLIBRI_CACHE_DIR")
+        else:
+            os.environ["COLIBRI_CACHE_DIR"] = old
+    r = run("plan", col, "--memory", str(mem), "--device", "rk3588", "--context", "64", "--json")
+    assert r.returncode == 0, r.stderr
+    p = json.loads(r.stdout)
+    assert p["slots"] == choice["slots"] == 6 and p["slot_choice"]["why"] == choice["why"]
+    hottest = sorted((k for k in heat if heat[k] > 0), key=lambda k: (-heat[k], k))[:3]
+    assert [tuple(k) for k in p["pinned"]] == hottest and p["streamed_slots"] == 3
+    assert "routing heat" in p["routing"]
+    tr = drawn_trace(meta, sorted({layer for layer, _ in heat}), heat)
+    res = replay(tr, 6, "lru", pinned=hottest)
+    est = estimate(res, tr, load_profile("rk3588"), 64)
+    assert np.isclose(p["prediction"]["ms_per_token"], est["est_ms_per_token"], rtol=1e-9)
+    assert p["prediction"]["hit_rate"] == res["hit_rate"]
+    r = run("plan", col, "--memory", str(mem), "--context", "64")     # the text form, no profile here
+    assert r.returncode == 0 and "pinned hot set: 3 experts" in r.stdout and "probe-device" in r.stdout, r.stdout
+    r = run("plan", col, "--memory", "1M")
+    assert r.returncode != 0 and "COLIBRI_ERR_OUT_OF_MEMORY" in r.stderr and "MiB" in r.stderr, r.stderr

@@ -191,10 +191,24 @@ def routing_stats(tr: Trace) -> dict:
         np.fill_diagonal(co, 0)
         a, b = onehot[order][:-1][same_seq], onehot[order][1:][same_seq]
         reuse = float((a & b).any(axis=1).mean()) if len(a) else 0.0
+        pred = None
+        if j > 0 and (tr.predicted_ids[:, j] >= 0).all():
+            # the lookahead (layer j's router on layer j-1's MoE input): per token, the share of its
+            # routed experts it predicted; per step, of the experts the step ran, the share predicted
+            # (what a prefetch saves) and of the predicted ones the share run (what it wastes)
+            pi = tr.predicted_ids[:, j, :].astype(np.int64)
+            tok = float(np.mean([len(set(a) & set(b)) / k for a, b in zip(ids.tolist(), pi.tolist())]))
+            used = run_n = pred_n = 0
+            for _, idx in tr.steps():
+                run, pr = set(np.unique(ids[idx]).tolist()), set(np.unique(pi[idx]).tolist())
+                used, run_n, pred_n = used + len(run & pr), run_n + len(run), pred_n + len(pr)
+            pred = {"token_recall": tok, "recall": used / run_n, "precision": used / pred_n}
         layers.append({
-            "layer": int(tr.layer_ids[j]), "load": load.tolist(),
+            "layer": int(tr.layer_ids[j]), "load": load.tolist(), "prediction": pred,
             "imbalance": float(load.max() / load.mean()) if load.mean() > 0 else 0.0,
             "entropy_bits": float(-(nz * np.log2(nz)).sum()), "max_entropy_bits": float(np.log2(E)),
             "coactivation": co.tolist(), "consecutive_reuse": reuse,
         })
-    return {"tokens": int(T), "top_k": int(k), "experts_per_layer": E, "layers": layers}
+    preds = [l["prediction"] for l in layers if l["prediction"] is not None]
+    overall = None if not preds else {key: float(np.mean([p[key] for p in preds])) for key in preds[0]}
+    return {"tokens": int(T), "top_k": int(k), "experts_per_layer": E, "layers": layers, "prediction": overall}

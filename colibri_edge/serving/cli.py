@@ -590,6 +590,18 @@ def _cmd_simulate(a):
     return 0
 
 
+def _cmd_plan(a):
+    import json as _json
+    from ..analysis.plan import plan, print_plan
+    mem = None if a.memory is None else parse_size(a.memory, f"--memory {a.memory}")
+    p = plan(a.model, mem, a.device, a.trace, a.policy, a.context, a.backend)
+    if a.json:
+        print(_json.dumps(p, indent=1, default=str))
+    else:
+        print_plan(p)
+    return 0
+
+
 def _cmd_probe_device(a):
     from .probe_device import probe, save
     prof = probe(a.dir, a.mem_mib, a.file_mib, a.blob)
@@ -618,6 +630,14 @@ def _cmd_stats(a):
             co = np.array(l["coactivation"])
             i, j = np.unravel_index(np.argmax(co), co.shape)
             print(f"       most co-activated pair: experts {i} and {j} ({co[i, j]} tokens)")
+            p = l["prediction"]
+            if p is not None:
+                print(f"       lookahead from the layer before: {p['token_recall']:.2f} of a token's experts, "
+                      f"{p['recall']:.2f} of a step's (precision {p['precision']:.2f})")
+        if st["prediction"] is not None:
+            p = st["prediction"]
+            print(f"lookahead (layer L+1's router on layer L's MoE input), mean over layers: token recall "
+                  f"{p['token_recall']:.3f}, step recall {p['recall']:.3f}, precision {p['precision']:.3f}")
     if a.plot:
         import matplotlib
         matplotlib.use("Agg")
@@ -993,6 +1013,20 @@ def build_parser():
     sm.add_argument("--target-ms", type=float, default=None,
                     help="recommend the fewest slots whose estimated ms/token on --device is at most this")
     sm.set_defaults(fn=_cmd_simulate)
+    pl = sub.add_parser("plan", help="what lives where (resident weights, pinned hot set, streamed experts, KV, "
+                        "arena) in a memory size, and the decode speed the simulator predicts")
+    pl.add_argument("model")
+    pl.add_argument("--memory", default=None, metavar="SIZE", help="the memory the engine gets (600M, 4G; default: "
+                    "what this machine has free)")
+    pl.add_argument("--device", default=None, help="a device profile for the prediction (default: this machine "
+                    "as `colibri probe-device` measured it)")
+    pl.add_argument("--trace", default=None, help="a routing trace to predict with (default: the model's routing "
+                    "heat, else uniform routing)")
+    pl.add_argument("--policy", default="lru", choices=["lru", "lfu", "prefetch"])
+    pl.add_argument("--context", type=int, default=None, help="tokens of KV cache (default: the model's maximum)")
+    pl.add_argument("--backend", default="cpu")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(fn=_cmd_plan)
     st = sub.add_parser("stats", help="routing statistics of a trace")
     st.add_argument("trace")
     st.add_argument("--json", action="store_true")

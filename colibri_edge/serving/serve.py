@@ -83,6 +83,13 @@ class _Metrics:
                     ("state_slots_used", "Recurrent-state slots held by sequences (hybrid models; 0 without)"),
                     ("state_slots_total", "Recurrent-state slots of the pool (hybrid models; 0 without)"),
                     ("expert_slot_hit_rate", "Expert slot pool hit rate (1 when every expert is resident)"),
+                    ("expert_slot_read_bytes", "Bytes the expert slot pool read from storage (0 without a pool)"),
+                    ("expert_slot_pinned", "Experts of the learned hot set pinned in slots at open"),
+                    ("expert_slot_prediction_recall", "Experts run that the one-layer lookahead had predicted / "
+                                                      "experts run (prefetch policy only)"),
+                    ("expert_slot_prediction_precision", "Experts predicted by the lookahead that then ran / "
+                                                         "experts predicted (prefetch policy only)"),
+                    ("expert_slot_load_hidden", "Share of the slot pool's load time the compute hid (overlap)"),
                     ("kv_blocks_cached", "KV blocks named in the prefix cache (held or idle)"),
                     ("state_snapshots_held", "Recurrent-state snapshots kept for prefix caching (hybrid models)"),
                     ("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens admitted"),
@@ -104,6 +111,12 @@ class _Metrics:
                     g["state_slots_total"].add_metric([name], sum(p.num_slots for p in fixed))
                     st = e.slot_stats
                     g["expert_slot_hit_rate"].add_metric([name], 1.0 if st is None else float(st["hit_rate"]))
+                    g["expert_slot_read_bytes"].add_metric([name], 0 if st is None else st["read_bytes"])
+                    g["expert_slot_pinned"].add_metric([name], 0 if st is None else st["hot_set"])
+                    for key in ("prediction_recall", "prediction_precision", "load_hidden"):
+                        v = None if st is None else st.get("hidden_fraction" if key == "load_hidden" else key)
+                        if v is not None:            # no number until the pool has one (never made up)
+                            g["expert_slot_" + key].add_metric([name], float(v))
                     g["kv_blocks_cached"].add_metric([name], pool.cached_blocks)
                     snaps = e.runner.states.snapshots
                     g["state_snapshots_held"].add_metric([name], 0 if snaps is None else snaps.usage()["held"])
