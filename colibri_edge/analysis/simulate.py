@@ -62,15 +62,15 @@ def replay(tr: Trace, slots: int, policy: str, min_p: float = PREFETCH_MIN_P, pi
     events: dict = {}
     for _, layer, experts, prefetch in _layer_accesses(tr, min_p):
         waves, _ = cache.access_layer(layer, experts, prefetch if policy == "prefetch" else None)
-        h = sum(hit for w in waves for _, _, hit in w)
-        key = (h, len(experts) - h)
-        events[key] = events.get(key, 0) + 1
+        for w in waves:                          # a wave's misses are issued together, waves one after another
+            h = sum(hit for _, _, hit in w)
+            events[(h, len(w) - h)] = events.get((h, len(w) - h), 0) + 1
     c = cache.c.as_dict()
     return {"policy": policy, "slots": slots, "hits": c["hits"], "misses": c["misses"],
             "cold_misses": c["cold_misses"], "hit_rate": c["hit_rate"],
             "prefetch_hits": c["prefetch_hits"], "prefetches": c["prefetches"], "evictions": c["evictions"],
             "bytes_moved": c["bytes_loaded"], "stall_misses": c["misses"], "tokens": int(tr.expert_ids.shape[0]),
-            "pinned": c["pinned"], "prediction_recall": c["prediction_recall"], "layer_events": [[h, k, n] for (h, k), n in sorted(events.items())],
+            "pinned": c["pinned"], "prediction_recall": c["prediction_recall"], "wave_events": [[h, k, n] for (h, k), n in sorted(events.items())],
             "prediction_precision": c["prediction_precision"]}
 
 
@@ -100,9 +100,9 @@ def load_profile(name_or_path: str) -> dict:
     return prof
 
 
-def layer_stall_s(hits: int, misses: int, compute_s: float, load_s: float) -> float:
-    """The time a layer of one step waits for its misses beyond its experts' own compute, as the pool
-    runs it (slots.SlotPool.run_layer): every miss issued at once on the I/O threads, landing one every
+def wave_stall_s(hits: int, misses: int, compute_s: float, load_s: float) -> float:
+    """The time a wave of one layer's experts (all of them, unless the slots cannot hold them at once)
+    waits for its misses beyond its experts' own compute, as the pool runs it (slots.SlotPool.run_layer): every miss issued at once on the I/O threads, landing one every
     load_s (the drive's rate with the reads in flight), the resident experts computed first, each landed
     one as soon as the compute before it is done:
         t = hits * compute_s;  for i in 1..misses: t = max(t, i * load_s) + compute_s
@@ -114,10 +114,11 @@ def layer_stall_s(hits: int, misses: int, compute_s: float, load_s: float) -> fl
 
 
 def estimate(result: dict, tr: Trace, prof: dict, context: int) -> dict:
-    """ms per token on `prof` for a replay result (module docstring). With result["layer_events"]
-    ([hits, misses, count] of the layers' accesses, what replay and the pressure benchmark record)
+    """ms per token on `prof` for a replay result (module docstring). With result["wave_events"]
+    ([hits, misses, count] of the layers' waves -- a layer is one wave unless it needs more slots than
+    it can have at once, what replay and the pressure benchmark record)
     the misses are priced as the pool spends them, overlapped with the resident experts' compute
-    (layer_stall_s), at the drive's rate with several reads in flight: the profile's direct_io
+    (wave_stall_s), at the drive's rate with several reads in flight: the profile's direct_io
     verdict's direct rate when it chose direct reads (no page cache: cold = re-read), else its
     parallel buffered rate. Without events, or with a profile that has no such rates (the shipped
     ones), every miss stalls for its whole read at the cold / re-read rates."""
@@ -129,10 +130,10 @@ def estimate(result: dict, tr: Trace, prof: dict, context: int) -> dict:
     reread_bw = float(prof.get("reread_bandwidth_gbs", prof["miss_bandwidth_gbs"]))
     d = prof.get("direct_io") or {}
     io_gbs = d.get("direct_gbs") if d.get("use") else prof.get("parallel_miss_bandwidth_gbs")
-    if result.get("layer_events") and io_gbs:
+    if result.get("wave_events") and io_gbs:
         blob = m["bytes_per_expert"]
         c, ld = blob / (prof["memory_bandwidth_gbs"] * 1e9 * eff), blob / (float(io_gbs) * 1e9)
-        miss_s = sum(n * layer_stall_s(h, k, c, ld) for h, k, n in result["layer_events"]) / tokens
+        miss_s = sum(n * wave_stall_s(h, k, c, ld) for h, k, n in result["wave_events"]) / tokens
     else:
         miss_s = m["bytes_per_expert"] / tokens * (cold / (prof["miss_bandwidth_gbs"] * 1e9) +
                                                    (result["misses"] - cold) / (reread_bw * 1e9))

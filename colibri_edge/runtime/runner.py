@@ -191,7 +191,7 @@ class Runner:
         try:
             if expert_slots is not None:
                 from .slots import SlotPool
-                self.slot_pool = SlotPool(backend, model, expert_slots, slot_policy)
+                self.slot_pool = SlotPool(backend, model, expert_slots, slot_policy, top_k=self.top_k)
             backend.prepare(model.formats, max([cfg["hidden_size"], cfg["moe_intermediate_size"],
                                                  cfg["intermediate_size"], cfg["shared_expert_intermediate_size"]] +
                                                 [nh * hd for nh, _, hd in geometries(cfg)] + latent_widths(cfg) +
