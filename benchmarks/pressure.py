@@ -234,12 +234,14 @@ def run_llama(cg, exe, gguf, new, files, s):
 
 
 def simulator_check(col, s, new, policy, slot_counts, files):
-    """The simulator against measured runs (issue 21): `colibri probe-device`'s measurements, a trace of
-    the benchmark's three prompts (routing does not depend on slots), and per slot count (and all
+    """The simulator against measured runs (issues 21, 50): `colibri probe-device`'s measurements, a trace
+    of the benchmark's three prompts (routing does not depend on slots), and per slot count (and all
     resident) the predicted ms per decoded token of the two timed prompts -- the weights read at the
-    probed rate, the step overhead, and the simulated misses of those steps at the probed storage
-    rate -- against a measured run without the cgroup (misses still read from storage: the pool
-    drops the pages it reads), and the simulated slot counters against the engine's."""
+    probed rate, the step overhead, and the simulated misses of those steps priced as the pool spends
+    them (simulate.estimate: each wave's misses together at the probed rate of reads in flight,
+    overlapped with the resident experts' compute) -- against a measured run without the cgroup
+    (misses still read from storage: direct reads, or buffered ones whose pages the pool drops), and
+    the simulated slot counters against the engine's."""
     from colibri_edge import Engine
     from colibri_edge.serving.probe_device import probe
     from colibri_edge.analysis.simulate import estimate
@@ -251,26 +253,34 @@ def simulator_check(col, s, new, policy, slot_counts, files):
     blob = int(tr.meta["bytes_per_expert"])
     prof = probe(os.path.dirname(col), blob=blob, weights_file=files[0])    # misses as the pool reads them
     log(f"probe-device: {json.dumps(prof)}")
+    # the engine as the profile says it reads (direct or buffered), no hot set (the replay pins none)
+    env = {"COLIBRI_DIRECT_IO": "on" if prof["direct_io"]["use"] else "off", "COLIBRI_HOT_SET": "0"}
     seqs = list(dict.fromkeys(tr.seq_ids.tolist()))
     L = len(tr.layer_ids)
     rows = []
     for n in slot_counts:
         cache = SlotCache(n, policy, blob) if n else None
         timed = {"slots": n, "misses": 0, "cold_misses": 0, "tokens": 0}
+        events = {}
         for _, idx in tr.steps():
             decode = len(idx) == 1 and int(tr.seq_ids[idx[0]]) in seqs[1:]
+            timed_step = decode and int(tr.positions[idx[0]]) >= 32
             before = (cache.c.misses, cache.c.cold_misses) if cache else (0, 0)
             for j in range(L):
                 if cache:
-                    cache.access_layer(int(tr.layer_ids[j]), np.unique(tr.expert_ids[idx, j].astype(np.int64)))
-            if decode and int(tr.positions[idx[0]]) >= 32:
+                    waves, _ = cache.access_layer(int(tr.layer_ids[j]), np.unique(tr.expert_ids[idx, j].astype(np.int64)))
+                    for w in waves if timed_step else ():
+                        h = sum(hit for _, _, hit in w)
+                        events[(h, len(w) - h)] = events.get((h, len(w) - h), 0) + 1
+            if timed_step:
                 timed["tokens"] += 1
                 if cache:
                     timed["misses"] += cache.c.misses - before[0]
                     timed["cold_misses"] += cache.c.cold_misses - before[1]
+        timed["wave_events"] = [[h, k, c] for (h, k), c in sorted(events.items())]
         est = estimate(timed, tr, prof, 32 + new)           # `colibri simulate --device this`'s formula
         pred, read_ms, miss_ms = est["est_ms_per_token"], est["est_read_ms"], est["est_miss_ms"]
-        meas = run_colibri(None, col, str(n), policy, new, files, resident=not n)
+        meas = run_colibri(None, col, str(n), policy, new, files, resident=not n, env=env)
         if "error" in meas:
             rows.append({"slots": n, "error": meas["error"]})
             continue

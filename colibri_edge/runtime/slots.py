@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor  # noqa: F401 -- Future: _submit's type
 from dataclasses import dataclass
 
 import numpy as np
@@ -282,7 +282,6 @@ def _mlock(arr) -> str:
         return f"not locked: {err}"
 
 
-READ_CHUNK = 4 << 20  # a host slot's blob is read in parts of this size by the I/O threads together
 PAGE = 4096          # O_DIRECT's alignment of buffer address, file offset and length (the blobs are
                      # 4096-aligned in colibri_weights.bin: model/modeldir.py)
 
@@ -414,16 +413,14 @@ class SlotPool:
             done += got
         return done
 
-    def _load(self, layer, e, slot, part=None):
+    def _load(self, layer, e, slot):
         """A miss (or a prefetch): the expert's blob read from the weights file with one positioned read
         of its whole size, straight into the slot where the slot is host memory (cpu, reference), else
         into this thread's staging buffer and on to the device. Buffered: its pages then dropped from
         the page cache (posix_fadvise DONTNEED), so that streaming does not grow the page cache. Direct:
         whole pages into the PAGE-aligned slot row, no page cache at all. Not through the memmap: under
         memory pressure its page faults read 4 KiB at a time (measured on this machine's storage,
-        README: 26 MB/s against 0.8-1 GB/s for large reads).
-        part=(lo, hi): only those bytes of the blob (host slots; _submit splits a large blob so that
-        the I/O threads read it together). -> (bytes read, direct, seconds)."""
+        README: 26 MB/s against 0.8-1 GB/s for large reads)."""
         import time
         t0 = time.perf_counter()
         rec = self.model.expert_record(layer, e)
@@ -435,22 +432,19 @@ class SlotPool:
                 dst = self._tls.staging = aligned_host(1, self.row_bytes)[0] if self.direct else \
                     self.be.alloc_staging(self.row_bytes)
         n = rec.weight_size
-        lo, hi = part or (0, n)
-        span = -(-(hi - lo) // PAGE) * PAGE             # a direct read is whole pages (lo is a page multiple)
-        direct = self._dfd is not None and dst.ctypes.data % PAGE == 0 and (rec.weight_offset + lo) % PAGE == 0 \
-            and dst.size >= lo + span
+        span = -(-n // PAGE) * PAGE                 # a direct read is whole pages
+        direct = self._dfd is not None and dst.ctypes.data % PAGE == 0 and rec.weight_offset % PAGE == 0 and \
+            dst.size >= span
         if direct:                                  # whole pages; past the end of the file it reads short
-            got = self._read(self._dfd, memoryview(dst)[lo:lo + span], rec.weight_offset + lo, hi - lo)
+            got = self._read(self._dfd, memoryview(dst)[:span], rec.weight_offset, n)
         else:
-            got = self._read(self._fd, memoryview(dst)[lo:hi], rec.weight_offset + lo, hi - lo)
-        if got < hi - lo:
+            got = self._read(self._fd, memoryview(dst)[:n], rec.weight_offset, n)
+        if got < n:
             raise ColibriError(COLIBRI_ERR_INVALID_MODEL, f"{self._path}: expert {e} of layer {layer} ends "
                                f"past the end of the file (offset {rec.weight_offset}, {n} bytes)")
         if not direct and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(self._fd, rec.weight_offset + lo, hi - lo, os.POSIX_FADV_DONTNEED)
-        if part is None:
-            self._landed(dst, n, staged, slot, direct, time.perf_counter() - t0)
-        return hi - lo, direct, time.perf_counter() - t0
+            os.posix_fadvise(self._fd, rec.weight_offset, n, os.POSIX_FADV_DONTNEED)
+        self._landed(dst, n, staged, slot, direct, time.perf_counter() - t0)
 
     def _landed(self, dst, n, staged, slot, direct, seconds):
         """A whole blob is in: the slot's tail cleared, a staged blob copied to the device, counted."""
@@ -465,40 +459,11 @@ class SlotPool:
             self.load_s += seconds
 
     def _submit(self, layer, e, slot) -> Future:
-        """A load on the I/O pool -> its Future. A host slot's blob of more than 2 READ_CHUNKs is read
-        in READ_CHUNK parts by as many threads (a drive serves reads in flight together: measured here,
-        direct reads of 16.5 MiB blobs 5.8 GB/s one at a time, 6.8 GB/s four at a time)."""
-        import time
-        rec = self.model.expert_record(layer, e)
-        n = rec.weight_size
-        dst = self.be.slot_host_view(self.buf, slot)
-        if dst is None or self.io_threads < 2 or n <= 2 * READ_CHUNK:
-            return self._pool.submit(self._load, layer, e, slot)
-        parts = [(lo, min(lo + READ_CHUNK, n)) for lo in range(0, n, READ_CHUNK)]
-        done, state = Future(), {"left": len(parts), "err": None, "direct": True, "t0": time.perf_counter()}
-
-        def part_done(f):
-            with self._lock:
-                state["left"] -= 1
-                err = f.exception()
-                if err is not None and state["err"] is None:
-                    state["err"] = err
-                elif err is None:
-                    state["direct"] &= f.result()[1]
-                last = state["left"] == 0
-            if not last:
-                return
-            if state["err"] is not None:
-                done.set_exception(state["err"])
-                return
-            try:
-                self._landed(dst, n, False, slot, state["direct"], time.perf_counter() - state["t0"])
-                done.set_result(None)
-            except BaseException as x:              # noqa: BLE001 -- handed to whoever waits on the load
-                done.set_exception(x)
-        for p in parts:
-            self._pool.submit(self._load, layer, e, slot, p).add_done_callback(part_done)
-        return done
+        """A load on the I/O pool -> its Future. One read per blob: splitting a blob into parts read by
+        several threads together was slower here (pressure benchmark, uniform router, 25% memory, 5
+        slots, direct reads: 11.6 tok/s with 4 MiB parts against 14.4 whole), the drive already has a
+        layer's misses in flight together."""
+        return self._pool.submit(self._load, layer, e, slot)
 
     def ffn(self, slot, layer):
         """The FFN reading slot `slot` as an expert of `layer` (its formats)."""
