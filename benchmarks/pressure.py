@@ -53,21 +53,27 @@ def skewed_hf(src: str, dst: str, s: dict) -> str:
     log(f"writing the skewed checkpoint {dst} ...")
     shutil.rmtree(dst, ignore_errors=True)
     os.makedirs(dst)
-    t = load_file(os.path.join(src, "model.safetensors"))
     rng = np.random.default_rng(21)
     H, E = s["hidden_size"], s["num_local_experts"]
     u = rng.standard_normal(H).astype(np.float32)
     u /= np.linalg.norm(u)
-    emb = t["model.embed_tokens.weight"]
-    t["model.embed_tokens.weight"] = (emb + 2.0 * float(np.linalg.norm(emb, axis=1).mean()) * u[None, :]).astype(np.float32)
-    for i in range(s["num_hidden_layers"]):
-        name = f"model.layers.{i}.block_sparse_moe.gate.weight"
-        rank = rng.permutation(E) + 1
-        b = -1.2 * np.log(rank).astype(np.float32) / (0.9 * np.sqrt(H))   # the u part of a normed h: ~0.9 sqrt(H)
-        t[name] = (t[name] + b[:, None] * u[None, :]).astype(np.float32)
-    save_file(t, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-    for f in ("config.json", "generation_config.json"):
-        shutil.copy(os.path.join(src, f), dst)
+    ranks = [rng.permutation(E) + 1 for _ in range(s["num_hidden_layers"])]
+    for shard in sorted(f for f in os.listdir(src) if f.endswith(".safetensors")):   # one shard in memory at a time
+        t = load_file(os.path.join(src, shard))
+        if "model.embed_tokens.weight" in t:
+            emb = t["model.embed_tokens.weight"]
+            t["model.embed_tokens.weight"] = (emb + 2.0 * float(np.linalg.norm(emb, axis=1).mean()) *
+                                              u[None, :]).astype(np.float32)
+        for i in range(s["num_hidden_layers"]):
+            name = f"model.layers.{i}.block_sparse_moe.gate.weight"
+            if name in t:
+                b = -1.2 * np.log(ranks[i]).astype(np.float32) / (0.9 * np.sqrt(H))   # u's part of a normed h: ~0.9 sqrt(H)
+                t[name] = (t[name] + b[:, None] * u[None, :]).astype(np.float32)
+        save_file(t, os.path.join(dst, shard), metadata={"format": "pt"})
+        del t
+    for f in ("config.json", "generation_config.json", "model.safetensors.index.json"):
+        if os.path.exists(os.path.join(src, f)):
+            shutil.copy(os.path.join(src, f), dst)
     models._mark(dst, stamp)
     return dst
 
@@ -233,6 +239,90 @@ def run_llama(cg, exe, gguf, new, files, s):
             proc.kill()
 
 
+def predict_timed(tr, n, policy, prof, new, pinned=(), prompt_len=32):
+    """The simulator's ms per decoded token of the benchmark's timed steps (the decode steps of every
+    prompt but the first, the warm-up), replaying the whole trace through SlotCache as the engine does
+    (n slots, 0: all resident; pinned: the hot set the engine pinned at open) and pricing those steps'
+    waves with simulate.estimate. -> (the timed counters + the estimate, the cache or None)."""
+    from colibri_edge.analysis.simulate import estimate
+    from colibri_edge.runtime.slots import SlotCache
+    blob = int(tr.meta["bytes_per_expert"])
+    seqs = list(dict.fromkeys(tr.seq_ids.tolist()))
+    L = len(tr.layer_ids)
+    cache = SlotCache(n, policy, blob) if n else None
+    if cache is not None:
+        cache.pin(pinned)
+    timed = {"slots": n, "misses": 0, "cold_misses": 0, "tokens": 0}
+    events = {}
+    for _, idx in tr.steps():
+        decode = len(idx) == 1 and int(tr.seq_ids[idx[0]]) in seqs[1:]
+        timed_step = decode and int(tr.positions[idx[0]]) >= prompt_len
+        before = (cache.c.misses, cache.c.cold_misses) if cache else (0, 0)
+        for j in range(L):
+            if cache:
+                waves, _ = cache.access_layer(int(tr.layer_ids[j]), np.unique(tr.expert_ids[idx, j].astype(np.int64)))
+                for w in waves if timed_step else ():
+                    h = sum(hit for _, _, hit in w)
+                    events[(h, len(w) - h)] = events.get((h, len(w) - h), 0) + 1
+        if timed_step:
+            timed["tokens"] += 1
+            if cache:
+                timed["misses"] += cache.c.misses - before[0]
+                timed["cold_misses"] += cache.c.cold_misses - before[1]
+    timed["wave_events"] = [[h, k, c] for (h, k), c in sorted(events.items())]
+    timed.update(estimate(timed, tr, prof, prompt_len + new))      # `colibri simulate --device this`'s formula
+    return timed, cache
+
+
+def big_model_check(a, s, log_rows=None):
+    """A model `a.big_factor` times the memory it gets (issue 50): the benchmark model's shape with
+    `a.big_experts` experts a layer (random weights, the skewed router), streamed in a cgroup of its
+    weights / big_factor, cold and then learned; each run's decode ms per token against the simulator's
+    prediction for that run's own slot count and pinned hot set (predict_timed on a trace of the same
+    prompts, taken with every expert resident outside the cgroup)."""
+    import tempfile
+    import models
+    from colibri_edge import Engine
+    from colibri_edge.serving.probe_device import probe
+    E = a.big_experts
+    spec = {**s, "num_local_experts": E}
+    root = os.path.join(HERE, "cache", "pressure")
+    base = models.build_hf(os.path.join(HERE, "cache", f"full-e{E}", "hf"), spec, log)
+    hf = skewed_hf(base, os.path.join(root, f"big-e{E}-hf"), spec)
+    col = models.build_colibri(hf, os.path.join(root, f"big-e{E}-colibri-float16"), "float16", log)
+    weights = os.path.join(col, "colibri_weights.bin")
+    wbytes = os.path.getsize(weights)
+    prompts = models.prompts(s, 32, 3)
+    with Engine.open(col, backend="cpu", max_seq_len=32 + a.new + 8, max_batch=1) as eng:
+        tr = eng.trace(prompts, max_new_tokens=a.new, ignore_eos=True)
+    prof = probe(os.path.dirname(col), blob=int(tr.meta["bytes_per_expert"]), weights_file=weights)
+    log(f"big model: {wbytes / 2**30:.2f} GiB of weights, {E} experts a layer; probe-device: {json.dumps(prof)}")
+    env = {"COLIBRI_DIRECT_IO": "on" if prof["direct_io"]["use"] else "off", "COLIBRI_IO_THREADS": str(a.io_threads)}
+    cg = Cgroup(wbytes // a.big_factor)
+    heat_dir = tempfile.mkdtemp(prefix="colibri-pressure-heat-")
+    rows = []
+    try:
+        for name in ("cold", "learned"):
+            r = run_colibri(cg, col, a.stream_slots, a.policy, a.new, [weights], env={**env, "COLIBRI_CACHE_DIR": heat_dir})
+            if "error" in r:
+                rows.append({"run": name, "error": r["error"]})
+                continue
+            ss = r["slot_stats"]
+            timed, _ = predict_timed(tr, ss["slots"], a.policy, prof, a.new, pinned=[tuple(k) for k in ss["pinned_keys"]])
+            got = 1e3 / r["decode_tok_s"]
+            row = {"run": name, "slots": ss["slots"], "hot_set": ss["hot_set"], "decode_tok_s": r["decode_tok_s"],
+                   "measured_ms": got, "predicted_ms": timed["est_ms_per_token"],
+                   "error_pct": 100 * (timed["est_ms_per_token"] - got) / got, "hit_rate": ss["hit_rate"],
+                   "read_bytes_per_token": r["read_bytes_per_token"], "hidden_fraction": ss["hidden_fraction"]}
+            log(json.dumps(row))
+            rows.append(row)
+    finally:
+        cg.close()
+        shutil.rmtree(heat_dir, ignore_errors=True)
+    return {"weights_bytes": wbytes, "limit_bytes": cg.limit, "experts": E, "factor": a.big_factor, "rows": rows,
+            "profile": prof}
+
+
 def simulator_check(col, s, new, policy, slot_counts, files):
     """The simulator against measured runs (issues 21, 50): `colibri probe-device`'s measurements, a trace
     of the benchmark's three prompts (routing does not depend on slots), and per slot count (and all
@@ -244,8 +334,6 @@ def simulator_check(col, s, new, policy, slot_counts, files):
     the simulated slot counters against the engine's."""
     from colibri_edge import Engine
     from colibri_edge.serving.probe_device import probe
-    from colibri_edge.analysis.simulate import estimate
-    from colibri_edge.runtime.slots import SlotCache
     import models
     prompts = models.prompts(s, 32, 3)
     with Engine.open(col, backend="cpu", max_seq_len=32 + new + 8, max_batch=1) as eng:
@@ -255,31 +343,10 @@ def simulator_check(col, s, new, policy, slot_counts, files):
     log(f"probe-device: {json.dumps(prof)}")
     # the engine as the profile says it reads (direct or buffered), no hot set (the replay pins none)
     env = {"COLIBRI_DIRECT_IO": "on" if prof["direct_io"]["use"] else "off", "COLIBRI_HOT_SET": "0"}
-    seqs = list(dict.fromkeys(tr.seq_ids.tolist()))
-    L = len(tr.layer_ids)
     rows = []
     for n in slot_counts:
-        cache = SlotCache(n, policy, blob) if n else None
-        timed = {"slots": n, "misses": 0, "cold_misses": 0, "tokens": 0}
-        events = {}
-        for _, idx in tr.steps():
-            decode = len(idx) == 1 and int(tr.seq_ids[idx[0]]) in seqs[1:]
-            timed_step = decode and int(tr.positions[idx[0]]) >= 32
-            before = (cache.c.misses, cache.c.cold_misses) if cache else (0, 0)
-            for j in range(L):
-                if cache:
-                    waves, _ = cache.access_layer(int(tr.layer_ids[j]), np.unique(tr.expert_ids[idx, j].astype(np.int64)))
-                    for w in waves if timed_step else ():
-                        h = sum(hit for _, _, hit in w)
-                        events[(h, len(w) - h)] = events.get((h, len(w) - h), 0) + 1
-            if timed_step:
-                timed["tokens"] += 1
-                if cache:
-                    timed["misses"] += cache.c.misses - before[0]
-                    timed["cold_misses"] += cache.c.cold_misses - before[1]
-        timed["wave_events"] = [[h, k, c] for (h, k), c in sorted(events.items())]
-        est = estimate(timed, tr, prof, 32 + new)           # `colibri simulate --device this`'s formula
-        pred, read_ms, miss_ms = est["est_ms_per_token"], est["est_read_ms"], est["est_miss_ms"]
+        timed, cache = predict_timed(tr, n, policy, prof, new)
+        pred, read_ms, miss_ms = timed["est_ms_per_token"], timed["est_read_ms"], timed["est_miss_ms"]
         meas = run_colibri(None, col, str(n), policy, new, files, resident=not n, env=env)
         if "error" in meas:
             rows.append({"slots": n, "error": meas["error"]})
@@ -390,6 +457,8 @@ def main(argv=None):
     ap.add_argument("--stream-slots", default="auto", help="the matrix's streaming runs: a slot count or auto")
     ap.add_argument("--io-threads", type=int, default=4)
     ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--big-experts", type=int, default=32, help="the big model: experts a layer (0: no big model)")
+    ap.add_argument("--big-factor", type=int, default=8, help="the big model's weights / its memory limit")
     ap.add_argument("--sim-slots", default="0,8,16,32", help="the simulator check's slot counts (0: all resident), "
                                                             "lru, without the cgroup; empty: skip it")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -431,6 +500,8 @@ def main(argv=None):
                 res["runs"].append(r)
         finally:
             cg.close()
+    if a.big_experts:
+        res["big"] = big_model_check(a, s)
     if a.sim_slots:
         res["simulator"] = simulator_check(col, s, a.new, "lru", [int(x) for x in a.sim_slots.split(",")], [weights])
     counts = next((r["expert_counts"] for r in res["runs"] + res["matrix"]
@@ -467,6 +538,21 @@ def main(argv=None):
             hr = f"{ss['hit_rate']:.3f} ({ss['slots']} slots)" if ss else "-"
             lines.append(f"| {r['engine']} | {r['decode_tok_s']:.2f} | {r['itl_p50_ms']:.0f} / {r['itl_p99_ms']:.0f} | "
                          f"{r['read_bytes_per_token'] / 2**20:.1f} MiB | {r['major_faults_per_token']:.0f} | {hr} |")
+    if "big" in res:
+        b = res["big"]
+        lines += ["", f"A model {b['factor']}x the memory it gets: {b['experts']} experts a layer, "
+                      f"{b['weights_bytes'] / 2**30:.2f} GiB of weights, skewed router, a cgroup of "
+                      f"{b['limit_bytes'] / 2**20:.0f} MiB; the simulator's prediction for each run's own slot count "
+                      "and pinned hot set:", "",
+                  "| run | slots (hot set) | decode tok/s | measured ms/token | predicted ms/token | error | hit rate | "
+                  "storage / token | load time hidden |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in b["rows"]:
+            if "error" in r:
+                lines.append(f"| {r['run']} | failed: {r['error'][-200:]!r} | | | | | | | |")
+                continue
+            lines.append(f"| {r['run']} | {r['slots']} ({r['hot_set']}) | {r['decode_tok_s']:.2f} | {r['measured_ms']:.1f} | "
+                         f"{r['predicted_ms']:.1f} | {r['error_pct']:+.0f}% | {r['hit_rate']:.3f} | "
+                         f"{r['read_bytes_per_token'] / 2**20:.1f} MiB | {r['hidden_fraction']:.2f} |")
     if "simulator" in res:
         p = res["simulator"]["profile"]
         lines += ["", f"The simulator against measured runs (lru, without the cgroup, misses from storage): "
