@@ -387,6 +387,9 @@ def test_streaming_reads_never_change_results(backend_name, io_threads, direct, 
             st = e.slot_stats
         assert st["io_threads"] == io_threads and st["misses"] > 0 and st["load_seconds"] > 0
         assert st["read_bytes"] == st["bytes_loaded"]                   # every load whole, counted once
+        # the drive's busy time is the union of the loads' intervals: no longer than their sum
+        assert 0 < st["io_busy_seconds"] <= st["load_seconds"] * (1 + 1e-9)
+        assert st["observed_read_gbs"] == st["read_bytes"] / st["io_busy_seconds"] / 1e9
         if direct == "on" and _direct_ok(os.path.join(col, "colibri_weights.bin")):
             assert st["direct_io"] and st["direct_reads"] > 0
         elif direct == "on":

@@ -359,6 +359,8 @@ class SlotPool:
         self.reads = self.read_bytes = self.direct_reads = 0
         self.load_s = 0.0                           # seconds spent in loads, all threads
         self.stall_s = 0.0                          # seconds the compute thread waited for loads
+        self.io_busy_s = 0.0                        # seconds with at least one read in flight
+        self._inflight, self._busy_since = 0, 0.0
         self._lock = threading.Lock()
         self.locked = _mlock(backend.slot_host_view(self.buf, 0) is not None and self.buf)
         self._views = {}                            # (slot, formats) -> the FFN viewing that slot
@@ -423,6 +425,20 @@ class SlotPool:
         README: 26 MB/s against 0.8-1 GB/s for large reads)."""
         import time
         t0 = time.perf_counter()
+        with self._lock:                            # the drive's busy time: some read in flight
+            if not self._inflight:
+                self._busy_since = t0
+            self._inflight += 1
+        try:
+            self._read_blob(layer, e, slot, t0)
+        finally:
+            with self._lock:
+                self._inflight -= 1
+                if not self._inflight:
+                    self.io_busy_s += time.perf_counter() - self._busy_since
+
+    def _read_blob(self, layer, e, slot, t0):
+        import time
         rec = self.model.expert_record(layer, e)
         dst = self.be.slot_host_view(self.buf, slot)
         staged = dst is None
@@ -558,7 +574,8 @@ class SlotPool:
         d.update(slots=self.cache.n, policy=self.cache.policy, resident_bytes=self.resident_bytes(),
                  read_bytes=self.read_bytes, memory=self.locked, io_threads=self.io_threads,
                  direct_io=self.direct, direct_io_why=self.direct_why, direct_reads=self.direct_reads,
-                 load_seconds=self.load_s, stall_seconds=self.stall_s,
+                 load_seconds=self.load_s, stall_seconds=self.stall_s, io_busy_seconds=self.io_busy_s,
+                 observed_read_gbs=self.read_bytes / self.io_busy_s / 1e9 if self.io_busy_s > 0 else None,
                  hidden_fraction=(1.0 - min(self.stall_s / self.load_s, 1.0)) if self.load_s > 0 else None,
                  hot_set=self.hot_set, hot_set_file=self.heat_path,
                  pinned_keys=[list(k) for k in self.pinned_keys])
