@@ -430,15 +430,16 @@ class SlotPool:
                 self._busy_since = t0
             self._inflight += 1
         try:
-            self._read_blob(layer, e, slot, t0)
+            self._read_blob(layer, e, slot)
         finally:
             with self._lock:
+                now = time.perf_counter()
+                self.load_s += now - t0
                 self._inflight -= 1
                 if not self._inflight:
-                    self.io_busy_s += time.perf_counter() - self._busy_since
+                    self.io_busy_s += now - self._busy_since
 
-    def _read_blob(self, layer, e, slot, t0):
-        import time
+    def _read_blob(self, layer, e, slot):
         rec = self.model.expert_record(layer, e)
         dst = self.be.slot_host_view(self.buf, slot)
         staged = dst is None
@@ -460,9 +461,9 @@ class SlotPool:
                                f"past the end of the file (offset {rec.weight_offset}, {n} bytes)")
         if not direct and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fd, rec.weight_offset, n, os.POSIX_FADV_DONTNEED)
-        self._landed(dst, n, staged, slot, direct, time.perf_counter() - t0)
+        self._landed(dst, n, staged, slot, direct)
 
-    def _landed(self, dst, n, staged, slot, direct, seconds):
+    def _landed(self, dst, n, staged, slot, direct):
         """A whole blob is in: the slot's tail cleared, a staged blob copied to the device, counted."""
         if n < self.blob_bytes:                     # a smaller layer's expert: the slot's tail is unused
             dst[n:self.blob_bytes] = 0
@@ -472,7 +473,6 @@ class SlotPool:
             self.reads += 1
             self.read_bytes += n
             self.direct_reads += direct
-            self.load_s += seconds
 
     def _submit(self, layer, e, slot) -> Future:
         """A load on the I/O pool -> its Future. One read per blob: splitting a blob into parts read by
