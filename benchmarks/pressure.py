@@ -1,23 +1,41 @@
-"""A model bigger than the memory it gets (part of `make bench`; issue 21): Colibri streaming experts
-through its slot pool against llama.cpp's mmap, in one memory cgroup of the benchmark's own.
+"""Models bigger than the memory they get (part of `make bench`; issues 21 and 50): Colibri streaming
+experts through its slot pool against Colibri and llama.cpp through the memory map, each engine alone
+in a memory cgroup of the benchmark's own.
 
-    python benchmarks/pressure.py [--limit-mib 600] [--new 48] [--slots 0,auto,18] [--policy lfu]   (root)
+    python benchmarks/pressure.py [--fractions 0.5,0.25] [--routers skewed,uniform] [--policy lru]
+                                  [--stream-slots auto] [--big-experts 32] [--sim-slots 0,5,8,16,24,32]  (root)
 
-The model: the Mixtral-shaped benchmark model (models.py; float16, 1.28 GB of weights), with a skewed
-router so that some experts are hot: every token embedding gets a shared direction u and every router
-row e gets b_e u, with b_e = -1.2 ln(rank_e) over a per-layer random ranking (Zipf-like popularity;
-the routing entropy is reported). The same checkpoint becomes the Colibri model directory and the
-f16 GGUF llama.cpp runs.
+The models: the Mixtral-shaped benchmark model (models.py; float16, 1.28 GB of weights, 64 experts),
+with its own random router ("uniform") and with a skewed one ("skewed": every token embedding gets a
+shared direction u and every router row e gets b_e u, with b_e = -1.2 ln(rank_e) over a per-layer
+random ranking -- Zipf-like popularity; the routing entropy is reported); the same checkpoint becomes
+the Colibri model directory and the f16 GGUF llama.cpp runs. The big model: the same shape with 32
+experts a layer (4.3 GiB), skewed.
+
+The matrix (run_matrix): per router and memory fraction (the cgroup's limit = fraction x the weights
+file): Colibri through the memory map (slots=0), Colibri streaming (--stream-slots, cold: no routing
+heat yet; learned: the same workload again, its heat pinning the hot set; direct reads where
+probe-device's measurement of the drive chose them), llama.cpp (llama-server, mmap); and the ceiling,
+every expert resident without a limit.
+
+The big model (big_model_check): streamed in a cgroup of its weights / --big-factor, cold and
+learned, --big-repeats times each; the best and median against the simulator's prediction for the
+run's own slot count and hot set, at probe-device's rate and at the rate the run's drive gave.
+
+The simulator check (simulator_check): without the cgroup, per slot count, the prediction of
+`colibri simulate --device this`'s formula against a measured run.
 
 The pressure: each engine process runs alone in the cgroup `colibri-pressure` (memory.max on v2,
 memory.limit_in_bytes on v1), which also caps its page cache; the model's file pages are dropped
-from the page cache (posix_fadvise DONTNEED) before each run. Stated: the limit, the file size.
+from the page cache (posix_fadvise DONTNEED) before each run.
 
 Measured per engine: decode tok/s (one stream, prompts of 32 ids, --new tokens each, three prompts,
 the first a warm-up), p50 / p99 time between tokens, bytes read from storage per decoded token and
 major faults (/proc/PID/io read_bytes and /proc/PID/stat majflt, before and after the timed prompts),
-and Colibri's slot hit rate. llama.cpp: llama-server (benchmarks/llama_server.py), streamed, the times
-between its chunks. Results: results/pressure.md, .json. Nothing here is a timed test.
+and Colibri's slot pool numbers (hit rate, hot set, lookahead recall, share of load time hidden).
+llama.cpp: llama-server (benchmarks/llama_server.py), streamed, the times between its chunks
+(--llama-new tokens a prompt: it is slow under pressure). Results: results/<--name>.md, .json.
+Nothing here is a timed test.
 """
 from __future__ import annotations
 
@@ -486,6 +504,8 @@ def main(argv=None):
     ap.add_argument("--sim-slots", default="0,5,8,16,24,32", help="the simulator check's slot counts (0: all resident), "
                                                             "lru, without the cgroup; empty: skip it")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--name", default="pressure", help="the results' file stem (pressure-policies: `make -C "
+                                                        "benchmarks pressure-policies`)")
     a = ap.parse_args(argv)
     if a.worker:
         return colibri_worker(a)
@@ -499,7 +519,9 @@ def main(argv=None):
     gguf = os.path.join(root, "model-f16.gguf")
     models.build_gguf(hf, gguf, "f16", s, log)
     weights = os.path.join(col, "colibri_weights.bin")
-    sizes = {"colibri_weights_bytes": os.path.getsize(weights), "gguf_bytes": os.path.getsize(gguf)}
+    from colibri_edge.model.modeldir import ModelDir
+    sizes = {"colibri_weights_bytes": os.path.getsize(weights), "gguf_bytes": os.path.getsize(gguf),
+             "blob_bytes": max(e.weight_size for e in ModelDir(col).experts)}
     res = {**sizes, "date": time.strftime("%Y-%m-%d"), "new_tokens": a.new, "runs": [], "matrix": []}
     by_router = {}
     for router in filter(None, a.routers.split(",")):
@@ -534,11 +556,10 @@ def main(argv=None):
         res["routing_entropy_bits"] = entropy_bits(counts)
         res["max_entropy_bits"] = float(np.log2(s["num_local_experts"]))
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "pressure.json"), "w") as f:
+    with open(os.path.join(a.out, a.name + ".json"), "w") as f:
         json.dump(res, f, indent=1)
     lines = [f"# Models bigger than the memory they get ({res['date']})", "",
-             f"Mixtral-shaped bench model, float16, 64 experts of {max(1, sizes['colibri_weights_bytes']) / 2**20 / 64:.0f} "
-             f"MiB or so; routers: skewed (Zipf-like; routing entropy {res.get('routing_entropy_bits', float('nan')):.2f} "
+             f"Mixtral-shaped bench model, float16, 64 experts of {sizes['blob_bytes'] / 2**20:.1f} MiB; routers: skewed (Zipf-like; routing entropy {res.get('routing_entropy_bits', float('nan')):.2f} "
              f"of {res.get('max_entropy_bits', 3):.0f} bits a layer) and uniform (the model's own random router); "
              f"weights {sizes['colibri_weights_bytes'] / 2**20:.0f} MiB (Colibri) / {sizes['gguf_bytes'] / 2**20:.0f} MiB "
              f"(GGUF); each engine alone in a memory cgroup (page cache included), the model's file pages dropped "
@@ -548,7 +569,7 @@ def main(argv=None):
              "pins the hot set).", ""]
     if res["matrix"]:
         lines += matrix_table(res["matrix"])
-        v = res["matrix"][0].get("direct_io") or {}
+        v = next((r["direct_io"] for r in res["matrix"] if r.get("direct_io")), {})
         lines += ["", f"Direct I/O (probe-device's measurement on the weights file): {v.get('why', '-')}", ""]
     if res["runs"]:
         lines += [f"Extra runs in a cgroup of {a.limit_mib} MiB:", "",
@@ -602,7 +623,7 @@ def main(argv=None):
             per = f"{tm / max(r['timed_tokens'], 1):.1f} ({r['timed_cold_misses']} cold)" if tm else "0"
             lines.append(f"| {r['slots']} | {r['predicted_ms']:.1f} | {r['measured_ms']:.1f} | "
                          f"{r['error_pct']:+.0f}% | {per} | {hm} |")
-    with open(os.path.join(a.out, "pressure.md"), "w") as f:
+    with open(os.path.join(a.out, a.name + ".md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
 
