@@ -28,6 +28,7 @@ Optional -- each has its default below, and the core never probes a backend with
     list_devices()                  device/platform lines for `colibri backends`    none
     alloc_slots/load_slot/slot_ffn  expert slot pool storage                        one [N, blob] buffer
     alloc_staging(nbytes)           host buffer a slot miss is read into            ordinary host memory
+    slot_loads_in_parallel          load_slot from I/O threads while kernels run    False (compute thread)
     upload_experts(blobs, ...)      a MoE layer's experts made resident             upload_expert each
     matmuls(outs, x, ws, biases)    projections of one x (q, k, v)                  matmul each
     _fork(n)/_join(side)            side queues for independent experts             no side queues
@@ -598,6 +599,10 @@ class Backend:
     ffn_activations = ("silu",)    # the expert activations grouped_ffn runs (Act kinds beyond SwiGLU)
     copies_weights = False         # True: weights are copied into the backend's memory (a device), so
                                    # they count against memory_available; host backends map them
+    slot_loads_in_parallel = False  # True: load_slot may run on several of the slot pool's I/O threads
+                                   # while the compute thread enqueues kernels; False: the pool reads a
+                                   # device backend's demand misses and copies them on the compute thread
+                                   # (a host backend's slots take the reads directly: no load_slot)
 
     def prepare(self, formats: set, max_cols: int, max_rows: int = 2):
         """Called once a model is known, before its weights are uploaded: the weight formats it uses,

@@ -386,6 +386,9 @@ def test_streaming_reads_never_change_results(backend_name, io_threads, direct, 
             assert e.generate(PROMPTS[2], max_new_tokens=8, ignore_eos=True) == want_gen
             st = e.slot_stats
         assert st["io_threads"] == io_threads and st["misses"] > 0 and st["load_seconds"] > 0
+        # host slots take reads from the I/O threads; of the device backends, CUDA copies from them too
+        # (its upload stream), OpenCL from the compute thread only (slot_loads_in_parallel)
+        assert st["parallel_reads"] == (io_threads > 0 and backend_name != "opencl")
         assert st["read_bytes"] == st["bytes_loaded"]                   # every load whole, counted once
         # the drive's busy time is the union of the loads' intervals: no longer than their sum
         assert 0 < st["io_busy_seconds"] <= st["load_seconds"] * (1 + 1e-9)

@@ -161,6 +161,7 @@ class CudaRuntime(BackendBase):
             raise ColibriError(COLIBRI_ERR_BACKEND, f"{what} needs the host and cannot be captured in a CUDA graph")
 
     copies_weights = True
+    slot_loads_in_parallel = True   # load_slot: the upload stream, under its own lock, after the main stream
 
     def memory_available(self):
         try:

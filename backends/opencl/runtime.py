@@ -282,6 +282,9 @@ class OpenCLRuntime(BackendBase):
         self._dummy = self.alloc((1,), np.float32)       # bound to an absent optional argument
 
     copies_weights = True
+    # the slot pool's device copies from the compute thread only: Oclgrind 21.10 crashes (SIGSEGV) on a
+    # copy enqueued from another thread while kernels are enqueued (PoCL takes it; the spec allows it)
+    slot_loads_in_parallel = False
 
     def prepare(self, formats, max_cols, max_rows=2):
         """Build the weight programs of the model's formats (and float32's: activations as matrices),

@@ -362,12 +362,17 @@ class SlotPool:
         self.io_busy_s = 0.0                        # seconds with at least one read in flight
         self._inflight, self._busy_since = 0, 0.0
         self._lock = threading.Lock()
+        self._copy_lock = threading.Lock()
         self.locked = _mlock(backend.slot_host_view(self.buf, 0) is not None and self.buf)
         self._views = {}                            # (slot, formats) -> the FFN viewing that slot
         self._pending: dict = {}                    # slot -> Future of a prefetch copy
         self.io_threads = io_threads_knob(io_threads)
-        self._pool = ThreadPoolExecutor(max_workers=max(self.io_threads, 1), thread_name_prefix="colibri-io") \
-            if self.io_threads or policy == "prefetch" else None
+        staged = backend.slot_host_view(self.buf, 0) is None
+        # demand misses on the I/O threads: host slots, or a device backend whose copies may come from them
+        self.parallel = self.io_threads > 0 and (not staged or backend.slot_loads_in_parallel)
+        workers = self.io_threads if self.parallel else 1       # else: one thread, for prefetch alone
+        self._pool = ThreadPoolExecutor(max_workers=max(workers, 1), thread_name_prefix="colibri-io") \
+            if self.parallel or policy == "prefetch" else None
         self.prefetch_hook = PrefetchHook() if policy == "prefetch" else None
         self.heat_path = heat_file(model)
         self.hot_fraction = hot_fraction_knob(hot_fraction)
@@ -467,8 +472,9 @@ class SlotPool:
         """A whole blob is in: the slot's tail cleared, a staged blob copied to the device, counted."""
         if n < self.blob_bytes:                     # a smaller layer's expert: the slot's tail is unused
             dst[n:self.blob_bytes] = 0
-        if staged:
-            self.be.load_slot(self.buf, slot, dst[:self.blob_bytes])
+        if staged:                                  # one device copy at a time: a runtime may not take
+            with self._copy_lock:                   # copies enqueued from several threads at once (Oclgrind
+                self.be.load_slot(self.buf, slot, dst[:self.blob_bytes])   # 21.10 crashes)
         with self._lock:
             self.reads += 1
             self.read_bytes += n
@@ -534,7 +540,7 @@ class SlotPool:
                     if not hit:
                         if fut is not None:          # an earlier prefetch into this slot lands first
                             fut.result()
-                        if self._pool is None or not self.io_threads:
+                        if not self.parallel:
                             t0 = time.perf_counter()
                             self._load(layer, e, slot)
                             self.stall_s += time.perf_counter() - t0
@@ -573,6 +579,7 @@ class SlotPool:
         d = self.counters.as_dict()
         d.update(slots=self.cache.n, policy=self.cache.policy, resident_bytes=self.resident_bytes(),
                  read_bytes=self.read_bytes, memory=self.locked, io_threads=self.io_threads,
+                 parallel_reads=self.parallel,
                  direct_io=self.direct, direct_io_why=self.direct_why, direct_reads=self.direct_reads,
                  load_seconds=self.load_s, stall_seconds=self.stall_s, io_busy_seconds=self.io_busy_s,
                  observed_read_gbs=self.read_bytes / self.io_busy_s / 1e9 if self.io_busy_s > 0 else None,

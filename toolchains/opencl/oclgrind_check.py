@@ -185,7 +185,13 @@ def _check_model(job):
     if ok:
         got = np.load(out_npz)
         err = np.abs(got["logits"] - want_logits).max() / max(1.0, np.abs(want_logits).max())
-        tol = 1e-4 if out_dtype is None else 1e-3
+        # int8 activations against the cpu backend's int8 path: the two sum floats in different orders
+        # before quantising, and one activation a hair from a rounding boundary then rounds apart and
+        # moves what follows by a quantisation step (2026-12-07, an AVX-512 host, q5_k: exact at 9 of 11
+        # positions, 0.0067 of max|logit| at one; PoCL's opencl backend gives the same logits as Oclgrind;
+        # the float path itself is 0.017 away): 1e-2 there, well under what a wrong kernel gives
+        int8 = options.get("int8_activations", False) and out_dtype != "int8"
+        tol = 1e-4 if out_dtype is None else 1e-2 if int8 else 1e-3
         if not err <= tol:
             ok, report = False, f"logits under Oclgrind differ from the reference backend by {err:.3g}"
         elif got["gen"].tolist() != list(want_gen):
