@@ -450,9 +450,10 @@ class SlotPool:
         staged = dst is None
         if staged:
             dst = getattr(self._tls, "staging", None)
-            if dst is None:
-                dst = self._tls.staging = aligned_host(1, self.row_bytes)[0] if self.direct else \
-                    self.be.alloc_staging(self.row_bytes)
+            if dst is None:                         # the backend's (CUDA: page-locked), a page-aligned view
+                raw = self.be.alloc_staging(self.row_bytes + PAGE)
+                off = (-raw.ctypes.data) % PAGE
+                dst = self._tls.staging = raw[off:off + self.row_bytes]
         n = rec.weight_size
         span = -(-n // PAGE) * PAGE                 # a direct read is whole pages
         direct = self._dfd is not None and dst.ctypes.data % PAGE == 0 and rec.weight_offset % PAGE == 0 and \
