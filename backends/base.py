@@ -97,6 +97,19 @@ def kv_row_bytes(n: int, kv_dtype: str) -> int:
     return sum(int(np.prod(s[1:])) * d.itemsize for s, d in kv_parts((1, n), kv_dtype).values())
 
 
+
+PAGE = 4096          # O_DIRECT's alignment of buffer address, file offset and length (the expert blobs are
+                     # 4096-aligned in colibri_weights.bin: model/modeldir.py)
+
+
+def aligned_host(rows: int, row_bytes: int) -> np.ndarray:
+    """[rows, row_bytes rounded up to PAGE] uint8 zeros, each row PAGE-aligned: host expert slots that a
+    direct read (whole pages) lands in without a bounce buffer."""
+    row_bytes = -(-row_bytes // PAGE) * PAGE
+    raw = np.zeros(rows * row_bytes + PAGE, np.uint8)
+    off = (-raw.ctypes.data) % PAGE
+    return raw[off:off + rows * row_bytes].reshape(rows, row_bytes)
+
 @dataclass
 class KVCache:
     """One layer's paged cache tensor (K, V, latent attention's C or R) in a kv_dtype other than

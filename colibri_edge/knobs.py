@@ -78,6 +78,12 @@ def _parse(name, raw):
     return v
 
 
+def device_profile_path() -> str:
+    """Where `colibri probe-device` writes this machine's profile (COLIBRI_CACHE, else ~/.cache/colibri)."""
+    root = os.environ.get("COLIBRI_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "colibri")
+    return os.path.join(root, "device-this.json")
+
+
 def resolve(name: str, explicit=None):
     """explicit argument > environment > default, validated."""
     if explicit is not None:

@@ -539,7 +539,7 @@ def test_plan_says_what_lives_where(model_cache, tmp_path):
     arena, KV), the hot set the pool pins from the model's routing heat, and the simulator's prediction
     on a device profile for routing drawn from that heat; too little memory is refused with the numbers."""
     from colibri_edge.analysis.simulate import estimate, load_profile
-    from colibri_edge.analysis.plan import drawn_trace
+    from colibri_edge.serving.plan import drawn_trace
     from colibri_edge.runtime.slots import load_heat
     _, col = convert_case(model_cache, "olmoe")
     env = dict(os.environ, COLIBRI_CACHE_DIR=str(tmp_path / "cache"), COLIBRI_HOT_SET="50")

@@ -332,7 +332,7 @@ class Backend(BackendBase):
         return np.zeros(shape, dtype=dtype)
 
     def alloc_slots(self, num_slots, blob_bytes):
-        from colibri_edge.runtime.slots import aligned_host
+        from ..base import aligned_host
         return aligned_host(num_slots, blob_bytes)   # page-aligned rows: direct reads land in them
 
     def slot_host_view(self, slots, slot):

@@ -28,8 +28,8 @@ PROFILE_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "profiles
 
 
 def profile_path() -> str:
-    root = os.environ.get("COLIBRI_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "colibri")
-    return os.path.join(root, "device-this.json")
+    from ..knobs import device_profile_path
+    return device_profile_path()
 
 
 def _layer_accesses(tr: Trace, min_p: float = PREFETCH_MIN_P):

@@ -216,9 +216,7 @@ class Engine:
         self.backend = cls(**self.options)
         self.backend.not_applicable = not_applicable
         self.max_seq_len, self.max_batch = int(max_seq_len), int(max_batch)
-        # a step never holds more prompt tokens than the KV cache's sequences can: the arena is not sized
-        # for rows that cannot occur (a 128-token context at the default 256-token chunk: half the arena)
-        self.prefill_chunk = min(int(prefill_chunk), self.max_seq_len * self.max_batch)
+        self.prefill_chunk = int(prefill_chunk)
         rows = max(self.prefill_chunk, self.max_batch)
         slots = knobs.resolve("COLIBRI_EXPERT_SLOTS", expert_slots)
         policy = knobs.resolve("COLIBRI_SLOT_POLICY", slot_policy)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_INVALID_MODEL
+from ..backends.base import PAGE, aligned_host  # noqa: F401 -- aligned_host: re-exported
 from .hooks import RoutingHook
 from ..model.modeldir import WEIGHTS_FILE
 
@@ -282,17 +283,6 @@ def _mlock(arr) -> str:
         return f"not locked: {err}"
 
 
-PAGE = 4096          # O_DIRECT's alignment of buffer address, file offset and length (the blobs are
-                     # 4096-aligned in colibri_weights.bin: model/modeldir.py)
-
-
-def aligned_host(rows: int, row_bytes: int) -> np.ndarray:
-    """[rows, row_bytes rounded up to PAGE] uint8 zeros, each row PAGE-aligned: host slots that a direct
-    read (whole pages) lands in without a bounce buffer."""
-    row_bytes = -(-row_bytes // PAGE) * PAGE
-    raw = np.zeros(rows * row_bytes + PAGE, np.uint8)
-    off = (-raw.ctypes.data) % PAGE
-    return raw[off:off + rows * row_bytes].reshape(rows, row_bytes)
 
 
 def io_threads_knob(explicit=None) -> int:
@@ -309,9 +299,9 @@ def direct_io_choice(path: str, explicit=None) -> tuple[bool, str]:
     if v != "auto":
         return v == "on", f"COLIBRI_DIRECT_IO={v}"
     try:
-        from ..analysis.simulate import profile_path
+        from ..knobs import device_profile_path
         import json
-        d = json.load(open(profile_path())).get("direct_io") or {}
+        d = json.load(open(device_profile_path())).get("direct_io") or {}
         if int(d.get("device", -1)) == os.stat(path).st_dev:
             return bool(d["use"]), f"probe-device: {d.get('why', '')}"
     except (OSError, ValueError, KeyError, TypeError):

@@ -592,7 +592,7 @@ def _cmd_simulate(a):
 
 def _cmd_plan(a):
     import json as _json
-    from ..analysis.plan import plan, print_plan
+    from .plan import plan, print_plan
     mem = None if a.memory is None else parse_size(a.memory, f"--memory {a.memory}")
     p = plan(a.model, mem, a.device, a.trace, a.policy, a.context, a.backend)
     if a.json:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
-from .trace import Trace
+from ..analysis.trace import Trace
 
 DRAWN_TOKENS = 512
 
@@ -42,7 +42,7 @@ def plan(model: str, memory: int | None, device: str | None, trace_path: str | N
     """context: the KV cache's tokens (None: the model's maximum)."""
     from ..requests.engine import Engine
     from ..runtime.slots import load_heat
-    from .simulate import estimate, load_profile, profile_path, replay
+    from ..analysis.simulate import estimate, load_profile, profile_path, replay
     import os
     with Engine.open(model, backend=backend, expert_slots="auto", memory_budget=memory, max_seq_len=context,
                      max_batch=1, slot_policy=policy) as eng:
