@@ -26,7 +26,7 @@ GATE_BLOCK = 2048                  # gate_mul's elements per parallel iteration
 
 
 # -- causal conv ---------------------------------------------------------------------------------
-@njit(parallel=True, nogil=True, cache=True, fastmath=REDUCE, error_model="numpy")
+@njit(parallel=True, nogil=True, cache=True, error_model="numpy")
 def causal_conv(out, x, weight, state, starts, slots, positions, silu, bias):
     """Depthwise causal conv1d + SiLU per sequence, its last K-1 inputs carried in state[slot]:
         out[t, c] = silu(y) (y when not silu: LFM2), plus bias[c] inside (Mamba-2's; empty: none),  y = sum_{i<K} weight[c, i] * u(m - K + 1 + i, c),  silu(y) = y / (1 + e^-y)
@@ -42,7 +42,13 @@ def causal_conv(out, x, weight, state, starts, slots, positions, silu, bias):
         out, x [T, C] float32 (distinct); weight float32 [C, K]; state [slots, K-1, C];
         starts [S+1], slots [S], positions [T] int32
     Parallel over (sequence, channel); consecutive iterations are consecutive channels, so each
-    thread walks a contiguous band of every row."""
+    thread walks a contiguous band of every row.
+    Strict float arithmetic (no REDUCE flags): the K-term sum is in the order written whichever
+    branch supplied u. With reassoc/contract, LLVM compiled the branches' versions of the loop with
+    different fusions on an AVX-512 host, so a token whose inputs came from the state (a sequence
+    resumed from a snapshot) rounded apart from the same token in one long prefill (Qwen3.5 and
+    Granite 4.0-H logprobs 2e-7..2.5e-6 apart; test_prefix_cache's hybrid cases). K = 4 multiply-adds
+    per output: nothing to vectorise, nothing lost."""
     S, C, K = slots.shape[0], x.shape[1], weight.shape[1]
     for sc in prange(S * C):
         s, c = sc // C, sc % C
