@@ -4,7 +4,8 @@
 
 The earlier commit is checked out as a git worktree (cache/ab-base-REV, reused). Each round runs, per
 weight type, one subprocess per tree, the order alternating between rounds, on the benchmark model
-(models.py; the same directory for both: the format is shared): prefill tok/s of a 128-token
+(models.py; the same directory for both where the base tree reads this tree's format, else each tree its
+own converter's output of the same weights: base_model): prefill tok/s of a 128-token
 prompt (median of 3), batch-1 decode tok/s (fastest of 3 runs of 64 steps) and the decode step's
 p50 latency. Each figure keeps its best round (other work only slows a run down) and the report
 gives new/old. Then, on each tree's own demo model, the host overhead of a decode step: backend
@@ -42,6 +43,36 @@ def worktree(rev: str) -> str:
     if os.path.isdir(os.path.join(path, "backends")) and not os.path.lexists(link):
         os.symlink(os.path.join("..", "backends"), link)
     return path
+
+
+def base_format(tree: str) -> int:
+    """The model-directory format version the tree's converter writes (FORMAT_VERSION in its source)."""
+    import re
+    for rel in ("colibri_edge/model/validate.py", "colibri_edge/modeldir.py"):
+        path = os.path.join(tree, rel)
+        if os.path.exists(path):
+            m = re.search(r"^FORMAT_VERSION\s*=\s*(\d+)", open(path).read(), re.M)
+            if m:
+                return int(m.group(1))
+    raise SystemExit(f"A/B: no FORMAT_VERSION in {tree}")
+
+
+def base_model(tree: str, hf: str, dtype: str, shared: str) -> str:
+    """The directory the base tree runs: the shared one where it reads this tree's format, else its own
+    converter's output of the same HF weights (cache/ab-base-REV/models/colibri-DTYPE, reused; this tree
+    still reads older formats, so the new tree keeps the shared directory)."""
+    from colibri_edge.model.validate import FORMAT_VERSION
+    if base_format(tree) >= FORMAT_VERSION:
+        return shared
+    out = os.path.join(tree, "models", f"colibri-{dtype}")
+    if not os.path.exists(os.path.join(out, ".ab-done")):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, *site.getsitepackages()])}
+        print(f"[ab] converting {dtype} with the base tree's converter (format {base_format(tree)})", file=sys.stderr,
+              flush=True)
+        subprocess.run([sys.executable, "-S", "-m", "colibri_edge", "convert", hf, out, "--dtype", dtype, "--quiet"],
+                       env=env, cwd=tree, check=True)
+        open(os.path.join(out, ".ab-done"), "w").close()
+    return out
 
 
 def run(tree: str | None, job: dict, threads: int) -> dict:
@@ -175,8 +206,8 @@ def main(argv=None):
         order = ["old", "new"] if rnd % 2 == 0 else ["new", "old"]
         for dt in a.dtypes.split(","):
             for which in order:
-                r = run(trees[which], {"kind": "speed", "model": m["colibri"][dt], "prompt": prompt, "steps": 64},
-                        a.threads)
+                model = m["colibri"][dt] if which == "new" else base_model(base, m["hf"], dt, m["colibri"][dt])
+                r = run(trees[which], {"kind": "speed", "model": model, "prompt": prompt, "steps": 64}, a.threads)
                 res["speed"].setdefault(dt, {}).setdefault(which, []).append(r)
                 print(f"[ab] round {rnd + 1} {dt} {which}: prefill {r['prefill_tokens_per_s']:.1f} tok/s, decode "
                       f"{r['decode_tokens_per_s']:.2f} tok/s (p50 {r['decode_p50_ms']:.2f} ms)", flush=True)
