@@ -52,6 +52,7 @@ def engine_memory(cfg: dict, max_seq_len: int, max_batch: int, prefill_chunk: in
     kv_dtype), exactly. snapshots: recurrent-state snapshots (Engine.open's state_snapshots; default
     max_batch, as the engine's with the prefix cache on)."""
     blocks = -(-kv_tokens // block_size)
+    prefill_chunk = min(prefill_chunk, max_seq_len * max_batch)     # as Engine.open: no rows that cannot occur
     lim, states = layout(cfg, max(prefill_chunk, max_batch), max_batch, max_seq_len, blocks, block_size, kv_dtype,
                          max_batch if snapshots is None else snapshots)
     return {"arena_bytes": arena.nbytes(arena.buffers(cfg, lim)), "state_bytes": states.nbytes(),

@@ -216,7 +216,10 @@ class Engine:
         self.backend = cls(**self.options)
         self.backend.not_applicable = not_applicable
         self.max_seq_len, self.max_batch = int(max_seq_len), int(max_batch)
-        self.prefill_chunk = int(prefill_chunk)
+        # a step never holds more prompt tokens than the KV cache's sequences can: the arena is not sized
+        # for rows that cannot occur (an 88-token context at the default 256-token chunk: two thirds of
+        # the arena, the logits [rows, vocab] most of it -- two expert slots of the pressure benchmark)
+        self.prefill_chunk = min(int(prefill_chunk), self.max_seq_len * self.max_batch)
         rows = max(self.prefill_chunk, self.max_batch)
         slots = knobs.resolve("COLIBRI_EXPERT_SLOTS", expert_slots)
         policy = knobs.resolve("COLIBRI_SLOT_POLICY", slot_policy)
