@@ -5,14 +5,14 @@ import numpy as np
 from numba import njit, prange
 
 from .jitcache import drop_stale
-from .kernels import F0, F1, REDUCE, TILE4, claim, dot1, expert_act, fdot4, fdot4x2, fdot4x4, reset_claims, scaled
+from .kernels import F0, F1, REDUCE, TILE4, activate, claim, dot1, fdot4, fdot4x2, fdot4x4, reset_claims, scaled
 
 
 @njit(error_model="numpy", inline="always")
 def store_swiglu(act, r, i, g, u, gate_scales, up_scales, ep):
     """act[r, i] = silu(g * gate_scales[i]) * (u * up_scales[i])   (empty scales = 1), or ep's
     clamped form with biases (kernels.expert_act)"""
-    act[r, i] = expert_act(scaled(g, gate_scales, i), scaled(u, up_scales, i), r, i, ep)
+    act[r, i] = activate(scaled(g, gate_scales, i), scaled(u, up_scales, i), r, i, ep)
 
 
 @njit(error_model="numpy", inline="always")

@@ -25,7 +25,7 @@ from numba import njit, prange
 from colibri_edge.model import quant
 
 from .jitcache import drop_stale
-from .kernels import F0, F1, REDUCE, claim, expert_act, fdot4, fdot4x2, reset_claims
+from .kernels import F0, F1, REDUCE, activate, claim, fdot4, fdot4x2, reset_claims
 from .qir import rowdeq, rowdot4_q, rowdot4x2_q, rowdot4x4_q, rowdot_q
 
 
@@ -96,8 +96,8 @@ def qembed(out, table, ids):
 
 @njit(error_model="numpy", inline="always")
 def _swiglu(g, u, r, i, ep):
-    """row r, column i's activation: kernels.expert_act (SwiGLU, or ep's clamped form with biases)"""
-    return expert_act(g, u, r, i, ep)
+    """row r, column i's activation: kernels.activate (SwiGLU, or expert_act's clamped form with biases)"""
+    return activate(g, u, r, i, ep)
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=REDUCE, error_model="numpy")
