@@ -1,11 +1,15 @@
 """Kernel GB/s per block format: the cpu backend's decode GEMV (one token) alone, on both activation
 paths, each checked against the NumPy reference before it is timed (as llm.c's dev/cuda kernels).
 
-    python benchmarks/gemv_formats.py [--rows 65536] [--cols 1024] [--threads 2] [FORMAT ...]
+    python benchmarks/gemv_formats.py [--rows 65536] [--cols 1024] [--threads 2] [--tokens 1] [FORMAT ...]
 
 The matrix is larger than the last-level cache (65536 x 1024 weights: 37 MB at q4_0, 70 MB at q8_0),
 so every call streams it from memory; GB/s = the matrix's stored bytes / the call's time, next to the
 machine's read bandwidth (NumPy BLAS sgemv over a 512 MiB float32 matrix, as bench.py's probe).
+--tokens T > 1 times the skinny GEMM instead (T tokens against each weight tile: batched decode, an
+expert's few tokens); --rows 4096 keeps the matrix in the last-level cache, so the figure is the
+kernel's arithmetic rate rather than the memory's. The header names the int8 dot instruction the
+kernels were compiled with (qir.INT8_DOT: vpdpbusd where the CPU has AVX-VNNI or AVX-512 VNNI).
 Not run by `make bench` (its figures come from whole models); the README quotes a run of it.
 """
 from __future__ import annotations
@@ -64,38 +68,41 @@ def main(argv=None):
     ap.add_argument("--rows", type=int, default=65536)
     ap.add_argument("--cols", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=1, help="activation rows (1: the decode GEMV)")
     a = ap.parse_args(argv)
     os.environ.setdefault("NUMBA_NUM_THREADS", str(a.threads))
     from colibri_edge.model import quant
     from colibri_edge.backends.cpu import qkernels as Q
     from colibri_edge.backends.cpu.backend import KERNEL_VIEW
-    N, K, th = a.rows, a.cols, a.threads
+    from colibri_edge.backends.cpu.qir import INT8_DOT
+    N, K, th, T = a.rows, a.cols, a.threads, a.tokens
     rng = np.random.default_rng(0)
     src = (rng.standard_normal((N, K)) * 0.02).astype(np.float32)
-    x = rng.standard_normal((1, K)).astype(np.float32)
+    x = rng.standard_normal((T, K)).astype(np.float32)
     none = np.zeros(0, np.float32)
-    qx, dx, xs = np.zeros((2, K), np.int8), np.zeros((2, K // 32), np.float32), np.zeros((2, K // 32), np.float32)
+    qx, dx, xs = np.zeros((T, K), np.int8), np.zeros((T, K // 32), np.float32), np.zeros((T, K // 32), np.float32)
     scratch = np.zeros((th, 4, K), np.float32)
     work = np.zeros((th, 8), np.int64)                  # the claim counters (kernels.claim), one row a thread
-    out = np.zeros((1, N), np.float32)
-    print(f"BLAS sgemv read bandwidth, {th} threads: {blas_probe(th):.1f} GB/s")
-    print("| format | bytes / weight | float32 activations GB/s (Gw/s) | int8 activations GB/s (Gw/s) |")
+    out = np.zeros((T, N), np.float32)
+    print(f"BLAS sgemv read bandwidth, {th} threads: {blas_probe(th):.1f} GB/s; int8 dots: {INT8_DOT}; "
+          f"{N} x {K} weights, {T} token{'s' if T > 1 else ''}")
+    print("| format | bytes / weight | float32 activations GB/s (G multiply-adds/s) | int8 activations GB/s (G multiply-adds/s) |")
     print("|---|---:|---:|---:|")
     for fmt in a.formats or formats():
         raw = stored(src, fmt, rng)
         w = np.ascontiguousarray(raw).view(KERNEL_VIEW[fmt]).reshape(N, -1)
-        ref = (quant.dequantize(raw, fmt, K).astype(np.float64) @ x[0].astype(np.float64))
+        ref = x.astype(np.float64) @ quant.dequantize(raw, fmt, K).astype(np.float64).T
         emu_q, emu_d, _ = quant.quantize_activations(x)
-        emu = quant.dequantize(raw, fmt, K).astype(np.float64) @ (emu_q[0] * np.repeat(emu_d[0], 32)).astype(np.float64)
+        emu = (emu_q * np.repeat(emu_d, 32, axis=1)).astype(np.float64) @ quant.dequantize(raw, fmt, K).astype(np.float64).T
         row = []
         for name, fn, want in (("f32", lambda: Q.qmatmul(out, x, w, none, work, scratch), ref),
                                ("i8", lambda: Q.qmatmul_i8(out, x, w, none, work, qx, dx, xs), emu)):
             fn()
-            err = np.abs(out[0] - want).max() / np.abs(want).max()
+            err = np.abs(out - want).max() / np.abs(want).max()
             if err > 1e-4:
                 raise SystemExit(f"{fmt} {name}: max rel err {err:.2e} against the reference: not timing it")
             t = best_seconds(fn)
-            row.append(f"{raw.nbytes / t / 1e9:.1f} ({N * K / t / 1e9:.1f})")
+            row.append(f"{raw.nbytes / t / 1e9:.1f} ({T * N * K / t / 1e9:.1f})")
         print(f"| {fmt} | {raw.nbytes / (N * K):.4f} | {row[0]} | {row[1]} |", flush=True)
 
 

@@ -3,6 +3,10 @@ declares (int8 included), in every variant of conftest.KERNEL_VARIANTS (threads,
 cuBLAS on/off), on odd shapes (not multiples of any work-group, warp or SIMD width), one token and
 many, shapes that reach each GEMM path (skinny / tiled / cuBLAS on CUDA, GEMV / blocked elsewhere),
 top-k 1 to 8, up to 300 experts."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -12,6 +16,8 @@ from colibri_edge.model.dtypes import STORAGE, block_of, narrow, widen
 from colibri_edge.backends import routing
 from colibri_edge.model.quant import fake_quantized_activations
 from helpers import backend_pair as backend, dev, kernel_close as close
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # (T, K, N): GEMV, blocks of 4, odd sizes, K past one shared-memory chunk, T > 32 (tiled / cuBLAS)
 MATMUL_SHAPES = [(1, 37, 29), (7, 64, 33), (33, 19, 130), (8, 64, 40), (32, 130, 70), (5, 1100, 20),
@@ -455,11 +461,41 @@ def test_int8_activation_dots_are_exact(rng):
     integer dots, the scales applied per block, the additive terms (q4_0/q5_0 offsets, q4_1/q5_1
     and K-quant mins), for 1 to 5 tokens (pairs, and an odd last token beside the zero row), whole
     groups of 256 and tail blocks."""
-    from colibri_edge.model import quant
     from helpers import backend_available
-    bes = [create("cpu")] + ([create("opencl", int8_activations=True)] if backend_available("opencl") else [])
+    int8_dots_exact(rng, [create("cpu")] + ([create("opencl", int8_activations=True)]
+                                            if backend_available("opencl") else []))
+
+
+# One format per branch of qir.dot8 and its callers: signed bytes (q8_0, with -128), unsigned
+# nibbles with an offset (q4_0), K-quant mins (q4_k), per-16 multipliers (q6_k), per-16 mins and the
+# activation sums (q2_k), a lookup table (iq4_xs, mxfp4: vpshufb), a lattice grid (iq2_xxs).
+DOT_BRANCHES = ("q8_0", "q4_0", "q4_k", "q6_k", "q2_k", "iq4_xs", "mxfp4", "iq2_xxs")
+
+
+def test_int8_dots_are_exact_in_the_avx2_variant_too(tmp_path):
+    """On a host with VNNI the kernels take vpdpbusd (qir.INT8_DOT); the AVX2 variant (vpmaddubsw +
+    vpmaddwd), which a bundle's kernels for a named AVX2 CPU use, must equal the same emulation bit
+    for bit: the exactness test again in a process whose kernels are compiled for haswell (its own
+    kernel cache), over one format per branch of the integer dot. (An AVX2-only host runs that
+    variant in the test above; the generic IR runs on ARM64 under qemu, toolchains/aarch64.)"""
+    from colibri_edge.backends.cpu import qir
+    if not qir.HAS_VNNI:
+        pytest.skip(f"this host's int8 dots are {qir.INT8_DOT}: test_int8_activation_dots_are_exact ran them")
+    code = ("import sys, numpy as np; sys.path.insert(0, 'tests'); import test_kernels as t; "
+            "from colibri_edge.backends import create; from colibri_edge.backends.cpu import qir; "
+            "assert qir.INT8_DOT.endswith('(AVX2)'), qir.INT8_DOT; "
+            f"t.int8_dots_exact(np.random.default_rng(7), [create('cpu')], {DOT_BRANCHES!r}); print('exact')")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_CPU")}
+    env.update(NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES="", COLIBRI_KERNEL_CACHE=str(tmp_path / "kc"))
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0 and p.stdout.split()[-1:] == ["exact"], p.stdout[-2000:] + p.stderr[-4000:]
+
+
+def int8_dots_exact(rng, bes, formats=None):
+    from colibri_edge.model import quant
     ref = create("reference")
-    for be, fmt in [(be, fmt) for be in bes for fmt in quant.BLOCK if fmt in be.weight_dtypes]:
+    for be, fmt in [(be, fmt) for be in bes for fmt in quant.BLOCK if fmt in be.weight_dtypes
+                    and (formats is None or fmt in formats)]:
         B, nb = quant.BLOCK[fmt]
         for K in ((256, 512) if B == 256 else (256, 96, 544) if B == 32 else (256, 192, 576)):
             N = 13

@@ -324,8 +324,10 @@ class Backend(BackendBase):
         from . import jitcache
         c = jitcache.counts()
         where = os.environ.get(jitcache.CACHE_ENV) or "Numba's default cache"
+        from .kernels import VW
+        from .qir import INT8_DOT
         return (f"kernels: {c['compiled']} compiled, {c['cached']} loaded from the cache (target CPU "
-                f"{config.CPU_NAME or 'host'}, {where})")
+                f"{config.CPU_NAME or 'host'}, {where}); float tiles {VW} lanes, int8 dots {INT8_DOT}")
 
     # -- memory ------------------------------------------------------------------------------
     def alloc(self, shape, dtype=np.float32):

@@ -563,19 +563,47 @@ def rowdeq(typingctx, w, row, out, ooff):
 #     w . x  ~=  m dx (q_w . q)  +  add xs
 # with q_w . q exact in int32. On AVX2: vpmaddubsw (unsigned weight bytes x signed activation
 # bytes, 32 products a instruction; signed weights through the sign trick |w|, sign(q, w)), then
-# vpmaddwd against ones; elsewhere the generic form (both widened to i16, products added in pairs:
+# vpmaddwd against ones; with AVX-VNNI or AVX-512 VNNI one vpdpbusd does both (the four products of
+# a lane summed into int32); elsewhere the generic form (both widened, products added in fours:
 # smull/smlal on NEON). The float work is one multiply-add per 32 weights. Products never saturate
-# vpmaddubsw's int16: |q_w| <= 63 and |q| <= 127, so a pair is at most 16002.
+# vpmaddubsw's int16: |q_w| <= 128 (q8_0's -128; 63 for the other formats) and |q| <= 127, so a pair
+# is at most 32512 < 2^15: every variant's int32 lanes are the same, and so are the logits.
 
-def _has_avx2() -> bool:
+# The x86 variants follow the CPU Numba compiles for, not only the host: a bundle's kernels built for a
+# named CPU (NUMBA_CPU_NAME, serving/launch.py) must not call an instruction that CPU lacks. The host
+# (unnamed, or named by its own name): its features. Another x86 name: AVX2 where the name is one of
+# the AVX2 generations below, and never VNNI (a bundle's portable kernels). ARM64: the generic IR
+# (LLVM's smull/smlal, sdot where the target has dotprod).
+_AVX2_CPUS = ("haswell", "broadwell", "skylake", "skylake-avx512", "cascadelake", "cooperlake", "cannonlake",
+              "icelake-client", "icelake-server", "tigerlake", "rocketlake", "alderlake", "raptorlake",
+              "meteorlake", "sapphirerapids", "emeraldrapids", "graniterapids", "x86-64-v3", "x86-64-v4",
+              "znver1", "znver2", "znver3", "znver4", "znver5")
+
+
+def _target_features() -> dict:
+    """The x86 features the kernels may use: {"avx2": bool, "vnni": bool} for the CPU Numba compiles for."""
     from llvmlite import binding
+    from numba.core import config
     try:
-        return bool(binding.get_host_cpu_features().get("avx2"))
+        host = binding.get_host_cpu_name().lower()
+        feats = binding.get_host_cpu_features()
     except RuntimeError:            # features unknown on this host
-        return False
+        return {"avx2": False, "vnni": False}
+    name = (config.CPU_NAME or "host").lower()
+    if name not in ("host", host):
+        return {"avx2": name in _AVX2_CPUS and bool(feats.get("avx2")), "vnni": False, "vnni512": False}
+    avx2 = bool(feats.get("avx2"))
+    vnni512 = avx2 and all(feats.get(f) for f in ("avx512f", "avx512bw", "avx512vl", "avx512vnni"))
+    vnni = avx2 and (bool(feats.get("avxvnni")) or vnni512)
+    return {"avx2": avx2, "vnni": vnni, "vnni512": vnni512}
 
 
-HAS_AVX2 = _has_avx2()
+_FEATURES = _target_features()
+HAS_AVX2 = _FEATURES["avx2"]
+HAS_VNNI = _FEATURES["vnni"]     # vpdpbusd on 256-bit vectors: AVX-VNNI (VEX) or AVX-512 VNNI + VL (EVEX)
+HAS_VNNI512 = _FEATURES["vnni512"]   # and on 512-bit ones: two 32-weight chunks an instruction
+INT8_DOT = ("vpdpbusd (AVX-512 VNNI, two chunks a zmm)" if HAS_VNNI512 else "vpdpbusd (AVX-VNNI)" if HAS_VNNI
+            else "vpmaddubsw + vpmaddwd (AVX2)" if HAS_AVX2 else "generic (widened multiplies)")
 
 
 def _fn(builder, name, ret, argtys):
@@ -675,12 +703,17 @@ def decode_int(fmt, builder, b):
 
 def dot8(builder, q, signed, x):
     """<32 x i8> weights q, activations x -> <8 x i32> partial sums of q . x, lane j holding the
-    products of elements 4j .. 4j + 3 (so lanes 0-3 are the first 16 weights)."""
+    products of elements 4j .. 4j + 3 (so lanes 0-3 are the first 16 weights). Every variant gives
+    the same exact int32 lanes: vpmaddubsw's int16 pair sums never saturate here (above)."""
     if HAS_AVX2:
         v32 = vec(I8, 32)
-        if signed:                                   # |q| . sign(x, q): vpmaddubsw wants unsigned first
+        if signed:                                   # |q| . sign(x, q): the unsigned operand comes first
             x = builder.call(_fn(builder, "llvm.x86.avx2.psign.b", v32, [v32, v32]), [x, q])
             q = builder.call(_fn(builder, "llvm.abs.v32i8", v32, [v32, ir.IntType(1)]), [q, ir.Constant(ir.IntType(1), 0)])
+        if HAS_VNNI:                                 # one instruction: lane j += sum of 4 u8 x s8 products
+            v8 = vec(I32, 8)
+            return builder.call(_fn(builder, "llvm.x86.avx512.vpdpbusd.256", v8, [v8, v8, v8]),
+                                [cvec(I32, [0] * 8), builder.bitcast(q, v8), builder.bitcast(x, v8)])
         p16 = builder.call(_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), [v32, v32]), [q, x])
         return builder.call(_fn(builder, "llvm.x86.avx2.pmadd.wd", vec(I32, 8), [vec(I16, 16), vec(I16, 16)]),
                             [p16, cvec(I16, [1] * 16)])
@@ -688,6 +721,18 @@ def dot8(builder, q, signed, x):
     p = builder.mul(w, builder.sext(x, vec(I32, 32)))
     four = lambda j: builder.shuffle_vector(p, p, cvec(I32, range(j, 32, 4)))        # noqa: E731
     return builder.add(builder.add(four(0), four(1)), builder.add(four(2), four(3)))
+
+
+def dot16(builder, q, signed, x):
+    """<64 x i8> weights q (two chunks of 32), activations x -> <16 x i32>: dot8 of each chunk side
+    by side (lanes 0-7 the first chunk's, 8-15 the second's), by one 512-bit vpdpbusd. AVX-512 has no
+    vpsignb: the signed weights' sign goes onto x by a select (where q is 0 the product is 0 anyway)."""
+    v64, v16 = vec(I8, 64), vec(I32, 16)
+    if signed:
+        x = builder.select(builder.icmp_signed("<", q, cvec(I8, [0] * 64)), builder.sub(cvec(I8, [0] * 64), x), x)
+        q = builder.call(_fn(builder, "llvm.abs.v64i8", v64, [v64, ir.IntType(1)]), [q, ir.Constant(ir.IntType(1), 0)])
+    return builder.call(_fn(builder, "llvm.x86.avx512.vpdpbusd.512", v16, [v16, v16, v16]),
+                        [cvec(I32, [0] * 16), builder.bitcast(q, v16), builder.bitcast(x, v16)])
 
 
 def _fma8(builder, acc, s8, m1, m2, dx):
@@ -947,7 +992,18 @@ def _rowdot4_int_codegen(ntok):
         q6 = fmt in PER16
         add16 = fmt == "q2_k"                                 # per-16 additive terms (the mins)
         zero = ir.Constant(vec(F32, 8), [0.0] * 8)
-        acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(ntok)] for _ in range(4)]
+        # PAIRED (AVX-512 VNNI): even and odd chunks in separate lanes; tiles of 2 and 4 tokens take a
+        # chunk pair a zmm (<16 x float> accumulators, lanes 0-7 the even chunks'), a lone token two
+        # ymm accumulators (even, odd): measured in cache, zmm pairs are 1.2-1.45x ymm VNNI at 4
+        # tokens but 0.85x at one (q4_k, q4_0, iq4_xs: the nibbles decode into ymm halves), so a lone
+        # token keeps ymm (level with ymm VNNI, within the host's noise). Both
+        # shapes do the same FMAs in the same lanes and end by even + odd, then the 8 lanes' sum: a
+        # token's logits are the same alone and in a tile.
+        wide = HAS_VNNI512 and ntok > 1
+        split = HAS_VNNI512 and ntok == 1
+        acc = [[cgutils.alloca_once_value(builder, ir.Constant(vec(F32, 16), [0.0] * 16) if wide else zero)
+                for _ in range(ntok)] for _ in range(4)]
+        acco = [[cgutils.alloca_once_value(builder, zero) for _ in range(ntok)] for _ in range(4)] if split else None
         acca = [[cgutils.alloca_once_value(builder, zero) for _ in range(ntok)] for _ in range(4)]
         acc16 = [[cgutils.alloca_once_value(builder, zero) for _ in range(ntok)] for _ in range(4)]
         with cgutils.for_range(builder, ngroups) as loop:
@@ -959,6 +1015,9 @@ def _rowdot4_int_codegen(ntok):
                   for t in range(ntok)]
             x8 = [[load(builder, builder.add(xaddr[t], builder.add(k, c64(32 * c))), vec(I8, 32)) for c in range(8)]
                   for t in range(ntok)]
+            if wide:            # the same bytes as chunk pairs (one zmm load each)
+                x64 = [[load(builder, builder.add(xaddr[t], builder.add(k, c64(64 * c))), vec(I8, 64)) for c in range(4)]
+                       for t in range(ntok)]
             if add16:           # each token's per-16 sums of its int8 activations, shared by the four rows
                 ones = cvec(I8, [1] * 32)
                 xsum = [[builder.sitofp(dot8(builder, ones, False, x8[t][c]), vec(F32, 8)) for c in range(8)]
@@ -971,11 +1030,25 @@ def _rowdot4_int_codegen(ntok):
                     else:
                         m = builder.fmul(mult, dx[t])
                     a = builder.load(acc[r][t])
-                    for c, (q, signed) in enumerate(chunks):
-                        s8 = builder.sitofp(dot8(builder, q, signed, x8[t][c]), vec(F32, 8))
-                        lanes = [2 * c] * 4 + [2 * c + 1] * 4 if q6 else [c] * 8
-                        a = builder.fadd(a, builder.fmul(s8, builder.shuffle_vector(m, m, cvec(I32, lanes)), flags=fast),
-                                         flags=fast)
+                    if wide:    # lanes 0-7 chunk 2c's sums, 8-15 chunk 2c+1's (the same order in every tile)
+                        for c in range(4):
+                            (q0, sg), (q1, _) = chunks[2 * c], chunks[2 * c + 1]
+                            s16 = builder.sitofp(dot16(builder, _cat(builder, [q0, q1]), sg, x64[t][c]), vec(F32, 16))
+                            lanes = ([4 * c + i // 4 for i in range(16)] if q6 else [2 * c] * 8 + [2 * c + 1] * 8)
+                            a = builder.fadd(a, builder.fmul(s16, builder.shuffle_vector(m, m, cvec(I32, lanes)),
+                                                             flags=fast), flags=fast)
+                    else:
+                        ao = builder.load(acco[r][t]) if split else None
+                        for c, (q, signed) in enumerate(chunks):
+                            s8 = builder.sitofp(dot8(builder, q, signed, x8[t][c]), vec(F32, 8))
+                            lanes = [2 * c] * 4 + [2 * c + 1] * 4 if q6 else [c] * 8
+                            p = builder.fmul(s8, builder.shuffle_vector(m, m, cvec(I32, lanes)), flags=fast)
+                            if split and c % 2:
+                                ao = builder.fadd(ao, p, flags=fast)
+                            else:
+                                a = builder.fadd(a, p, flags=fast)
+                        if split:
+                            builder.store(ao, acco[r][t])
                     builder.store(a, acc[r][t])
                     if add16:           # its own chain, no reassociation: the same sums in every tile shape
                         am = builder.fmul(add, builder.shuffle_vector(dx[t], dx[t], cvec(I32, [i // 2 for i in range(16)])))
@@ -1011,7 +1084,13 @@ def _rowdot4_int_codegen(ntok):
         sums = []
         for r in range(4):
             for t in range(ntok):
-                s = builder.fadd(reduce_add(builder, builder.load(acc[r][t])), reduce_add(builder, builder.load(acca[r][t])))
+                a = builder.load(acc[r][t])
+                if wide:                # even + odd chunks' lanes, as the split accumulators below
+                    a = builder.fadd(builder.shuffle_vector(a, a, cvec(I32, range(8))),
+                                     builder.shuffle_vector(a, a, cvec(I32, range(8, 16))), flags=fast)
+                elif split:
+                    a = builder.fadd(a, builder.load(acco[r][t]), flags=fast)
+                s = builder.fadd(reduce_add(builder, a), reduce_add(builder, builder.load(acca[r][t])))
                 if add16:
                     s = builder.fadd(s, reduce_add(builder, builder.load(acc16[r][t])))
                 sums.append(builder.fadd(s, builder.load(tails[r][t])))
