@@ -98,9 +98,9 @@ def _speed(job):
         prompt = job["prompt"]
         eng.generate(prompt, max_new_tokens=4, ignore_eos=True)                  # warm
         pre = []
-        for _ in range(3):
+        for i in range(1, 4):   # a new prompt each time (rotated): the prefix cache must not answer it
             s0 = eng.stats.prefill_seconds
-            eng.generate(prompt, max_new_tokens=1, ignore_eos=True)
+            eng.generate(prompt[i:] + prompt[:i], max_new_tokens=1, ignore_eos=True)
             pre.append(eng.stats.prefill_seconds - s0)
         best, p50 = 0.0, None
         for _ in range(3):

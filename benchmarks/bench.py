@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -90,15 +91,29 @@ def run_worker(kind, job, workdir, env_extra=None, env_drop=(), timeout=3600, na
     env = {k: v for k, v in os.environ.items() if k not in env_drop}
     env.update(env_extra or {})
     t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, os.path.join(HERE, "workers.py"), kind, "--job", jp, "--out", op],
-                       env=env, timeout=timeout, capture_output=True, text=True)
+    try:
+        p = subprocess.run([sys.executable, os.path.join(HERE, "workers.py"), kind, "--job", jp, "--out", op],
+                           env=env, timeout=timeout, capture_output=True, text=True)
+    except subprocess.TimeoutExpired as e:
+        def txt(b):     # bytes whatever text= says (the subprocess docs)
+            return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+        tail = (txt(e.stdout)[-2000:] + "\n" + txt(e.stderr)[-4000:]).strip()
+        return {"error": f"{name} ran past {timeout} s", "log_tail": tail, "wall_s": time.perf_counter() - t0}
     wall = time.perf_counter() - t0
     if p.returncode != 0 or not os.path.exists(op):
         tail = (p.stdout[-2000:] + "\n" + p.stderr[-4000:]).strip()
-        return {"error": f"{name} exited {p.returncode}", "log_tail": tail, "wall_s": wall}
+        how = f"killed by {signal.Signals(-p.returncode).name}" if p.returncode < 0 else \
+            f"exited {p.returncode}" if p.returncode else "exited 0 without its result"
+        return {"error": f"{name} {how}", "log_tail": tail, "wall_s": wall}
     res = json.load(open(op))
     res["wall_s"] = wall
     return res
+
+
+def last_line(r):
+    """The last non-empty line of a failed worker's output: usually what killed it."""
+    lines = [x for x in r.get("log_tail", "").splitlines() if x.strip()]
+    return lines[-1][:300] if lines else "no output"
 
 
 def merge_rounds(runs):
@@ -145,6 +160,8 @@ def main(argv=None):
                     help="comma list of transformers, llama, colibri")
     ap.add_argument("--dtypes", default=None, help="Colibri weight types (default: all the converter has)")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold-Numba-cache first-token runs")
+    ap.add_argument("--no-quant-error", action="store_true",
+                    help="skip the quantiser RMS table (quant_error.py, ~12 min on 2 cores)")
     ap.add_argument("--nice", type=int, default=-10,
                     help="scheduling priority of the run (inherited by every worker); negative needs root and "
                          "keeps other work on a shared CPU from descheduling an engine's threads mid-barrier "
@@ -210,7 +227,7 @@ def main(argv=None):
             f"({kernels})")
         return r
 
-    if "f32" in m["gguf"] and have_llama:
+    if "f32" in m["gguf"] and have_llama and not a.no_quant_error:
         # our quantisers against llama.cpp's on the same float32 weights (a subprocess, like the engines)
         log("quantiser RMS error: ours against llama.cpp's, every block format ...")
         qe = os.path.join(work, "quant_error.json")
@@ -233,8 +250,12 @@ def main(argv=None):
 
     plan.append(("transformers-float32", "transformers", {**base_job, "hf": m["hf"], "rounded_refs": rounded},
                  thread_env, hf_after, m["hf"]))
+    # llama.cpp's rows are the peers of the Colibri types asked for (all of them without --dtypes)
+    peer_of = {"f16": "float16", "q8_0": "int8"}
     if "llama" in engines:
         for q in ("f16", "q8_0"):
+            if a.dtypes and peer_of[q] not in dtypes:
+                continue
             g = m["gguf"][q]
 
             def llama_after(r, g=g):
@@ -249,6 +270,8 @@ def main(argv=None):
     llama_logits = {}
     if "llama" in engines:
         for q, g in llq.items():
+            if a.dtypes and f"gguf-{q}" not in dtypes:
+                continue
             llama_logits[q] = os.path.join(work, f"llama_logits_{q}.npy")
 
             def llq_after(r, g=g):
@@ -284,6 +307,10 @@ def main(argv=None):
     # -- rounds: the CPU may be shared, so every engine runs once per round (the order reversed every
     # other round, so no engine always gets the same slot) and each figure keeps its best round --
     runs = {name: [] for name, *_ in plan}
+    # a peer engine that crashes (llama.cpp's batched quantised matmul has on some hosts) is that row's
+    # result, not the end of the run: its later rounds are skipped and its row says why
+    failed = {}
+    no_extra = {}       # llama.cpp runs retried with its extra buffer types off, and why
 
     def probe_now():
         r = run_worker("bandwidth", {"threads": threads, "reps": 7}, work,
@@ -306,13 +333,19 @@ def main(argv=None):
             if rnd > 0 and "transformers" not in engines:
                 order = [x for x in order if x[1] != "transformers"]
         else:   # extra rounds only for the engines that have had no quiet run yet
-            order = [x for x in plan if not any(quiet(r) for r in runs[x[0]])
+            order = [x for x in plan if not any(quiet(r) for r in runs[x[0]]) and x[0] not in failed
                      and (x[1] != "transformers" or "transformers" in engines)]
             if not order or rnd >= a.max_rounds:
                 break
             log(f"extra round for the engines without a quiet run: {', '.join(x[0] for x in order)}")
         for name, kind, job, env, after, files in order:
+            if name in failed:
+                continue
             job = dict(job)
+            if name in no_extra:
+                job["no_extra_bufts"] = True
+            if job.get("llama_logits") and not os.path.exists(job["llama_logits"]):
+                del job["llama_logits"]     # llama.cpp failed on this file: no comparison to make
             if kind == "transformers" and rnd > 0:
                 job["rounded_refs"] = {}
             if kind == "colibri":
@@ -323,17 +356,32 @@ def main(argv=None):
                     cold = run_worker("colibri_first_token", job, work, env, name=f"{name}-cold")
                     if "error" in cold:
                         print(cold["log_tail"], file=sys.stderr)
-                        raise SystemExit(f"{name} (cold) failed; see above")
+                        failed[name] = (kind, job, f"{cold['error']} (first token, cold cache): {last_line(cold)}")
+                        log(f"{name} failed at its cold first token; its row records that, the run goes on")
+                        continue
                     job["first_token_cold"] = cold
             warm_page_cache(files)
             before = probe_now()
             log(f"round {rnd + 1}: {name} (BLAS probe just before: {before or float('nan'):.1f} GB/s, "
                 f"load {os.getloadavg()[0]:.1f}) ...")
             r = run_worker(kind, job, work, env, name=name)
+            if "error" in r and kind == "llama" and "SIGSEGV" in r["error"] and not job.get("no_extra_bufts"):
+                # llama.cpp 0.3.36 on an AMX host (Xeon, AMX_INT8 in its system info) dies in its first
+                # batched matmul of a quantised file; with its extra buffer types (AMX, repacking) off it
+                # runs, slower where it would repack: said beside the row, never silently
+                no_extra[name] = (f"{name}: {r['error']} with llama.cpp's extra CPU buffer types (AMX, repacked "
+                                  f"weights) on; rerun with use_extra_bufts=False (no repacking: its Q4_0 / Q4_K / "
+                                  f"IQ4 matmuls are slower than they could be on this host)")
+                log(no_extra[name])
+                job["no_extra_bufts"] = True
+                r = run_worker(kind, job, work, env, name=name)
             if "error" in r:
                 print(r["log_tail"], file=sys.stderr)
-                why = " (its logits are every parity check's reference)" if kind == "transformers" else ""
-                raise SystemExit(f"{name} failed{why}; see above")
+                if kind == "transformers":
+                    raise SystemExit(f"{name} failed (its logits are every parity check's reference); see above")
+                failed[name] = (kind, job, f"{r['error']} in round {rnd + 1}: {last_line(r)}")
+                log(f"{name} failed; its row records that and its later rounds are skipped, the run goes on")
+                continue
             after_gbps = probe_now()
             if after:
                 after(r)
@@ -356,12 +404,21 @@ def main(argv=None):
             log(f"  {msg}; probe after {after_gbps or float('nan'):.1f} GB/s; {r['wall_s']:.0f}s")
         rnd += 1
     results["rounds_run"] = rnd
+    results["notes"] += list(no_extra.values())
     for rs in runs.values():
         for r in rs:
             r["quiet"] = quiet(r)
     for name, kind, *_ in plan:
         if kind == "transformers" and "transformers" not in engines:
             continue
+        if name in failed:
+            k, job, why = failed[name]
+            results["notes"].append(f"{name}: {why}")
+            if not runs[name]:
+                results["engines"].append({"engine": "llama.cpp" if k == "llama" else k,
+                                           "precision": job.get("label") or job.get("qtype") or name.split("-", 1)[1],
+                                           "na": f"failed: {why}"})
+                continue
         results["engines"].append(merge_rounds(runs[name]))
     results["engines"] += skipped
     if not a.no_cold:

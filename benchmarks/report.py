@@ -157,6 +157,8 @@ def markdown(r):
         b4 = (_f(d4.get("tokens_per_s"), "{:.2f}"), _f(d4.get("tokens_per_s_p50"), "{:.2f}"), _f(d4.get("step_p50_ms")),
               _f(d4.get("step_p99_ms"))) if "tokens_per_s" in d4 else (f"n/a: {d4.get('na', '')}", "", "", "")
         flag = "" if e.get("had_quiet_run", True) else " (no quiet run)"
+        if e.get("extra_bufts") is False:
+            flag += " (extra buffer types off: see the notes)"
         out.append(f"| {e['engine']} | {e['precision']}{flag} | {_f(e['prefill']['tokens_per_s'])} | "
                    f"{_f(d1['tokens_per_s'], '{:.2f}')} | {_f(d1['tokens_per_s_p50'], '{:.2f}')} | "
                    f"{_f(d1['step_p50_ms'])} | {_f(d1['step_p99_ms'])} | "
@@ -305,6 +307,8 @@ def chart(r, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     es = [e for e in r["engines"] if "decode_b1" in e]
+    if not es:          # every engine failed: bench.md says why, there is nothing to draw
+        return
     names = [label(e).replace(" ", "\n", 1) for e in es]
     colours = ["#1f77b4" if e["engine"] == "colibri" else "#ff7f0e" if e["engine"] == "llama.cpp" else "#7f7f7f"
                for e in es]
@@ -326,7 +330,7 @@ def chart(r, path):
             ax.annotate(f"BLAS sgemv {r['machine_read_gbps']:.1f} GB/s", (0, r["machine_read_gbps"]),
                         va="bottom", fontsize=8)
         ax.set_ylim(0, max([v for v in vals if v] + [1]) * 1.18 if "GB/s" not in title
-                    else max(max(vals), r["machine_read_gbps"]) * 1.18)
+                    else max([v for v in vals if v] + [r["machine_read_gbps"]]) * 1.18)
     s = r["model"]["spec"]
     fig.suptitle(f"Colibri Edge vs llama.cpp vs transformers - Mixtral-shaped {r['model']['params']['total'] / 1e6:.0f}M "
                  f"({s['num_local_experts']} experts top-{s['num_experts_per_tok']}), {r['machine']['threads_per_engine']} "

@@ -184,8 +184,11 @@ def _colibri_open(job, max_batch):
     from colibri_edge import Engine
     P, n = len(job["prompts"][0]), job["decode_steps"]
     seq = -(-(P + n + 2) // 16) * 16
+    # prefix_cache off: the timed prefills repeat one prompt, which the cache would answer from its KV
+    # blocks (a re-prefill of the last block, not of the prompt); interleave 0: a batch's prompts are
+    # prefilled whole, a chunk a step, not in pieces beside its first decodes
     return Engine.open(job["model"], backend="cpu", max_batch=max_batch, max_seq_len=seq,
-                       prefill_chunk=max(P, 16), num_threads=job["threads"])
+                       prefill_chunk=max(P, 16), num_threads=job["threads"], prefix_cache=False, interleave=0)
 
 
 def colibri_first_token(job):
@@ -261,8 +264,11 @@ def colibri(job):
         timer.recording = batch > 1
         outs = eng.generate_batch(prompts[:batch], max_new_tokens=n_dec + 1, ignore_eos=True)
         timer.recording = False
-        assert len(timer.decode) == n_dec and all(b == batch for b, _ in timer.decode), timer.decode[:3]
-        return [dt for _, dt in timer.decode], outs
+        # a step's rows are prefill_chunk: the first sequences decode beside the later ones' prefill
+        # chunks (~batch steps), the rest decode all `batch` sequences together: those are timed
+        steps = [dt for b, dt in timer.decode if b == batch]
+        assert len(steps) >= n_dec - 2 * batch, timer.decode[:8]
+        return steps, outs
 
     reps = job.get("decode_reps", 1)
     res["decode_b1"], outs = best_of(reps, lambda: decode(1), 1)
@@ -286,6 +292,19 @@ def llama(job):
     P = len(prompts[0])
     V = job["spec"]["vocab_size"]
     res = {"engine": "llama.cpp", "precision": job.get("label") or job["qtype"], "llama_cpp_python": llama_cpp.__version__}
+    if job.get("no_extra_bufts"):
+        # llama.cpp's extra CPU buffer types (AMX, the repacked layouts) off, as `--no-extra-bufts`
+        # does for its own tools: bench.py asks for it only after the default run crashed
+        default_params = llama_cpp.llama_model_default_params
+
+        def no_extra():
+            p = default_params()
+            p.use_extra_bufts = False
+            return p
+        llama_cpp.llama_model_default_params = no_extra
+        import llama_cpp.llama as ll
+        ll.llama_cpp.llama_model_default_params = no_extra
+        res["extra_bufts"] = False
     t0 = time.perf_counter()
     llm = Llama(model_path=job["gguf"], n_ctx=P + 16, n_batch=P, n_ubatch=P, n_threads=threads,
                 n_threads_batch=threads, logits_all=True, verbose=False, seed=0)
