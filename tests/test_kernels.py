@@ -477,7 +477,8 @@ def test_int8_dots_are_exact_in_the_avx2_variant_too(tmp_path):
     vpmaddwd), which a bundle's kernels for a named AVX2 CPU use, must equal the same emulation bit
     for bit: the exactness test again in a process whose kernels are compiled for haswell (its own
     kernel cache), over one format per branch of the integer dot. (An AVX2-only host runs that
-    variant in the test above; the generic IR runs on ARM64 under qemu, toolchains/aarch64.)"""
+    variant in the test above; the ARM64 variants, sdot and generic, run bit for bit under qemu in
+    toolchains/aarch64/check.py.)"""
     from colibri_edge.backends.cpu import qir
     if not qir.HAS_VNNI:
         pytest.skip(f"this host's int8 dots are {qir.INT8_DOT}: test_int8_activation_dots_are_exact ran them")
@@ -491,39 +492,50 @@ def test_int8_dots_are_exact_in_the_avx2_variant_too(tmp_path):
     assert p.returncode == 0 and p.stdout.split()[-1:] == ["exact"], p.stdout[-2000:] + p.stderr[-4000:]
 
 
-def int8_dots_exact(rng, bes, formats=None):
+def int8_dot_cases(rng, fmt):
+    """Dyadic int8-path cases of one block format: (K, T, raw [13, row bytes], x [T, K], want [T, 13]),
+    want the NumPy emulation's result, itself checked equal to the exact float64 product (so every
+    variant of the integer dot must give it bit for bit). Power-of-two scales, integer activations
+    over 2^3; K: whole groups of 256 and tail blocks; T: 1, 2 and 5 tokens."""
     from colibri_edge.model import quant
     ref = create("reference")
+    B, nb = quant.BLOCK[fmt]
+    for K in ((256, 512) if B == 256 else (256, 96, 544) if B == 32 else (256, 192, 576)):
+        N = 13
+        raw = rng.integers(0, 256, (N, K // B, nb), dtype=np.uint8)
+        scale_at = {"q6_k": [208], "q4_k": [0, 2], "q5_k": [0, 2], "q4_1": [0, 2], "q5_1": [0, 2], "q2_k": [80, 82],
+                    "q3_k": [108], "tq2_0": [64], "tq1_0": [52]}.get(fmt, [0])
+        for off in scale_at:
+            if fmt == "mxfp4":
+                raw[..., 0] = 125                             # 2^-3
+            elif fmt == "nvfp4":
+                raw[..., 0:4] = 0x30                          # UE4M3 2^-1, halved: 2^-2
+            elif fmt == "iq1_m":                              # d's nibbles atop the four scales: 2^-6
+                for at, nib in zip((49, 51, 53, 55), (0, 0, 4, 2)):
+                    raw[..., at] = (raw[..., at] & 15) | (nib << 4)
+            else:
+                raw[..., off:off + 2] = np.frombuffer(np.float16(2.0 ** -6).tobytes(), np.uint8)
+        raw = raw.reshape(N, -1)
+        for T in (1, 2, 5):
+            x = rng.integers(-127, 128, (T, K)).astype(np.float32)
+            x.reshape(T, -1, 32)[:, :, 0] = 127                  # dx = 127 / 127 * 2^-3 exactly
+            x *= np.float32(2.0 ** -3)
+            want = np.zeros((T, N), np.float32)
+            ref.matmul(want, fake_quantized_activations(x), ref.upload(raw, fmt, shape=(N, K)))
+            exact = fake_quantized_activations(x).astype(np.float64) @ widen(raw, fmt).astype(np.float64).T
+            assert np.array_equal(want, exact.astype(np.float32)), fmt
+            yield K, T, raw, x, want
+
+
+def int8_dots_exact(rng, bes, formats=None):
+    from colibri_edge.model import quant
     for be, fmt in [(be, fmt) for be in bes for fmt in quant.BLOCK if fmt in be.weight_dtypes
                     and (formats is None or fmt in formats)]:
-        B, nb = quant.BLOCK[fmt]
-        for K in ((256, 512) if B == 256 else (256, 96, 544) if B == 32 else (256, 192, 576)):
-            N = 13
-            raw = rng.integers(0, 256, (N, K // B, nb), dtype=np.uint8)
-            scale_at = {"q6_k": [208], "q4_k": [0, 2], "q5_k": [0, 2], "q4_1": [0, 2], "q5_1": [0, 2], "q2_k": [80, 82],
-                        "q3_k": [108], "tq2_0": [64], "tq1_0": [52]}.get(fmt, [0])
-            for off in scale_at:
-                if fmt == "mxfp4":
-                    raw[..., 0] = 125                             # 2^-3
-                elif fmt == "nvfp4":
-                    raw[..., 0:4] = 0x30                          # UE4M3 2^-1, halved: 2^-2
-                elif fmt == "iq1_m":                              # d's nibbles atop the four scales: 2^-6
-                    for at, nib in zip((49, 51, 53, 55), (0, 0, 4, 2)):
-                        raw[..., at] = (raw[..., at] & 15) | (nib << 4)
-                else:
-                    raw[..., off:off + 2] = np.frombuffer(np.float16(2.0 ** -6).tobytes(), np.uint8)
-            raw = raw.reshape(N, -1)
-            for T in (1, 2, 5):
-                x = rng.integers(-127, 128, (T, K)).astype(np.float32)
-                x.reshape(T, -1, 32)[:, :, 0] = 127                  # dx = 127 / 127 * 2^-3 exactly
-                x *= np.float32(2.0 ** -3)
-                want = np.zeros((T, N), np.float32)
-                ref.matmul(want, fake_quantized_activations(x), ref.upload(raw, fmt, shape=(N, K)))
-                exact = fake_quantized_activations(x).astype(np.float64) @ widen(raw, fmt).astype(np.float64).T
-                assert np.array_equal(want, exact.astype(np.float32)), fmt
-                out = be.alloc((T, N))
-                be.matmul(out, be.to_device(x, "float32"), be.upload(raw, fmt, shape=(N, K)))
-                np.testing.assert_array_equal(be.download(out), want, err_msg=f"{be.name} {fmt} K={K} T={T}")
+        for K, T, raw, x, want in int8_dot_cases(rng, fmt):
+            N = raw.shape[0]
+            out = be.alloc((T, N))
+            be.matmul(out, be.to_device(x, "float32"), be.upload(raw, fmt, shape=(N, K)))
+            np.testing.assert_array_equal(be.download(out), want, err_msg=f"{be.name} {fmt} K={K} T={T}")
 
 
 def test_results_do_not_depend_on_queues(rng):
@@ -756,3 +768,43 @@ def test_route_groups_sigmoid_scaling(kernel_backend, score, rng):
                       None if cb is None else ref.upload(cb), 0.0, None, score, None, scaling)
             if keep < n and k > 1:
                 assert (free != rid).any(), "the groups changed no choice: the test proves nothing"
+
+
+_SDOT_IR = """
+import sys
+from llvmlite import binding as llvm, ir
+from colibri_edge.backends.cpu import qir
+qir.HAS_AVX2, qir.HAS_VNNI, qir.HAS_SDOT, qir.ON_AARCH64 = False, False, True, True
+m = ir.Module()
+m.triple = "aarch64-unknown-linux-gnu"
+v32 = ir.VectorType(ir.IntType(8), 32)
+f = ir.Function(m, ir.FunctionType(ir.VectorType(ir.IntType(32), 8), [v32, v32]), "dot8")
+b = ir.IRBuilder(f.append_basic_block())
+b.ret(qir.dot8(b, qir.lookup16(b, qir.IQ4NL_VALUES, f.args[0]), True, f.args[1]))
+llvm.initialize_all_targets()
+llvm.initialize_all_asmprinters()
+mod = llvm.parse_assembly(str(m))
+for cpu in sys.argv[1:]:
+    asm = llvm.Target.from_triple(m.triple).create_target_machine(cpu=cpu, opt=2).emit_assembly(mod)
+    body = [ln.split()[0] for ln in asm.splitlines() if ln.startswith("\\t") and not ln.strip().startswith(".")]
+    print(cpu, body.count("sdot"), body.count("tbl"), len(body), flush=True)
+"""
+
+
+def test_aarch64_sdot_variant_compiles_for_each_named_cpu():
+    """The aarch64 int8 dot (qir.dot8 with sdot, lookup16 with tbl) as LLVM compiles it for every CPU
+    name qir._DOTPROD_CPUS trusts to have the dot product extension: two sdot and two tbl a chunk,
+    nothing widened. 'generic' (ARMv8.0, no dotprod) must make LLVM refuse the sdot: the kernels
+    use it only for the named CPUs and hosts that have it (LLVM aborts the process otherwise). The
+    variant's results are checked bit for bit under qemu by the aarch64 check (toolchains/aarch64)."""
+    from colibri_edge.backends.cpu import qir
+    cpus = list(qir._DOTPROD_CPUS)
+    p = subprocess.run([sys.executable, "-c", _SDOT_IR, *cpus], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    rows = [ln.split() for ln in p.stdout.splitlines()]
+    assert [r[0] for r in rows] == cpus
+    for cpu, n_sdot, n_tbl, n in rows:
+        assert (int(n_sdot), int(n_tbl)) == (2, 2) and int(n) < 16, (cpu, n_sdot, n_tbl, n)
+    g = subprocess.run([sys.executable, "-c", _SDOT_IR, "generic"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert g.returncode != 0 and "Cannot select" in g.stderr, g.stdout + g.stderr[-2000:]

@@ -17,6 +17,8 @@ mult and add float scalars (add may be None), q a <n x float> vector.
 """
 from __future__ import annotations
 
+import platform
+
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -170,14 +172,31 @@ def crumbs(builder, addr, p):
     return builder.and_(builder.lshr(load(builder, addr, vec(I8, 32)), cvec(I8, [2 * p] * 32)), cvec(I8, [3] * 32))
 
 
+ON_AARCH64 = platform.machine().lower() in ("aarch64", "arm64")
+
+
+def tbl16(builder, vals, idx):
+    """<16k x i8> indices 0..15 -> vals[idx]: one NEON tbl per 16 lanes (baseline ARMv8 Advanced SIMD)."""
+    n, v16 = idx.type.count, vec(I8, 16)
+    tbl = _fn(builder, "llvm.aarch64.neon.tbl1.v16i8", v16, [v16, v16])
+    table = cvec(I8, [v & 255 for v in vals])
+    parts = [builder.call(tbl, [table, builder.shuffle_vector(idx, idx, cvec(I32, range(16 * h, 16 * h + 16)))])
+             for h in range(n // 16)]
+    while len(parts) > 1:
+        parts = [concat(builder, parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
 def lookup16(builder, values, idx):
     """<n x i8> indices 0..15 -> <n x i8> values[idx] (a 16-entry int8 table): one vpshufb on AVX2,
-    a select chain elsewhere (NEON: LLVM folds it to compares and blends)."""
+    NEON tbl on ARM64 (a select chain was 15 compares and blends a vector), a select chain elsewhere."""
     n = idx.type.count
     vals = [int(v) for v in values]
     if HAS_AVX2 and n == 32:
         table = cvec(I8, [v & 255 for v in vals] * 2)
         return builder.call(_fn(builder, "llvm.x86.avx2.pshuf.b", vec(I8, 32), [vec(I8, 32), vec(I8, 32)]), [table, idx])
+    if ON_AARCH64 and n % 16 == 0:
+        return tbl16(builder, vals, idx)
     out = cvec(I8, [vals[0] & 255] * n)
     for i in range(1, 16):
         out = builder.select(builder.icmp_unsigned("==", idx, cvec(I8, [i] * n)), cvec(I8, [vals[i] & 255] * n), out)
@@ -572,12 +591,30 @@ def rowdeq(typingctx, w, row, out, ooff):
 # The x86 variants follow the CPU Numba compiles for, not only the host: a bundle's kernels built for a
 # named CPU (NUMBA_CPU_NAME, serving/launch.py) must not call an instruction that CPU lacks. The host
 # (unnamed, or named by its own name): its features. Another x86 name: AVX2 where the name is one of
-# the AVX2 generations below, and never VNNI (a bundle's portable kernels). ARM64: the generic IR
-# (LLVM's smull/smlal, sdot where the target has dotprod).
+# the AVX2 generations below, and never VNNI (a bundle's portable kernels). ARM64: sdot (the dot
+# product extension, ARMv8.2+, optional before v8.4) where the target has it -- the host: its features;
+# a named CPU: the names below, whose LLVM definitions have it (test_kernels checks each one against
+# LLVM) -- and the generic IR otherwise (LLVM's smull/sshll/zip shuffles: ~45 instructions a chunk,
+# where two sdot do it). NUMBA_CPU_FEATURES' "+dotprod" / "-dotprod" overrides either.
 _AVX2_CPUS = ("haswell", "broadwell", "skylake", "skylake-avx512", "cascadelake", "cooperlake", "cannonlake",
               "icelake-client", "icelake-server", "tigerlake", "rocketlake", "alderlake", "raptorlake",
               "meteorlake", "sapphirerapids", "emeraldrapids", "graniterapids", "x86-64-v3", "x86-64-v4",
               "znver1", "znver2", "znver3", "znver4", "znver5")
+_DOTPROD_CPUS = ("cortex-a55", "cortex-a75", "cortex-a76", "cortex-a76ae", "cortex-a77", "cortex-a78",
+                 "cortex-a78c", "cortex-a510", "cortex-a710", "cortex-a715", "cortex-x1", "cortex-x2", "cortex-x3",
+                 "neoverse-n1", "neoverse-n2", "neoverse-v1", "neoverse-v2", "apple-m1", "apple-m2", "ampere1")
+
+
+def _aarch64_dotprod(name: str, host: str, feats, cpu_features: str) -> bool:
+    """Whether the aarch64 CPU Numba compiles for has sdot/udot (see above)."""
+    flags = (cpu_features or "").replace(" ", "").split(",")
+    if "+dotprod" in flags:
+        return True
+    if "-dotprod" in flags:
+        return False
+    if name in ("host", host):
+        return bool(feats.get("dotprod"))
+    return name in _DOTPROD_CPUS
 
 
 def _target_features() -> dict:
@@ -588,22 +625,28 @@ def _target_features() -> dict:
         host = binding.get_host_cpu_name().lower()
         feats = binding.get_host_cpu_features()
     except RuntimeError:            # features unknown on this host
-        return {"avx2": False, "vnni": False}
+        return {"avx2": False, "vnni": False, "vnni512": False, "sdot": False}
     name = (config.CPU_NAME or "host").lower()
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        return {"avx2": False, "vnni": False, "vnni512": False,
+                "sdot": _aarch64_dotprod(name, host, feats, config.CPU_FEATURES)}
     if name not in ("host", host):
-        return {"avx2": name in _AVX2_CPUS and bool(feats.get("avx2")), "vnni": False, "vnni512": False}
+        return {"avx2": name in _AVX2_CPUS and bool(feats.get("avx2")), "vnni": False, "vnni512": False,
+                "sdot": False}
     avx2 = bool(feats.get("avx2"))
     vnni512 = avx2 and all(feats.get(f) for f in ("avx512f", "avx512bw", "avx512vl", "avx512vnni"))
     vnni = avx2 and (bool(feats.get("avxvnni")) or vnni512)
-    return {"avx2": avx2, "vnni": vnni, "vnni512": vnni512}
+    return {"avx2": avx2, "vnni": vnni, "vnni512": vnni512, "sdot": False}
 
 
 _FEATURES = _target_features()
 HAS_AVX2 = _FEATURES["avx2"]
 HAS_VNNI = _FEATURES["vnni"]     # vpdpbusd on 256-bit vectors: AVX-VNNI (VEX) or AVX-512 VNNI + VL (EVEX)
 HAS_VNNI512 = _FEATURES["vnni512"]   # and on 512-bit ones: two 32-weight chunks an instruction
+HAS_SDOT = _FEATURES["sdot"]     # aarch64 sdot: lane j += the 4 s8 x s8 products of bytes 4j..4j+3
 INT8_DOT = ("vpdpbusd (AVX-512 VNNI, two chunks a zmm)" if HAS_VNNI512 else "vpdpbusd (AVX-VNNI)" if HAS_VNNI
-            else "vpmaddubsw + vpmaddwd (AVX2)" if HAS_AVX2 else "generic (widened multiplies)")
+            else "vpmaddubsw + vpmaddwd (AVX2)" if HAS_AVX2 else "sdot (NEON dot product)" if HAS_SDOT
+            else "generic (widened multiplies)")
 
 
 def _fn(builder, name, ret, argtys):
@@ -617,6 +660,8 @@ def e2m1x2_i8(builder, nib):
     if HAS_AVX2 and n == 32:
         table = cvec(I8, [int(v) & 255 for v in (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)] * 2)
         return builder.call(_fn(builder, "llvm.x86.avx2.pshuf.b", vec(I8, 32), [vec(I8, 32), vec(I8, 32)]), [table, nib])
+    if ON_AARCH64 and n % 16 == 0:
+        return tbl16(builder, E2M1X2_VALUES, nib)
     i = builder.and_(nib, cvec(I8, [7] * n))
     big = builder.shl(builder.add(cvec(I8, [2] * n), builder.and_(i, cvec(I8, [1] * n))),
                       builder.sub(builder.lshr(i, cvec(I8, [1] * n)), cvec(I8, [1] * n)))
@@ -717,6 +762,12 @@ def dot8(builder, q, signed, x):
         p16 = builder.call(_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), [v32, v32]), [q, x])
         return builder.call(_fn(builder, "llvm.x86.avx2.pmadd.wd", vec(I32, 8), [vec(I16, 16), vec(I16, 16)]),
                             [p16, cvec(I16, [1] * 16)])
+    if HAS_SDOT:        # two sdot, 16 bytes each: the unsigned weights are < 128, the same as int8
+        v16, v4 = vec(I8, 16), vec(I32, 4)
+        sdot = _fn(builder, "llvm.aarch64.neon.sdot.v4i32.v16i8", v4, [v4, v16, v16])
+        half = lambda v, h: builder.shuffle_vector(v, v, cvec(I32, range(16 * h, 16 * h + 16)))  # noqa: E731
+        lo, hi = (builder.call(sdot, [cvec(I32, [0] * 4), half(q, h), half(x, h)]) for h in (0, 1))
+        return builder.shuffle_vector(lo, hi, cvec(I32, range(8)))
     w = (builder.sext if signed else builder.zext)(q, vec(I32, 32))
     p = builder.mul(w, builder.sext(x, vec(I32, 32)))
     four = lambda j: builder.shuffle_vector(p, p, cvec(I32, range(j, 32, 4)))        # noqa: E731

@@ -10,7 +10,11 @@ What it proves, in the fresh root, through the bundle's launcher:
   2. `colibri backends` finds the cpu backend and the root's PoCL (OpenCL) platform;
   3. the cpu and the opencl backend (on PoCL) match transformers' logits, computed on the host, on a
      tiny float16 Mixtral (relative error < 1e-4, tests/test_parity.py's bound);
-  4. the aarch64 libcolibri.so from the bundle, called from tests/capi_check.c (cross-compiled with
+  4. the int8-activation dots of the cpu backend equal the NumPy emulation bit for bit (dyadic data,
+     tests/test_kernels.int8_dot_cases) in the sdot variant (COLIBRI_CPU=cortex-a76: the dot
+     product extension, qemu's 'max' CPU runs it; q8_0, q4_k, iq4_xs) and in the generic one
+     (COLIBRI_CPU=generic, ARMv8.0; q4_k, mxfp4), the two side by side;
+  5. the aarch64 libcolibri.so from the bundle, called from tests/capi_check.c (cross-compiled with
      aarch64-linux-gnu-gcc) and from Python ctypes, gives the Engine's logits bit for bit, its greedy
      and seeded tokens, and each mistake's code and message (tests/capi_expect.py, as on x86-64).
 The install runs with no network (`unshare --net`, pip --no-index). Needs root: without it the check
@@ -27,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -41,6 +46,9 @@ PREFIX = "/srv/colibri-edge"              # the board's install path (the build 
 RUN = ["run", "--backend", "cpu", "--temperature", "0", "--max-new-tokens", "24"]
 TOL = 1e-4
 CC = os.environ.get("AARCH64_CC", "aarch64-linux-gnu-gcc")
+# the int8 dot's branches on ARM64, per variant: signed bytes (q8_0, mxfp4, iq4_xs), unsigned nibbles with
+# K-quant mins (q4_k), 16-entry tables (iq4_xs, mxfp4: tbl, the same in both variants)
+BOARD_FORMATS = {"cortex-a76": ("q8_0", "q4_k", "iq4_xs"), "generic": ("q4_k", "mxfp4")}
 
 
 def log(msg):
@@ -63,6 +71,15 @@ def host_references(d: str) -> dict:
     convert(hf, os.path.join(d, "parity", "model"), dtype=None, progress=False)
     ids = np.array([[3, 17, 5, 60, 2, 9, 44], [8, 1, 90, 33, 7, 12, 4]], np.int64)
     np.save(os.path.join(d, "parity", "ids.npy"), ids.astype(np.int32))
+    # the int8 dots' cases: weights of each format, activations, and the emulation's exact results
+    from test_kernels import int8_dot_cases
+    os.makedirs(os.path.join(d, "int8"), exist_ok=True)
+    rng, cases, want = np.random.default_rng(7), {}, {}
+    for fmt in sorted({f for fs in BOARD_FORMATS.values() for f in fs}):
+        for K, T, raw, x, w in int8_dot_cases(rng, fmt):
+            cases[f"{fmt}:{K}:{T}.w"], cases[f"{fmt}:{K}:{T}.x"], want[f"{fmt}:{K}:{T}"] = raw, x, w
+    np.savez(os.path.join(d, "int8", "cases.npz"), **cases)
+    np.savez(os.path.join(d, "int8", "want.npz"), **want)
     return {"text": text, "logits": hf_logits(hf, ids)}
 
 
@@ -121,7 +138,31 @@ def check_board(root: str, bundle_dir: str, refs: dict, host: str) -> dict:
     log(f"parity vs transformers (float16 Mixtral): cpu {out['parity_rel_err[cpu]']:.1e}, "
         f"opencl {out['parity_rel_err[opencl]']:.1e} ({time.time() - t:.0f} s)")
 
-    # 4. the C interface from the bundle: a C program and ctypes
+    # 4. the int8 dots: the sdot variant (a named CPU with the dot product extension) and the generic one,
+    # each bit for bit the NumPy emulation on dyadic data (tests/test_kernels.int8_dot_cases)
+    t = time.time()
+    shutil.copytree(os.path.join(host, "int8"), os.path.join(root, "tmp", "int8"))
+    want = np.load(os.path.join(host, "int8", "want.npz"))
+
+    def dots(cpu, fmts):        # each format's kernels compile under emulation (~40 s a format)
+        return board_run(root, [f"{PREFIX}/bin/colibri-python", "/tmp/on_board.py", "int8-dots", "/tmp/int8", cpu,
+                                ",".join(fmts)], env={"COLIBRI_CPU": cpu})
+    with ThreadPoolExecutor(len(BOARD_FORMATS)) as pool:      # one core each: Numba compiles on one thread
+        list(pool.map(lambda kv: dots(*kv), BOARD_FORMATS.items()))
+    for cpu, fmts in BOARD_FORMATS.items():
+        variant = "sdot" if cpu != "generic" else "generic"
+        used = json.load(open(os.path.join(root, "tmp", "int8", f"out-{cpu}.json")))["int8_dot"]
+        assert used.startswith(variant), f"COLIBRI_CPU={cpu}: the kernels used {used!r}, not the {variant} variant"
+        got = np.load(os.path.join(root, "tmp", "int8", f"out-{cpu}.npz"))
+        mine = sorted(k for k in want.files if k.split(":")[0] in fmts)
+        assert sorted(got.files) == mine, (got.files, mine)
+        for k in mine:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=f"{cpu} ({used}) {k}")
+        out[f"int8_dots[{cpu}]"] = f"{used}: {len(mine)} cases of {', '.join(fmts)}"
+    log(f"int8 dots equal the emulation bit for bit: cortex-a76 {out['int8_dots[cortex-a76]']}; generic "
+        f"{out['int8_dots[generic]']} ({time.time() - t:.0f} s)")
+
+    # 5. the C interface from the bundle: a C program and ctypes
     t = time.time()
     from capi_expect import capi_ids, check_c_output, write_input
     from test_capi import CTYPES
