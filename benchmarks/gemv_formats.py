@@ -8,7 +8,10 @@ so every call streams it from memory; GB/s = the matrix's stored bytes / the cal
 machine's read bandwidth (NumPy BLAS sgemv over a 512 MiB float32 matrix, as bench.py's probe).
 --tokens T > 1 times the skinny GEMM instead (T tokens against each weight tile: batched decode, an
 expert's few tokens); --rows 4096 keeps the matrix in the last-level cache, so the figure is the
-kernel's arithmetic rate rather than the memory's. The header names the int8 dot instruction the
+kernel's arithmetic rate rather than the memory's. --pool P times calls over P distinct copies of the
+matrix in turn (e.g. --rows 2816 --pool 160: an expert's matrix read cold, as decode reads experts
+from a model far larger than the cache; a single large matrix can stay in a server's last-level
+cache between calls). The header names the int8 dot instruction the
 kernels were compiled with (qir.INT8_DOT: vpdpbusd where the CPU has AVX-VNNI or AVX-512 VNNI).
 Not run by `make bench` (its figures come from whole models); the README quotes a run of it.
 """
@@ -69,12 +72,13 @@ def main(argv=None):
     ap.add_argument("--cols", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=1, help="activation rows (1: the decode GEMV)")
+    ap.add_argument("--pool", type=int, default=1, help="distinct copies of the matrix, called in turn")
     a = ap.parse_args(argv)
     os.environ.setdefault("NUMBA_NUM_THREADS", str(a.threads))
     from colibri_edge.model import quant
     from colibri_edge.backends.cpu import qkernels as Q
     from colibri_edge.backends.cpu.backend import KERNEL_VIEW
-    from colibri_edge.backends.cpu.qir import INT8_DOT
+    from colibri_edge.backends.cpu.qir import INT8_DOT, PREFETCH
     N, K, th, T = a.rows, a.cols, a.threads, a.tokens
     rng = np.random.default_rng(0)
     src = (rng.standard_normal((N, K)) * 0.02).astype(np.float32)
@@ -84,24 +88,31 @@ def main(argv=None):
     scratch = np.zeros((th, 4, K), np.float32)
     work = np.zeros((th, 8), np.int64)                  # the claim counters (kernels.claim), one row a thread
     out = np.zeros((T, N), np.float32)
-    print(f"BLAS sgemv read bandwidth, {th} threads: {blas_probe(th):.1f} GB/s; int8 dots: {INT8_DOT}; "
-          f"{N} x {K} weights, {T} token{'s' if T > 1 else ''}")
+    print(f"BLAS sgemv read bandwidth, {th} threads: {blas_probe(th):.1f} GB/s; int8 dots: {INT8_DOT}, "
+          f"prefetch {PREFETCH} B; {N} x {K} weights{f' x {a.pool} copies called in turn' if a.pool > 1 else ''}, "
+          f"{T} token{'s' if T > 1 else ''}")
     print("| format | bytes / weight | float32 activations GB/s (G multiply-adds/s) | int8 activations GB/s (G multiply-adds/s) |")
     print("|---|---:|---:|---:|")
     for fmt in a.formats or formats():
         raw = stored(src, fmt, rng)
-        w = np.ascontiguousarray(raw).view(KERNEL_VIEW[fmt]).reshape(N, -1)
+        pool = np.stack([raw] * a.pool)                 # distinct memory, the same values
+        ws = [pool[i].view(KERNEL_VIEW[fmt]).reshape(N, -1) for i in range(a.pool)]
+        w = ws[0]
         ref = x.astype(np.float64) @ quant.dequantize(raw, fmt, K).astype(np.float64).T
         emu_q, emu_d, _ = quant.quantize_activations(x)
         emu = (emu_q * np.repeat(emu_d, 32, axis=1)).astype(np.float64) @ quant.dequantize(raw, fmt, K).astype(np.float64).T
         row = []
-        for name, fn, want in (("f32", lambda: Q.qmatmul(out, x, w, none, work, scratch), ref),
-                               ("i8", lambda: Q.qmatmul_i8(out, x, w, none, work, qx, dx, xs), emu)):
-            fn()
+        for name, fn, want in (("f32", lambda v: Q.qmatmul(out, x, v, none, work, scratch), ref),
+                               ("i8", lambda v: Q.qmatmul_i8(out, x, v, none, work, qx, dx, xs), emu)):
+            fn(w)
             err = np.abs(out - want).max() / np.abs(want).max()
             if err > 1e-4:
                 raise SystemExit(f"{fmt} {name}: max rel err {err:.2e} against the reference: not timing it")
-            t = best_seconds(fn)
+
+            def calls(fn=fn):
+                for v in ws:
+                    fn(v)
+            t = best_seconds(calls) / len(ws)
             row.append(f"{raw.nbytes / t / 1e9:.1f} ({T * N * K / t / 1e9:.1f})")
         print(f"| {fmt} | {raw.nbytes / (N * K):.4f} | {row[0]} | {row[1]} |", flush=True)
 

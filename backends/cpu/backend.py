@@ -325,9 +325,10 @@ class Backend(BackendBase):
         c = jitcache.counts()
         where = os.environ.get(jitcache.CACHE_ENV) or "Numba's default cache"
         from .kernels import VW
-        from .qir import INT8_DOT
+        from .qir import INT8_DOT, PREFETCH
+        pf = f"prefetch {PREFETCH} B ahead" if PREFETCH else "no software prefetch"
         return (f"kernels: {c['compiled']} compiled, {c['cached']} loaded from the cache (target CPU "
-                f"{config.CPU_NAME or 'host'}, {where}); float tiles {VW} lanes, int8 dots {INT8_DOT}")
+                f"{config.CPU_NAME or 'host'}, {where}); float tiles {VW} lanes, int8 dots {INT8_DOT}, {pf}")
 
     # -- memory ------------------------------------------------------------------------------
     def alloc(self, shape, dtype=np.float32):
