@@ -1028,7 +1028,11 @@ def group_int_any(fmt, builder, g):
 # overlap: measured on the AVX-512 Xeon host (2 threads, 160 distinct 2816 x 1024 matrices in turn,
 # 2026-12-07), q4_k 23.5 -> 28.4 GB/s, iq4_xs 18.2 -> 20.6, q6_k 22.9 -> 24.6, q8_0 level (30.5,
 # at the probe's bandwidth); whole-model decode (benchmark model, batch 1) q4_0 +17-20%, q8_0 +16%,
-# q4_k_m +13%, q3_k_m +7-13%, prefill level to +5%; 512 bytes ahead gained less, 2048 the same as 1024.
+# q4_k_m +13%, q3_k_m +7-13%; 512 bytes ahead gained less, 2048 the same as 1024. Tiles of one and two
+# tokens only (decode, an expert's few tokens): a prefill's four-token tiles pass over each row quad
+# once per four tokens and find it in the cache after the first. Measured: hints in the four-token
+# tiles too left decode the same (q8_0 99-103 tok/s, q4_k_m 130-139, both ways, against 86-88 and
+# 104-117 with no hints) and moved prefill by -9% to +11% (within this shared host's noise).
 # Only where measured: Intel x86 hosts. The float path's four streams measured much slower with
 # hints on Zen 4 (kernels.matmul: 32 against 55 GB/s), so AMD hosts, ARM64 and named (bundle) CPUs
 # keep the hardware prefetcher alone until measured there.
@@ -1088,11 +1092,12 @@ def _rowdot4_int_codegen(ntok):
                 xsum = [[builder.sitofp(dot8(builder, ones, False, x8[t][c]), vec(F32, 8)) for c in range(8)]
                         for t in range(ntok)]
             for r in range(4):
-                ga = builder.add(rstart[r], builder.mul(g, c64(gb)))
-                for o in range(0, gb if PREFETCH else 0, 64):   # the group PREFETCH bytes ahead, a hint a line
-                    builder.call(_fn(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), I32, I32, I32]),
-                                 [at(builder, builder.add(ga, c64(PREFETCH + o)), I8), ir.Constant(I32, 0),
-                                  ir.Constant(I32, 3), ir.Constant(I32, 1)])
+                if PREFETCH and ntok <= 2:      # the group PREFETCH bytes ahead, a hint a line
+                    ga = builder.add(rstart[r], builder.mul(g, c64(gb)))
+                    for o in range(0, gb, 64):
+                        builder.call(_fn(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), I32, I32, I32]),
+                                     [at(builder, builder.add(ga, c64(PREFETCH + o)), I8), ir.Constant(I32, 0),
+                                      ir.Constant(I32, 3), ir.Constant(I32, 1)])
                 chunks, mult, add = group_int(fmt, builder, builder.add(rstart[r], builder.mul(g, c64(gb))))
                 for t in range(ntok):
                     if q6:      # per-16 multipliers times their block's activation scale
