@@ -99,7 +99,7 @@ def main(argv=None):
         ws = [pool[i].view(KERNEL_VIEW[fmt]).reshape(N, -1) for i in range(a.pool)]
         w = ws[0]
         ref = x.astype(np.float64) @ quant.dequantize(raw, fmt, K).astype(np.float64).T
-        emu_q, emu_d, _ = quant.quantize_activations(x)
+        emu_q, emu_d, _ = quant.quantize_activations(x, quant.act_block(fmt))
         emu = (emu_q * np.repeat(emu_d, 32, axis=1)).astype(np.float64) @ quant.dequantize(raw, fmt, K).astype(np.float64).T
         row = []
         for name, fn, want in (("f32", lambda v: Q.qmatmul(out, x, v, none, work, scratch), ref),

@@ -14,7 +14,7 @@ from colibri_edge.backends import create
 from colibri_edge.backends.base import FFN, plan_buffers
 from colibri_edge.model.dtypes import STORAGE, block_of, narrow, widen
 from colibri_edge.backends import routing
-from colibri_edge.model.quant import fake_quantized_activations
+from colibri_edge.model.quant import act_block, fake_quantized_activations
 from helpers import backend_pair as backend, dev, kernel_close as close
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,7 +56,7 @@ def int8_path(be, wd):
 
 
 def as_seen(be, wd, x):
-    return fake_quantized_activations(x) if int8_path(be, wd) else x
+    return fake_quantized_activations(x, act_block(wd)) if int8_path(be, wd) else x
 
 
 def plan_bufs(be, A, E):
@@ -521,8 +521,9 @@ def int8_dot_cases(rng, fmt):
             x.reshape(T, -1, 32)[:, :, 0] = 127                  # dx = 127 / 127 * 2^-3 exactly
             x *= np.float32(2.0 ** -3)
             want = np.zeros((T, N), np.float32)
-            ref.matmul(want, fake_quantized_activations(x), ref.upload(raw, fmt, shape=(N, K)))
-            exact = fake_quantized_activations(x).astype(np.float64) @ widen(raw, fmt).astype(np.float64).T
+            xq = fake_quantized_activations(x, act_block(fmt))
+            ref.matmul(want, xq, ref.upload(raw, fmt, shape=(N, K)))
+            exact = xq.astype(np.float64) @ widen(raw, fmt).astype(np.float64).T
             assert np.array_equal(want, exact.astype(np.float32)), fmt
             yield K, T, raw, x, want
 
@@ -646,7 +647,8 @@ def test_grouped_ffn_gelu_tanh(kernel_backend, T, k, E, H, I, rng):
             bplan = be.align(plan_bufs(be, T * k, E), dev(be, rid), T, E, k)
             by, act = be.alloc((T * k, Hw)), be.alloc((T * k, Iw))
             be.grouped_ffn(by, dev(be, x), bex, bplan, act, ba)
-            tol = 2e-2 if int8_path(be, wd) else TOL.get(wd, 1e-5)   # int8 activations quantise x and the act
+            # int8 activations quantise x (emulated) and the act (not: per 256 its steps are up to 8x coarser)
+            tol = (2e-2 if act_block(wd) == 32 else 4e-2) if int8_path(be, wd) else TOL.get(wd, 1e-5)
             close(be.download(by), y, tol)
         # the dense MLP's plan: every token to expert 0
         zeros = np.zeros((T, 1), np.int32)
@@ -656,7 +658,7 @@ def test_grouped_ffn_gelu_tanh(kernel_backend, T, k, E, H, I, rng):
         bp = be.align(plan_bufs(be, T, 1), dev(be, zeros), T, 1, 1)
         by, act = be.alloc((T, Hw)), be.alloc((T, Iw))
         be.grouped_ffn(by, dev(be, x), bex[:1], bp, act, Act("gelu_tanh"))
-        close(be.download(by), y, 2e-2 if int8_path(be, wd) else TOL.get(wd, 1e-5))
+        close(be.download(by), y, (2e-2 if act_block(wd) == 32 else 4e-2) if int8_path(be, wd) else TOL.get(wd, 1e-5))
 
 
 HEAD_WEIGHTS = ("float32", "float16", "bfloat16")

@@ -15,7 +15,7 @@ from colibri_edge import Engine, ColibriError, COLIBRI_ERR_OUT_OF_MEMORY, COLIBR
 from colibri_edge import backends
 from colibri_edge.backends.reference import backend as reference
 from colibri_edge.model.dtypes import is_block
-from colibri_edge.model.quant import fake_quantized_activations
+from colibri_edge.model.quant import act_block, fake_quantized_activations
 from colibri_edge.model.convert import translate_config
 from colibri_edge.model.families.common import rope_dim_order
 from colibri_edge.analysis.sizing import (engine_memory, kv_full_bytes_per_token, snapshot_bytes,
@@ -327,23 +327,25 @@ def test_gguf_q8_0_runs_as_stored(backend_name, qwen35_gguf, tmp_path, monkeypat
 
 class Int8ActivationReference(reference.Backend):
     """The reference backend with every block-format matmul's input quantised to int8 the way the int8
-    activation path does (quant.fake_quantized_activations: per 32 values, q * dx): the oracle of a
+    activation path does (quant.fake_quantized_activations: per 32 or 256 values, q * dx): the oracle of a
     backend's int8_activations run (test_kernels checks the same per op)."""
 
     def matmul(self, out, x, w, bias=None):
-        super().matmul(out, fake_quantized_activations(np.ascontiguousarray(x)) if is_block(w.dtype) else x, w, bias)
+        super().matmul(out, fake_quantized_activations(np.ascontiguousarray(x), act_block(w.dtype)) if is_block(w.dtype)
+                       else x, w, bias)
 
     def grouped_ffn(self, out, x, experts, plan, scratch, act=None):
         for e in plan.experts_to_run():
             a, b = plan.offsets[e], plan.offsets[e + 1]
             ffn = experts[e]
             xs = x[plan.order[a:b] // plan.top_k]
-            xg = fake_quantized_activations(xs) if is_block(ffn.gate.dtype) else xs
+            xg = fake_quantized_activations(xs, act_block(ffn.gate.dtype)) if is_block(ffn.gate.dtype) else xs
             g, u = (np.empty((b - a, ffn.gate.shape[0]), np.float32) for _ in range(2))
             reference._rows_matmul(g, xg, reference._f32(ffn.gate))
             reference._rows_matmul(u, xg, reference._f32(ffn.up))
             h = reference.activation(g, u, act, e)
-            reference._rows_matmul(out[a:b], fake_quantized_activations(h) if is_block(ffn.down.dtype) else h,
+            reference._rows_matmul(out[a:b], fake_quantized_activations(h, act_block(ffn.down.dtype))
+                                   if is_block(ffn.down.dtype) else h,
                                    reference._f32(ffn.down))
 
 

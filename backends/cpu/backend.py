@@ -38,7 +38,7 @@ import numpy as np
 from colibri_edge.model.dtypes import is_block, storage_dtype, storage_shape
 from colibri_edge.errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT
 from colibri_edge.model.modeldir import expert_sections
-from colibri_edge.model.quant import BLOCK
+from colibri_edge.model.quant import BLOCK, act_block
 from ..base import GATE_MODES, KV_DTYPES, Backend as BackendBase, KVCache, Plan, Weight, plan_buffers
 from .cores import Governor, available_cores
 
@@ -166,7 +166,7 @@ class Backend(BackendBase):
         self._silu = (self.none, self.none, np.float32(0), np.float32(0), self.no_pre)   # expert_act's SwiGLU
         self.no_tally = np.zeros(0, np.int32)
         self._qscratch = np.zeros((self.num_threads, 4, 0), np.float32)   # block formats' dequantised rows
-        # block formats: activations quantised to int8 per 32, integer dots (qir.py); the
+        # block formats: activations quantised to int8 per 32 (or 256: quant.act_block), integer dots (qir.py); the
         # float32-activation path stays, int8_activations=False / COLIBRI_INT8_ACTIVATIONS=0
         self.int8_activations = bool(int8_activations)
         self._qx = (np.zeros((1, 0), np.int8), np.zeros((1, 0), np.float32), np.zeros((1, 0), np.float32))
@@ -575,7 +575,8 @@ class Backend(BackendBase):
             inter = ffn.gate.shape[0]
             a = flat[start * width:start * width + n * inter].reshape(n, inter)
             ep, db = self._epilogue(act, e, self.no_pre if pre is None else pre[start:start + n])
-            if ffn.gate.dtype in BLOCK and self.int8_activations:
+            if ffn.gate.dtype in BLOCK and self.int8_activations and \
+                    act_block(ffn.gate.dtype) == act_block(ffn.up.dtype):       # one quantised x serves both
                 self.q.qswiglu_gate_up_i8(a, x, plan.order, start, plan.top_k, ffn.gate.data, ffn.up.data,
                                           self.work, *self._acts(x.shape[1], n), ep)
             elif ffn.gate.dtype in BLOCK:

@@ -24,7 +24,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from colibri_edge.model.quant import BLOCK, IQ4NL
+from colibri_edge.model.quant import ACT256, BLOCK, IQ4NL
 
 I8, I16, I32, I64, F32, HALF = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType(), \
     ir.HalfType()
@@ -576,7 +576,7 @@ def rowdeq(typingctx, w, row, out, ooff):
 
 
 # -- int8 activations: integer dot products -------------------------------------------------------
-# The activation row is quantised per block of 32 (qkernels.quantize_act): q = rint(x / dx) in
+# The activation row is quantised per block of 32 (qkernels.quantize_act; per 256 for INT256, below): q = rint(x / dx) in
 # [-127, 127] (int8), dx = max|x| / 127, xs = dx * sum(q). A weight block decodes to integer chunks
 # of 32, w = m q_w (+ add); then per chunk
 #     w . x  ~=  m dx (q_w . q)  +  add xs
@@ -855,7 +855,14 @@ def _gather_f16(builder, g, nb, off):
 
 def _k4_scales(builder, base):
     """The 12 bytes of q4_k / q5_k scales at base -> (sc, m) as <8 x float> (get_scale_min_k4 for
-    j = 0..7, computed on three 32-bit words)."""
+    j = 0..7)."""
+    sc, m = _k4_scales_i8(builder, base)
+    return builder.uitofp(sc, vec(F32, 8)), builder.uitofp(m, vec(F32, 8))
+
+
+def _k4_scales_i8(builder, base):
+    """The 12 bytes of q4_k / q5_k scales at base -> (sc, m) as <8 x i8> (get_scale_min_k4 for
+    j = 0..7, computed on three 32-bit words: ggml's kmask trick)."""
     w = [load(builder, builder.add(base, c64(4 * i)), I32) for i in range(3)]
     k = lambda v: ir.Constant(I32, v)                                                   # noqa: E731
     m1, m2, m3 = k(0x3f3f3f3f), k(0x0f0f0f0f), k(0x03030303)
@@ -865,8 +872,7 @@ def _k4_scales(builder, base):
     u0 = builder.and_(w[0], m1)
     words = lambda a, b: builder.bitcast(builder.insert_element(builder.insert_element(      # noqa: E731
         ir.Constant(vec(I32, 2), ir.Undefined), a, k(0)), b, k(1)), vec(I8, 8))
-    fl = lambda v: builder.uitofp(v, vec(F32, 8))                                           # noqa: E731
-    return fl(words(u0, u1)), fl(words(u2, u3))
+    return words(u0, u1), words(u2, u3)
 
 
 def group_int(fmt, builder, g):
@@ -927,29 +933,122 @@ def _splat_load(builder, addr, ty, n):
     return splat(builder, load(builder, addr, ty), n)
 
 
+def _iq4_xs_sc(builder, g):
+    """iq4_xs group at g: its 8 scales, <8 x i8>: (4 bits of scales_l | 2 bits of scales_h << 4) - 32."""
+    sh = lambda v, a: builder.shuffle_vector(v, v, cvec(I32, a))                       # noqa: E731
+    lo = _shr_and(builder, sh(load(builder, builder.add(g, c64(4)), vec(I8, 4)), [i // 2 for i in range(8)]),
+                  [4 * (i % 2) for i in range(8)], 15)
+    hi = builder.trunc(_shr_and(builder, _splat_load(builder, builder.add(g, c64(2)), I16, 8), [2 * i for i in range(8)], 3),
+                       vec(I8, 8))
+    return builder.sub(builder.or_(lo, builder.shl(hi, cvec(I8, [4] * 8))), cvec(I8, [32] * 8))
+
+
+def _q3_k_sc(builder, g):
+    """q3_k group at g: its 16 scales, <16 x i8>: (low 4 bits | high 2 bits << 4) - 32."""
+    sh = lambda v, a: builder.shuffle_vector(v, v, cvec(I32, a))                       # noqa: E731
+    lo = _shr_and(builder, sh(load(builder, builder.add(g, c64(96)), vec(I8, 8)), [s % 8 for s in range(16)]),
+                  [4 * (s // 8) for s in range(16)], 15)
+    hi = _shr_and(builder, sh(load(builder, builder.add(g, c64(104)), vec(I8, 4)), [s % 4 for s in range(16)]),
+                  [2 * (s // 4) for s in range(16)], 3)
+    return builder.sub(builder.or_(lo, builder.shl(hi, cvec(I8, [4] * 16))), cvec(I8, [32] * 16))
+
+
+# -- activations per 256: the sub-block scales in integers ---------------------------------------------
+# For the super-block formats whose sub-block scales are small integers times one float (INT256), the
+# activations are quantised per 256 instead of per 32 (quant.act_block: llama.cpp's Q8_K does the same
+# for its K-quant and IQ dots): one activation scale for the whole group, so a group's
+#     sum_j (d sc_j dx) (q_w . q)_j  =  (d dx) sum_j sc_j (q_w . q)_j
+# is an int32 sum (sc_j (q_w . q)_j exact: |q_w| <= 127, |q| <= 127, |sc| <= 127) and one float
+# multiply-add per 256 weights and token, where the per-32 form took a conversion, a lane broadcast
+# and a multiply-add per 32. On AVX2, vpmaddubsw's int16 pair sums times the scales by vpmaddwd (the
+# instruction that multiplied them by ones before), with VNNI accumulated by vpdpwssd; elsewhere the
+# int32 lanes of dot8 times the scales. Every variant's int32 lanes are the same numbers (exact), so a
+# token's logits do not depend on the tile or the ISA.
+INT256 = ACT256
+
+
+@intrinsic
+def act_block(typingctx, w):
+    """quant.act_block of a weight view's format, a compile-time constant: 256 or 32."""
+    if not fmt_of(w):
+        return None
+    return types.int64(w), lambda context, builder, sig, args: c64(256 if fmt_of(sig.args[0]) in INT256 else 32)
+
+
+def group_iscales(fmt, builder, g):
+    """The group of 256 weights at g: (sc, d, add): sc the integer sub-block scales as <8 x i16> (per
+    32) or <16 x i16> (PER16), d the float that multiplies them (w = d sc q + add), add as group_int's."""
+    at_ = lambda o: builder.add(g, c64(o))                                             # noqa: E731
+    sx = lambda v: builder.sext(v, vec(I16, v.type.count))                              # noqa: E731
+    zx = lambda v: builder.zext(v, vec(I16, v.type.count))                              # noqa: E731
+    if fmt in ("q4_k", "q5_k"):
+        sc, m = _k4_scales_i8(builder, at_(4))
+        return zx(sc), f16(builder, g), builder.fmul(builder.uitofp(m, vec(F32, 8)),
+                                                    splat(builder, builder.fneg(f16(builder, at_(2))), 8))
+    if fmt == "q6_k":
+        return sx(load(builder, at_(192), vec(I8, 16))), f16(builder, at_(208)), None
+    if fmt == "q3_k":
+        return sx(_q3_k_sc(builder, g)), f16(builder, at_(108)), None
+    if fmt == "iq4_xs":
+        return sx(_iq4_xs_sc(builder, g)), f16(builder, g), None
+    if fmt == "q2_k":
+        sc = load(builder, g, vec(I8, 16))
+        a = builder.fmul(splat(builder, f16(builder, at_(82)), 16), builder.uitofp(builder.lshr(sc, cvec(I8, [4] * 16)),
+                                                                                    vec(F32, 16)))
+        return zx(builder.and_(sc, cvec(I8, [15] * 16))), f16(builder, at_(80)), builder.fneg(a)
+    raise ValueError(fmt)
+
+
+def _sc_lanes(builder, sc, chunks):
+    """The scales of the chunks as int16 lanes of vpmaddubsw's pair sums, 16 a chunk (lane i of a
+    chunk: its weights 2i, 2i + 1; per-16 scales: lanes 0-7 its first 16 weights)."""
+    per16 = sc.type.count == 16
+    lanes = [2 * ch + j // 8 if per16 else ch for ch in chunks for j in range(16)]
+    return builder.shuffle_vector(sc, sc, cvec(I32, lanes))
+
+
+def sdot8(builder, acc, q, signed, x, sc16):
+    """acc (<8 x i32>) + dot8(q, x) lanes times their scales: sc16 <16 x i16> holds the scale of each
+    pair of weights (_sc_lanes), lane j of dot8 covering pairs 2j, 2j + 1 (equal scales)."""
+    if HAS_AVX2:
+        v32, v8 = vec(I8, 32), vec(I32, 8)
+        if signed:
+            x = builder.call(_fn(builder, "llvm.x86.avx2.psign.b", v32, [v32, v32]), [x, q])
+            q = builder.call(_fn(builder, "llvm.abs.v32i8", v32, [v32, ir.IntType(1)]), [q, ir.Constant(ir.IntType(1), 0)])
+        p16 = builder.call(_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), [v32, v32]), [q, x])
+        if HAS_VNNI:                     # acc += p16 . sc16 in pairs, one instruction
+            return builder.call(_fn(builder, "llvm.x86.avx512.vpdpwssd.256", v8, [v8, v8, v8]),
+                                [acc, builder.bitcast(p16, v8), builder.bitcast(sc16, v8)])
+        return builder.add(acc, builder.call(_fn(builder, "llvm.x86.avx2.pmadd.wd", v8, [vec(I16, 16), vec(I16, 16)]),
+                                             [p16, sc16]))
+    s32 = builder.sext(builder.shuffle_vector(sc16, sc16, cvec(I32, range(0, 16, 2))), vec(I32, 8))
+    return builder.add(acc, builder.mul(dot8(builder, q, signed, x), s32))
+
+
+def sdot16(builder, acc, q, signed, x, sc32):
+    """The 512-bit sdot8 of a chunk pair (dot16's lanes): acc <16 x i32>, sc32 <32 x i16>."""
+    v64, v16 = vec(I8, 64), vec(I32, 16)
+    if signed:
+        x = builder.select(builder.icmp_signed("<", q, cvec(I8, [0] * 64)), builder.sub(cvec(I8, [0] * 64), x), x)
+        q = builder.call(_fn(builder, "llvm.abs.v64i8", v64, [v64, ir.IntType(1)]), [q, ir.Constant(ir.IntType(1), 0)])
+    p16 = builder.call(_fn(builder, "llvm.x86.avx512.pmaddubs.w.512", vec(I16, 32), [v64, v64]), [q, x])
+    return builder.call(_fn(builder, "llvm.x86.avx512.vpdpwssd.512", v16, [v16, v16, v16]),
+                        [acc, builder.bitcast(p16, v16), builder.bitcast(sc32, v16)])
+
+
 def group_scales(fmt, builder, g):
     """A group's multipliers as one vector, built with vector ops (scalar scale extraction in the
     block loop lets LLVM vectorise the loop across groups with gathers: iq4_xs ran 4x slower), or None
     where group_int_any's lanes of decode_int's scalars are used. -> (mult, add) like group_int."""
     fl = lambda v: builder.sitofp(v, vec(F32, v.type.count))                          # noqa: E731
     sh = lambda v, a: builder.shuffle_vector(v, v, cvec(I32, a))                       # noqa: E731
-    if fmt == "iq4_xs":                   # 8 x (4 bits of scales_l | 2 bits of scales_h << 4) - 32
-        lo = _shr_and(builder, sh(load(builder, builder.add(g, c64(4)), vec(I8, 4)), [i // 2 for i in range(8)]),
-                      [4 * (i % 2) for i in range(8)], 15)
-        hi = builder.trunc(_shr_and(builder, _splat_load(builder, builder.add(g, c64(2)), I16, 8), [2 * i for i in range(8)], 3),
-                           vec(I8, 8))
-        sc = builder.sub(builder.or_(lo, builder.shl(hi, cvec(I8, [4] * 8))), cvec(I8, [32] * 8))
-        return builder.fmul(splat(builder, f16(builder, g), 8), fl(sc)), None
+    if fmt == "iq4_xs":
+        return builder.fmul(splat(builder, f16(builder, g), 8), fl(_iq4_xs_sc(builder, g))), None
     uf = lambda v: builder.uitofp(v, vec(F32, v.type.count))                           # noqa: E731
     fk = lambda v, n: cvec(F32, [v] * n)                                               # noqa: E731
     at_ = lambda o: builder.add(g, c64(o))                                             # noqa: E731
-    if fmt == "q3_k":                     # 16 x (low 4 bits | high 2 bits << 4) - 32
-        lo = _shr_and(builder, sh(load(builder, at_(96), vec(I8, 8)), [s % 8 for s in range(16)]),
-                      [4 * (s // 8) for s in range(16)], 15)
-        hi = _shr_and(builder, sh(load(builder, at_(104), vec(I8, 4)), [s % 4 for s in range(16)]),
-                      [2 * (s // 4) for s in range(16)], 3)
-        sc = builder.sub(builder.or_(lo, builder.shl(hi, cvec(I8, [4] * 16))), cvec(I8, [32] * 16))
-        return builder.fmul(splat(builder, f16(builder, at_(108)), 16), fl(sc)), None
+    if fmt == "q3_k":
+        return builder.fmul(splat(builder, f16(builder, at_(108)), 16), fl(_q3_k_sc(builder, g))), None
     if fmt == "q2_k":                     # 16 x (d (sc & 15), -dmin (sc >> 4))
         sc = load(builder, g, vec(I8, 16))
         m = builder.fmul(splat(builder, f16(builder, at_(80)), 16), uf(builder.and_(sc, cvec(I8, [15] * 16))))
@@ -1039,6 +1138,63 @@ def group_int_any(fmt, builder, g):
 PREFETCH = 1024 if _FEATURES["prefetch"] else 0
 
 
+def _int_group(builder, acc, chunks, isc, dw, dx, xq, wide):
+    """*acc (<8 x float>) += float(sum_j sc_j (q_w . q)_j) (dw dx), the group's dots in int32 (INT256:
+    dx <8 x float>, the group's one activation scale in every lane). xq: the token's 8 chunks (<32 x
+    i8>), or with wide (AVX-512) its 4 chunk pairs (<64 x i8>). The float ops are contracted only
+    (an FMA), never reassociated: a token's sums the same in every tile."""
+    if wide:                    # chunk pairs, then the two halves' int32 lanes added (exact)
+        s16 = ir.Constant(vec(I32, 16), [0] * 16)
+        for c in range(4):
+            (q0, sg), (q1, _) = chunks[2 * c], chunks[2 * c + 1]
+            s16 = sdot16(builder, s16, _cat(builder, [q0, q1]), sg, xq[c], _sc_lanes(builder, isc, [2 * c, 2 * c + 1]))
+        s8 = builder.add(builder.shuffle_vector(s16, s16, cvec(I32, range(8))),
+                         builder.shuffle_vector(s16, s16, cvec(I32, range(8, 16))))
+    else:                       # even and odd chunks in two chains, then added (exact)
+        se = so = ir.Constant(vec(I32, 8), [0] * 8)
+        for c, (q, sg) in enumerate(chunks):
+            if c % 2:
+                so = sdot8(builder, so, q, sg, xq[c], _sc_lanes(builder, isc, [c]))
+            else:
+                se = sdot8(builder, se, q, sg, xq[c], _sc_lanes(builder, isc, [c]))
+        s8 = builder.add(se, so)
+    m = builder.fmul(splat(builder, dw, 8), dx)
+    builder.store(builder.fadd(builder.load(acc), builder.fmul(builder.sitofp(s8, vec(F32, 8)), m, flags=("contract",)),
+                               flags=("contract",)), acc)
+
+
+def _float_group(builder, acc, acco, chunks, mult, q6, dx, xq, wide):
+    """*acc += each chunk's float(q_w . q) times its multiplier (mult, per 32 or per 16 with q6) times
+    its activation scale (dx <8 x float>), one multiply-add a chunk. wide (AVX-512, 2-4 tokens): a
+    chunk pair a <16 x float> (lanes 0-7 chunk 2c's sums, 8-15 chunk 2c+1's: the same order in every
+    tile); acco (a lone token on AVX-512): the odd chunks' accumulator (<8 x float>)."""
+    fast = ("fast",)
+    if q6:                      # per-16 multipliers times their block's activation scale
+        m = builder.fmul(mult, builder.shuffle_vector(dx, dx, cvec(I32, [i // 2 for i in range(16)])))
+    else:
+        m = builder.fmul(mult, dx)
+    a = builder.load(acc)
+    if wide:
+        for c in range(4):
+            (q0, sg), (q1, _) = chunks[2 * c], chunks[2 * c + 1]
+            s16 = builder.sitofp(dot16(builder, _cat(builder, [q0, q1]), sg, xq[c]), vec(F32, 16))
+            lanes = ([4 * c + i // 4 for i in range(16)] if q6 else [2 * c] * 8 + [2 * c + 1] * 8)
+            a = builder.fadd(a, builder.fmul(s16, builder.shuffle_vector(m, m, cvec(I32, lanes)), flags=fast), flags=fast)
+    else:
+        ao = builder.load(acco) if acco is not None else None
+        for c, (q, signed) in enumerate(chunks):
+            s8 = builder.sitofp(dot8(builder, q, signed, xq[c]), vec(F32, 8))
+            lanes = [2 * c] * 4 + [2 * c + 1] * 4 if q6 else [c] * 8
+            p = builder.fmul(s8, builder.shuffle_vector(m, m, cvec(I32, lanes)), flags=fast)
+            if acco is not None and c % 2:
+                ao = builder.fadd(ao, p, flags=fast)
+            else:
+                a = builder.fadd(a, p, flags=fast)
+        if acco is not None:
+            builder.store(ao, acco)
+    builder.store(a, acc)
+
+
 def _rowdot4_int_codegen(ntok):
     """args: (w, n0, n1, n2, n3, qx, dx, xs, xoff_0 .. xoff_{ntok-1}) -> 4 * ntok sums, row-major
     (row r, token t at r * ntok + t)."""
@@ -1060,6 +1216,7 @@ def _rowdot4_int_codegen(ntok):
         ngroups = builder.udiv(builder.mul(nblk, c64(B)), c64(256))
         q6 = fmt in PER16
         add16 = fmt == "q2_k"                                 # per-16 additive terms (the mins)
+        ig = fmt in INT256                                    # activations per 256: integer scales (above)
         zero = ir.Constant(vec(F32, 8), [0.0] * 8)
         # PAIRED (AVX-512 VNNI): even and odd chunks in separate lanes; tiles of 2 and 4 tokens take a
         # chunk pair a zmm (<16 x float> accumulators, lanes 0-7 the even chunks'), a lone token two
@@ -1070,9 +1227,10 @@ def _rowdot4_int_codegen(ntok):
         # token's logits are the same alone and in a tile.
         wide = HAS_VNNI512 and ntok > 1
         split = HAS_VNNI512 and ntok == 1
-        acc = [[cgutils.alloca_once_value(builder, ir.Constant(vec(F32, 16), [0.0] * 16) if wide else zero)
+        acc = [[cgutils.alloca_once_value(builder, ir.Constant(vec(F32, 16), [0.0] * 16) if wide and not ig else zero)
                 for _ in range(ntok)] for _ in range(4)]
-        acco = [[cgutils.alloca_once_value(builder, zero) for _ in range(ntok)] for _ in range(4)] if split else None
+        acco = [[cgutils.alloca_once_value(builder, zero) for _ in range(ntok)] for _ in range(4)] \
+            if split and not ig else None
         acca = [[cgutils.alloca_once_value(builder, zero) for _ in range(ntok)] for _ in range(4)]
         acc16 = [[cgutils.alloca_once_value(builder, zero) for _ in range(ntok)] for _ in range(4)]
         with cgutils.for_range(builder, ngroups) as loop:
@@ -1087,6 +1245,8 @@ def _rowdot4_int_codegen(ntok):
             if wide:            # the same bytes as chunk pairs (one zmm load each)
                 x64 = [[load(builder, builder.add(xaddr[t], builder.add(k, c64(64 * c))), vec(I8, 64)) for c in range(4)]
                        for t in range(ntok)]
+            if ig:              # each token's one activation scale of the group, in every lane
+                dxs = [builder.shuffle_vector(dx[t], dx[t], cvec(I32, [0] * 8)) for t in range(ntok)]
             if add16:           # each token's per-16 sums of its int8 activations, shared by the four rows
                 ones = cvec(I8, [1] * 32)
                 xsum = [[builder.sitofp(dot8(builder, ones, False, x8[t][c]), vec(F32, 8)) for c in range(8)]
@@ -1098,33 +1258,18 @@ def _rowdot4_int_codegen(ntok):
                         builder.call(_fn(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), I32, I32, I32]),
                                      [at(builder, builder.add(ga, c64(PREFETCH + o)), I8), ir.Constant(I32, 0),
                                       ir.Constant(I32, 3), ir.Constant(I32, 1)])
-                chunks, mult, add = group_int(fmt, builder, builder.add(rstart[r], builder.mul(g, c64(gb))))
+                gaddr = builder.add(rstart[r], builder.mul(g, c64(gb)))
+                if ig:
+                    chunks = [c[:2] for c in decode_int(fmt, builder, gaddr)]
+                    isc, dw, add = group_iscales(fmt, builder, gaddr)
+                else:
+                    chunks, mult, add = group_int(fmt, builder, gaddr)
                 for t in range(ntok):
-                    if q6:      # per-16 multipliers times their block's activation scale
-                        m = builder.fmul(mult, builder.shuffle_vector(dx[t], dx[t], cvec(I32, [i // 2 for i in range(16)])))
+                    if ig:
+                        _int_group(builder, acc[r][t], chunks, isc, dw, dxs[t], x64[t] if wide else x8[t], wide)
                     else:
-                        m = builder.fmul(mult, dx[t])
-                    a = builder.load(acc[r][t])
-                    if wide:    # lanes 0-7 chunk 2c's sums, 8-15 chunk 2c+1's (the same order in every tile)
-                        for c in range(4):
-                            (q0, sg), (q1, _) = chunks[2 * c], chunks[2 * c + 1]
-                            s16 = builder.sitofp(dot16(builder, _cat(builder, [q0, q1]), sg, x64[t][c]), vec(F32, 16))
-                            lanes = ([4 * c + i // 4 for i in range(16)] if q6 else [2 * c] * 8 + [2 * c + 1] * 8)
-                            a = builder.fadd(a, builder.fmul(s16, builder.shuffle_vector(m, m, cvec(I32, lanes)),
-                                                             flags=fast), flags=fast)
-                    else:
-                        ao = builder.load(acco[r][t]) if split else None
-                        for c, (q, signed) in enumerate(chunks):
-                            s8 = builder.sitofp(dot8(builder, q, signed, x8[t][c]), vec(F32, 8))
-                            lanes = [2 * c] * 4 + [2 * c + 1] * 4 if q6 else [c] * 8
-                            p = builder.fmul(s8, builder.shuffle_vector(m, m, cvec(I32, lanes)), flags=fast)
-                            if split and c % 2:
-                                ao = builder.fadd(ao, p, flags=fast)
-                            else:
-                                a = builder.fadd(a, p, flags=fast)
-                        if split:
-                            builder.store(ao, acco[r][t])
-                    builder.store(a, acc[r][t])
+                        _float_group(builder, acc[r][t], acco[r][t] if split else None, chunks, mult, q6, dx[t],
+                                     x64[t] if wide else x8[t], wide)
                     if add16:           # its own chain, no reassociation: the same sums in every tile shape
                         am = builder.fmul(add, builder.shuffle_vector(dx[t], dx[t], cvec(I32, [i // 2 for i in range(16)])))
                         m16 = builder.load(acc16[r][t])
@@ -1132,9 +1277,9 @@ def _rowdot4_int_codegen(ntok):
                             m16 = builder.fadd(m16, builder.fmul(xsum[t][c], builder.shuffle_vector(
                                 am, am, cvec(I32, [2 * c] * 4 + [2 * c + 1] * 4))))
                         builder.store(m16, acc16[r][t])
-                    if add is not None and not add16:
-                        builder.store(builder.fadd(builder.load(acca[r][t]), builder.fmul(add, xs[t], flags=fast),
-                                                   flags=fast), acca[r][t])
+                    if add is not None and not add16:   # INT256: into the one accumulator (registers)
+                        aa, fl = (acc[r][t], ("contract",)) if ig else (acca[r][t], fast)
+                        builder.store(builder.fadd(builder.load(aa), builder.fmul(add, xs[t], flags=fl), flags=fl), aa)
         tails = [[cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0)) for _ in range(ntok)] for _ in range(4)]
         if B < 256:                     # the blocks past the last whole group (256-block rows are whole groups)
             with cgutils.for_range_slice(builder, builder.mul(ngroups, c64(256 // B)), nblk, c64(1)) as (bi, _):
@@ -1160,7 +1305,9 @@ def _rowdot4_int_codegen(ntok):
         for r in range(4):
             for t in range(ntok):
                 a = builder.load(acc[r][t])
-                if wide:                # even + odd chunks' lanes, as the split accumulators below
+                if ig:
+                    pass
+                elif wide:              # even + odd chunks' lanes, as the split accumulators below
                     a = builder.fadd(builder.shuffle_vector(a, a, cvec(I32, range(8))),
                                      builder.shuffle_vector(a, a, cvec(I32, range(8, 16))), flags=fast)
                 elif split:

@@ -5,7 +5,8 @@ Weights are [N, K / B] records (one per block) over the memmap's bytes, read as 
 dequantised in registers; nothing is dequantised into a copy of a matrix. Two activation paths, each
 taken for every row count, so that a row's result never depends on how many rows share the call
 (batch invariance: a token alone and a token in a pair go through the same arithmetic):
-  int8 (the default): the activations quantised to int8 per block of 32 (quantize_act, as
+  int8 (the default): the activations quantised to int8 per block of 32 (per 256 in front of
+          quant.ACT256's super-block formats: qir.py's INT256) (quantize_act, as
           llama.cpp's vec_dot does) and each block's dot product taken in integers (qir.rowdot4x2_q:
           vpmaddubsw/vpmaddwd on AVX2), four rows side by side as four interleaved streams (as
           kernels.matmul), the tokens in pairs. The float work is one FMA per 32 weights, so decode
@@ -26,7 +27,7 @@ from colibri_edge.model import quant
 
 from .jitcache import drop_stale
 from .kernels import F0, F1, REDUCE, activate, claim, fdot4, fdot4x2, reset_claims
-from .qir import rowdeq, rowdot4_q, rowdot4x2_q, rowdot4x4_q, rowdot_q
+from .qir import act_block, rowdeq, rowdot4_q, rowdot4x2_q, rowdot4x4_q, rowdot_q
 
 
 
@@ -132,42 +133,40 @@ def qswiglu_gate_up(act, x, order, start, top_k, gate, up, work, scratch, ep):
 
 # -- int8 activations (decode) ------------------------------------------------------------------
 @njit(cache=True, error_model="numpy")
-def quantize_act(qx, dx, xs, dst, x, src):
-    """Row src of x [., K] -> row dst of qx [., >= K] (int8), dx, xs [., >= K / 32]: per block b of 32
-        dx = max|x_b| / 127,  q = clip(rint(x_b * (1 / dx)), -127, 127),  xs = dx * sum(q)
-    (dx = 0: q = 0). A non-finite x makes dx NaN, so what it feeds is NaN, never a finite guess."""
+def quantize_act(qx, dx, xs, dst, x, src, blk):
+    """Row src of x [., K] -> row dst of qx [., >= K] (int8), dx, xs [., >= K / 32]: per block b of blk
+    (32, or 256 in front of the formats of quant.ACT256: qir.act_block)
+        dx = max|x_b| / 127,  q = clip(rint(x_b * (1 / dx)), -127, 127),
+    dx stored for each 32 of the block, and per 32 xs = dx * sum(q) (dx = 0: q = 0). A non-finite x
+    makes dx NaN, so what it feeds is NaN, never a finite guess."""
     K = x.shape[1]
-    for b in range(K // 32):
+    for b in range(K // blk):
         amax = F0
         bad = False
-        for i in range(32):
-            v = x[src, 32 * b + i]
+        for i in range(blk):
+            v = x[src, blk * b + i]
             if not np.isfinite(v):
                 bad = True
             a = abs(v)
             if a > amax:
                 amax = a
-        if bad:
-            for i in range(32):
-                qx[dst, 32 * b + i] = 0
-            dx[dst, b] = np.float32(np.nan)
-            xs[dst, b] = np.float32(np.nan)
-            continue
-        d = amax / np.float32(127.0)
+        d = np.float32(np.nan) if bad else amax / np.float32(127.0)
         inv = F1 / d if d > F0 else F0
-        s = 0
-        for i in range(32):
-            q = np.rint(x[src, 32 * b + i] * inv)
-            q = min(max(q, np.float32(-127.0)), np.float32(127.0))
-            qx[dst, 32 * b + i] = np.int8(q)
-            s += np.int32(q)
-        dx[dst, b] = d
-        xs[dst, b] = d * np.float32(s)
+        for j in range(blk // 32):
+            s = 0
+            k = blk * b + 32 * j
+            for i in range(32):
+                q = np.rint(x[src, k + i] * inv) if not bad else F0
+                q = min(max(q, np.float32(-127.0)), np.float32(127.0))
+                qx[dst, k + i] = np.int8(q)
+                s += np.int32(q)
+            dx[dst, k // 32] = d
+            xs[dst, k // 32] = d * np.float32(s)
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=REDUCE, error_model="numpy")
 def qmatmul_i8(out, x, w, bias, work, qx, dx, xs):
-    """out[t,n] = deq(w)[n] . x[t] (+ bias[n]), with x quantised to int8 per 32 (quantize_act) and
+    """out[t,n] = deq(w)[n] . x[t] (+ bias[n]), with x quantised to int8 per 32 or 256 (quantize_act) and
     each block's dot product in integers (qir.rowdot4x2_q).
         qx int8 [>= T, >= K], dx, xs float32 [>= T, >= K / 32]: rows 0..T-1 take the activations
     Rows as kernels.matmul walks them (four interleaved streams a thread), the tokens in pairs
@@ -175,8 +174,9 @@ def qmatmul_i8(out, x, w, bias, work, qx, dx, xs):
     in a pair, the same IR per token: batch invariance); the last (hi - lo) % 4 rows of a chunk by
     rowdot_q, token by token."""
     T, K = x.shape
+    blk = act_block(w)
     for t in range(T):                  # serial: a parallel region costs more than a decode row's work
-        quantize_act(qx, dx, xs, t, x, t)
+        quantize_act(qx, dx, xs, t, x, t, blk)
     N = w.shape[0]
     S = qx.shape[1]
     reset_claims(work)
@@ -214,8 +214,9 @@ def qswiglu_gate_up_i8(act, x, order, start, top_k, gate, up, work, qx, dx, xs, 
     qmatmul_i8: batch invariant)."""
     R, I = act.shape
     S = qx.shape[1]
+    blk = act_block(gate)                # the backend calls this with act_block(up) the same
     for r in range(R):
-        quantize_act(qx, dx, xs, r, x, order[start + r] // top_k)
+        quantize_act(qx, dx, xs, r, x, order[start + r] // top_k, blk)
     reset_claims(work)
     for c in prange(work.shape[0]):
         while True:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from colibri_edge.errors import ColibriError, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_UNAVAILABLE
+from colibri_edge.model.quant import act_block
 from ..base import Plan, Weight
 from .platforms import probe  # noqa: F401  (the registry's entry)
 from .runtime import ACT8, BLOCK_DTYPES, CONV_KMAX, DELTA_CHUNK, OpenCLRuntime, ROWS_PER_ITEM, roundup
@@ -56,9 +57,10 @@ class Backend(OpenCLRuntime):
     def _act8(self, wdtype):
         return self.int8_activations and wdtype in BLOCK_DTYPES
 
-    def _quantized(self, x, ldx, T, K, slot, row0=0, queue=None):
-        """x [T, K] (row stride ldx) -> its packed int8 blocks (dense.cl quantize_act) at rows row0.. of the
-        backend's buffer `slot`, and their row stride (floats). The buffer grows to the largest step
+    def _quantized(self, x, ldx, T, K, slot, wdtype, row0=0, queue=None):
+        """x [T, K] (row stride ldx) -> its packed int8 blocks (dense.cl quantize_act; one scale per
+        quant.act_block(wdtype) activations: the weights they feed) at rows row0.. of the backend's
+        buffer `slot`, and their row stride (floats). The buffer grows to the largest step
         seen (prefill), so decode steps allocate nothing."""
         ld = K // 32 * 10
         need = (row0 + T) * ld
@@ -74,14 +76,14 @@ class Backend(OpenCLRuntime):
         k = self._kernel("dense.cl", "quantize_act", "q8_0" + ACT8)
         g, l = self._2d(k, K // 32, T, want=32)
         view = buf[row0 * ld:]
-        self._launch(k, g, l, view, ld, x, ldx, T, K, queue=queue)
+        self._launch(k, g, l, view, ld, x, ldx, T, K, act_block(wdtype.removesuffix(ACT8)), queue=queue)
         return view, ld
 
     def _matmul(self, out, ldo, x, ldx, w, bias, T, K, N, queue=None, xq=None):
         """xq: x already quantised (packed, stride) for a block format with int8 activations."""
         wd = self._wdtype(w)
         if self._act8(wd):
-            x, ldx = xq or self._quantized(x, ldx, T, K, "x", queue=queue)
+            x, ldx = xq or self._quantized(x, ldx, T, K, "x", wd, queue=queue)
             wd += ACT8
         if T >= ROWS_PER_ITEM:
             k = self._kernel("dense.cl", "matmul4", wd)
@@ -108,15 +110,18 @@ class Backend(OpenCLRuntime):
             return super().matmuls(outs, x, ws, biases)           # matmul says what is wrong
         if len({self._wdtype(w) for w in ws}) != 1:
             # mixed types (a q4_k_m file: q4_k, q8_0, q6_k): one launch each, x quantised once for all
-            xq = self._quantized(x, K, T, K, "x") if any(self._act8(self._wdtype(w)) for w in ws) else None
+            # (once per activation block: quant.act_block of each type)
+            act8 = [self._wdtype(w) for w in ws if self._act8(self._wdtype(w))]
+            xq = {act_block(d): self._quantized(x, K, T, K, f"x{act_block(d)}", d) for d in act8}
             for out, w, b in zip(outs, ws, biases):
                 T_, N = out.shape
-                self._matmul(out, N, x, K, w, b, T, K, N, xq=xq if self._act8(self._wdtype(w)) else None)
+                self._matmul(out, N, x, K, w, b, T, K, N, xq=xq.get(act_block(self._wdtype(w)))
+                             if self._act8(self._wdtype(w)) else None)
             return
         pad = 3 - len(ws)
         wd, ldx = self._wdtype(ws[0]), K
         if self._act8(wd):
-            x, ldx = self._quantized(x, K, T, K, "x")
+            x, ldx = self._quantized(x, K, T, K, "x", wd)
             wd += ACT8
         outs, ws, biases = list(outs) + [self._dummy] * pad, list(ws) + [None] * pad, list(biases) + [None] * pad
         Ns = [w.shape[0] if w is not None else 0 for w in ws]
@@ -496,14 +501,14 @@ class Backend(OpenCLRuntime):
                 raise ColibriError(COLIBRI_ERR_INVALID_ARGUMENT, f"scratch has {lda} columns, expert needs {I}")
             gd, dd, xin, act, ld = f0.gate.dtype, f0.down.dtype, x, scratch, lda
             if self._act8(gd):
-                xin = self._quantized(x, H, T, H, "x")[0]
+                xin = self._quantized(x, H, T, H, "x", gd)[0]
                 gd += ACT8
             k = self._kernel("moe.cl", "ffn_gate_up_grouped", gd)
             g, l = self._2d(k, I, plan.max_blocks)
             self._launch(k, g, l, scratch, lda, xin, plan.order, plan.blocks, plan.nblocks, tab, gb, ub, gsb, usb,
                          topk, H, I, gbias, ubias, has_bias, kind, alpha, limit)
             if self._act8(dd):
-                act, ld = self._quantized(scratch, lda, T * topk, I, "act")
+                act, ld = self._quantized(scratch, lda, T * topk, I, "act", dd)
                 dd += ACT8
             k = self._kernel("moe.cl", "ffn_down_grouped", dd)
             g, l = self._2d(k, H, plan.max_blocks)
@@ -522,7 +527,7 @@ class Backend(OpenCLRuntime):
         xin = x
         gd = experts[work[0][0]].gate.dtype
         if self._act8(gd):               # once, on the main queue: the side queues start after it
-            xin = self._quantized(x, H, T, H, "x")[0]
+            xin = self._quantized(x, H, T, H, "x", gd)[0]
             gd += ACT8
 
         self._qfill.clear()              # fills queued before the fork: the side queues wait for them anyway
@@ -542,7 +547,7 @@ class Backend(OpenCLRuntime):
                 # down: out[row0 + r] = down @ act[row0 + r]   (a matmul over the expert's rows; int8
                 # activations: the expert's own rows of the "act" buffer, so parts never share one)
                 act = scratch[row0:row0 + n]
-                xq = self._quantized(act, lda, n, I, "act", row0=row0, queue=queue) \
+                xq = self._quantized(act, lda, n, I, "act", ffn.down.dtype, row0=row0, queue=queue) \
                     if self._act8(ffn.down.dtype) else None
                 db = None if dbias is None else Weight(dbias.data[e], "float32", (H,))
                 self._matmul(out[row0:row0 + n], H, act, lda, ffn.down, db, n, I, H, queue=queue, xq=xq)

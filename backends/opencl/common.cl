@@ -33,7 +33,7 @@
  *                        IQ_GRID and IQ_KSIGNS that the host writes from quant.iq_grid / quant.KSIGNS
  *                        ahead of this file (runtime.py lattice_tables), each under its formats' switches
  *   WACT8=1              (block formats only) activations are int8 too, llama.cpp's arithmetic: the host
- *                        quantises each activation row per block of 32 (dense.cl quantize_act, quant.py
+ *                        quantises each activation row per block of 32 or 256 (dense.cl quantize_act, quant.py
  *                        quantize_activations) into packed blocks of 40 bytes, q:i8[32] | dx:f32 | xs:f32
  *                        (xs = dx sum q), 10 floats a block, so a row of K is XLD(K) = K / 32 * 10 floats and
  *                        every kernel keeps its float* activation arguments. A chunk's dot is then

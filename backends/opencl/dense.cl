@@ -145,19 +145,22 @@ __kernel void head_matmul(ARG(float, out), CARG(float, x), CARG(WTYPE, w), const
 }
 #endif
 
-/* int8 activations (WACT8 builds; quant.py quantize_activations is the definition): per block b of 32 of
- * row t of x, dx = max|x| / 127, q = clamp(rint(x / dx), -127, 127) (dx = 0: q = 0), xs = dx sum q,
- * packed as 10 floats: q:i8[32] | dx | xs at out + t * ldo + 10 b.   global (K / 32, T) */
-__kernel void quantize_act(ARG(float, out), const int ldo, CARG(float, x), const int ldx, const int T, const int K)
+/* int8 activations (WACT8 builds; quant.py quantize_activations is the definition): per block of blk (32, or
+ * 256 in front of quant.ACT256's formats) of row t of x, dx = max|x| / 127, q = clamp(rint(x / dx), -127, 127)
+ * (dx = 0: q = 0); per 32 b, xs = dx sum q, packed as 10 floats: q:i8[32] | dx | xs at out + t * ldo + 10 b
+ * (dx repeated for each 32 of a block).   global (K / 32, T) */
+__kernel void quantize_act(ARG(float, out), const int ldo, CARG(float, x), const int ldx, const int T, const int K,
+                           const int blk)
 {
     const int b = get_global_id(0), t = get_global_id(1);
     if (b >= K / 32 || t >= T)
         return;
     BIND(float, out); CBIND(float, x);
-    __global const float* xr = x + (size_t)t * ldx + 32 * b;
+    __global const float* xb = x + (size_t)t * ldx + (32 * b) / blk * blk;
     float amax = 0.0f;
-    for (int i = 0; i < 32; ++i)
-        amax = fmax(amax, fabs(xr[i]));
+    for (int i = 0; i < blk; ++i)
+        amax = fmax(amax, fabs(xb[i]));
+    __global const float* xr = x + (size_t)t * ldx + 32 * b;
     const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
     __global float* ob = out + (size_t)t * ldo + 10 * b;
     __global char* q = (__global char*)ob;

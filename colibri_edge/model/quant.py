@@ -725,23 +725,38 @@ def quantize(x: np.ndarray, fmt: str) -> np.ndarray:
     return QUANTIZERS[fmt](x).reshape(N, row_bytes(fmt, K))
 
 
-def quantize_activations(x: np.ndarray):
-    """The cpu backend's int8 activations (backends/cpu/qkernels.quantize_act), defined here in NumPy
-    as the emulation its kernels are checked against: per block of 32 of each row
-        dx = max|x| / 127,  q = clip(rint(x * (1 / dx)), -127, 127)  (dx = 0: q = 0),  xs = dx * sum(q).
-    float32 [T, K] (K % 32 == 0) -> (q int8 [T, K], dx float32 [T, K/32], xs float32 [T, K/32])."""
+# The formats whose int8-activation dots take the activations quantised per 256 (one scale for a
+# super-block, as llama.cpp's Q8_K): their sub-block scales are small integers times one float, so a
+# super-block's dot is an int32 sum and one float multiply-add (backends/cpu/qir.py, INT256). Every
+# other block format per 32.
+ACT256 = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
+
+
+def act_block(fmt: str) -> int:
+    """How many activations share one int8 scale in front of a matrix of fmt: 256 or 32."""
+    return 256 if fmt in ACT256 else 32
+
+
+def quantize_activations(x: np.ndarray, block: int = 32):
+    """The int8 activations (backends/cpu/qkernels.quantize_act, opencl's dense.cl quantize_act),
+    defined here in NumPy as the emulation their kernels are checked against: per block of `block`
+    (32, or 256 in front of the ACT256 formats) of each row
+        dx = max|x| / 127,  q = clip(rint(x * (1 / dx)), -127, 127)  (dx = 0: q = 0),
+    and per 32 xs = dx * sum(q) (dx repeated for each 32 of a block of 256: the kernels' layout).
+    float32 [T, K] (K % block == 0) -> (q int8 [T, K], dx float32 [T, K/32], xs float32 [T, K/32])."""
     x = np.asarray(x, np.float32)
     T, K = x.shape
-    b = x.reshape(T, K // 32, 32)
+    b = x.reshape(T, K // block, block)
     dx = (np.abs(b).max(axis=-1) / np.float32(127.0)).astype(np.float32)
     inv = np.where(dx > 0, np.float32(1.0) / np.where(dx > 0, dx, 1), 0).astype(np.float32)
-    q = np.clip(np.rint(b * inv[..., None]), -127, 127).astype(np.int8)
+    q = np.clip(np.rint(b * inv[..., None]), -127, 127).astype(np.int8).reshape(T, K // 32, 32)
+    dx = np.repeat(dx, block // 32, axis=1)
     xs = (dx * q.sum(axis=-1, dtype=np.int32).astype(np.float32)).astype(np.float32)
     return q.reshape(T, K), dx, xs
 
 
-def fake_quantized_activations(x: np.ndarray) -> np.ndarray:
-    """x as the int8 path sees it: q * dx, float32."""
-    q, dx, _ = quantize_activations(x)
+def fake_quantized_activations(x: np.ndarray, block: int = 32) -> np.ndarray:
+    """x as the int8 path sees it: q * dx, float32 (block: act_block of the matrix it feeds)."""
+    q, dx, _ = quantize_activations(x, block)
     T, K = q.shape
     return (q.reshape(T, K // 32, 32).astype(np.float32) * dx[..., None]).reshape(T, K)
