@@ -137,9 +137,12 @@ def quantize_act(qx, dx, xs, dst, x, src, blk):
     """Row src of x [., K] -> row dst of qx [., >= K] (int8), dx, xs [., >= K / 32]: per block b of blk
     (32, or 256 in front of the formats of quant.ACT256: qir.act_block)
         dx = max|x_b| / 127,  q = clip(rint(x_b * (1 / dx)), -127, 127),
-    dx stored for each 32 of the block, and per 32 xs = dx * sum(q) (dx = 0: q = 0). A non-finite x
-    makes dx NaN, so what it feeds is NaN, never a finite guess."""
+    dx stored for each 32 of the block (dx = 0: q = 0), and per 32 xs = dx * sum(q) -- or, per 256,
+    in xs's bytes the int16 sums of q per 16 (K / 16 of them: what the super-block formats' offsets
+    and mins take, qir._int_group; llama.cpp's Q8_K bsums). A non-finite x makes dx NaN, so what it
+    feeds is NaN, never a finite guess."""
     K = x.shape[1]
+    xs16 = xs.view(np.int16)
     for b in range(K // blk):
         amax = F0
         bad = False
@@ -152,16 +155,21 @@ def quantize_act(qx, dx, xs, dst, x, src, blk):
                 amax = a
         d = np.float32(np.nan) if bad else amax / np.float32(127.0)
         inv = F1 / d if d > F0 else F0
-        for j in range(blk // 32):
+        s0 = 0
+        for j in range(blk // 16):
             s = 0
-            k = blk * b + 32 * j
-            for i in range(32):
+            k = blk * b + 16 * j
+            for i in range(16):
                 q = np.rint(x[src, k + i] * inv) if not bad else F0
                 q = min(max(q, np.float32(-127.0)), np.float32(127.0))
                 qx[dst, k + i] = np.int8(q)
                 s += np.int32(q)
+            if blk == 256:
+                xs16[dst, k // 16] = np.int16(s)
+            elif j % 2:
+                xs[dst, k // 32] = d * np.float32(s0 + s)
+            s0 = s
             dx[dst, k // 32] = d
-            xs[dst, k // 32] = d * np.float32(s)
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=REDUCE, error_model="numpy")

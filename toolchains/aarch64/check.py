@@ -47,8 +47,9 @@ RUN = ["run", "--backend", "cpu", "--temperature", "0", "--max-new-tokens", "24"
 TOL = 1e-4
 CC = os.environ.get("AARCH64_CC", "aarch64-linux-gnu-gcc")
 # the int8 dot's branches on ARM64, per variant: signed bytes (q8_0, mxfp4, iq4_xs), unsigned nibbles with
-# K-quant mins (q4_k), 16-entry tables (iq4_xs, mxfp4: tbl, the same in both variants)
-BOARD_FORMATS = {"cortex-a76": ("q8_0", "q4_k", "iq4_xs"), "generic": ("q4_k", "mxfp4")}
+# K-quant mins (q4_k), 16-entry tables (iq4_xs, mxfp4: tbl, the same in both variants); the per-256
+# activations' integer scales (q4_k, iq4_xs) with the stored values' offset (q6_k, q3_k: per-16 sums)
+BOARD_FORMATS = {"cortex-a76": ("q8_0", "q4_k", "iq4_xs", "q6_k"), "generic": ("q4_k", "mxfp4", "q3_k")}
 
 
 def log(msg):
