@@ -454,6 +454,39 @@ def ffn_as_seen(be, wd, x, mats, plan, k, act):
     return y.astype(np.float32)
 
 
+@pytest.mark.parametrize("gate_fmt,up_fmt", [("q4_k", "q6_k"), ("q4_k", "q8_0"), ("q8_0", "iq4_xs")])
+def test_gate_and_up_of_different_formats(gate_fmt, up_fmt, rng):
+    """An expert whose gate and up are stored in different formats (an unsloth-style mixed file): on the
+    cpu backend's int8 path one quantised x serves both where their activation blocks agree (per 256
+    for q4_k and q6_k), and where they differ (q4_k / iq4_xs per 256, q8_0 per 32) the pair takes float
+    activations (the down projection its own int8 ones): each checked against NumPy on the stored
+    weights with the activations as that path rounds them."""
+    ref, be = backend(("cpu", {}))
+    T, k, E, H, I = 6, 2, 3, 256, 256
+    rid = np.stack([np.arange(T) % E, (np.arange(T) + 1) % E], axis=1).astype(np.int32)
+    plan = ref.align(None, rid, T, E, k)
+    fmts = (gate_fmt, up_fmt, "q8_0")
+    mats = [[stored(rng.standard_normal(sh).astype(np.float32) / 16, f) for f, sh in zip(fmts, [(I, H), (I, H), (H, I)])]
+            for _ in range(E)]
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    bex = [FFN(*(upload(be, m, f) for m, f in zip(ms, fmts))) for ms in mats]
+    by, act = be.alloc((T * k, H)), be.alloc((T * k, I))
+    be.grouped_ffn(by, dev(be, x), bex, be.align(plan_bufs(be, T * k, E), dev(be, rid),
+                                                 T, E, k), act)
+    got_act = be.download(act)
+    shared = act_block(gate_fmt) == act_block(up_fmt)
+    y = np.zeros((T * k, H))
+    for e, ms in enumerate(mats):
+        a, b = int(plan.offsets[e]), int(plan.offsets[e + 1])
+        X = x[plan.order[a:b] // k]
+        X = fake_quantized_activations(X, act_block(gate_fmt)).astype(np.float64) if shared else X.astype(np.float64)
+        G, U, D = (widen(m[0], f).astype(np.float64) for m, f in zip(ms, fmts))
+        h = X @ G.T
+        close(got_act[a:b], h / (1 + np.exp(-h)) * (X @ U.T), 1e-5)
+        y[a:b] = fake_quantized_activations(got_act[a:b], 32) @ D.T
+    close(be.download(by), y, 1e-5)
+
+
 def test_int8_activation_dots_are_exact(rng):
     """Where every value is dyadic (power-of-two scales, integer activations over 2^3), the int8
     path's float arithmetic is exact too, so the cpu backend (and opencl's int8 activations, integer
