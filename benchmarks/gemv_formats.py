@@ -103,7 +103,7 @@ def main(argv=None):
         emu = (emu_q * np.repeat(emu_d, 32, axis=1)).astype(np.float64) @ quant.dequantize(raw, fmt, K).astype(np.float64).T
         row = []
         for name, fn, want in (("f32", lambda v: Q.qmatmul(out, x, v, none, work, scratch), ref),
-                               ("i8", lambda v: Q.qmatmul_i8(out, x, v, none, work, qx, dx, xs), emu)):
+                               ("i8", lambda v: Q.qmatmul_i8(out, x, v, none, work, qx, dx, xs, scratch), emu)):
             fn(w)
             err = np.abs(out - want).max() / np.abs(want).max()
             if err > 1e-4:

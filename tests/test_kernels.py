@@ -492,7 +492,7 @@ def test_int8_activation_dots_are_exact(rng):
     path's float arithmetic is exact too, so the cpu backend (and opencl's int8 activations, integer
     dots by the portable IDOT4 on PoCL) must equal the emulation bit for bit:
     integer dots, the scales applied per block, the additive terms (q4_0/q5_0 offsets, q4_1/q5_1
-    and K-quant mins), for 1 to 5 tokens (pairs, and an odd last token beside the zero row), whole
+    and K-quant mins), for 1 to 5 and 9 tokens (pairs, four-token tiles, and an odd last token beside the zero row), whole
     groups of 256 and tail blocks."""
     from helpers import backend_available
     int8_dots_exact(rng, [create("cpu")] + ([create("opencl", int8_activations=True)]
@@ -529,7 +529,8 @@ def int8_dot_cases(rng, fmt):
     """Dyadic int8-path cases of one block format: (K, T, raw [13, row bytes], x [T, K], want [T, 13]),
     want the NumPy emulation's result, itself checked equal to the exact float64 product (so every
     variant of the integer dot must give it bit for bit). Power-of-two scales, integer activations
-    over 2^3; K: whole groups of 256 and tail blocks; T: 1, 2 and 5 tokens."""
+    over 2^3; K: whole groups of 256 and tail blocks; T: 1, 2, 5 and 9 tokens (9: the prefill tiles of a
+    predecoded row quad, qkernels.PREDECODE)."""
     from colibri_edge.model import quant
     ref = create("reference")
     B, nb = quant.BLOCK[fmt]
@@ -549,7 +550,7 @@ def int8_dot_cases(rng, fmt):
             else:
                 raw[..., off:off + 2] = np.frombuffer(np.float16(2.0 ** -6).tobytes(), np.uint8)
         raw = raw.reshape(N, -1)
-        for T in (1, 2, 5):
+        for T in (1, 2, 5, 9):
             x = rng.integers(-127, 128, (T, K)).astype(np.float32)
             x.reshape(T, -1, 32)[:, :, 0] = 127                  # dx = 127 / 127 * 2^-3 exactly
             x *= np.float32(2.0 ** -3)

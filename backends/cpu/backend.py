@@ -578,7 +578,7 @@ class Backend(BackendBase):
             if ffn.gate.dtype in BLOCK and self.int8_activations and \
                     act_block(ffn.gate.dtype) == act_block(ffn.up.dtype):       # one quantised x serves both
                 self.q.qswiglu_gate_up_i8(a, x, plan.order, start, plan.top_k, ffn.gate.data, ffn.up.data,
-                                          self.work, *self._acts(x.shape[1], n), ep)
+                                          self.work, *self._acts(x.shape[1], n), self._scratch(x.shape[1]), ep)
             elif ffn.gate.dtype in BLOCK:
                 self.q.qswiglu_gate_up(a, x, plan.order, start, plan.top_k, ffn.gate.data, ffn.up.data,
                                        self.work, self._scratch(x.shape[1]), ep)
@@ -606,7 +606,7 @@ class Backend(BackendBase):
         count, so a row's result never depends on the others: batch invariance)."""
         T, K = x.shape
         if self.int8_activations:
-            self.q.qmatmul_i8(out, x, w, bias, self.work, *self._acts(K, T))
+            self.q.qmatmul_i8(out, x, w, bias, self.work, *self._acts(K, T), self._scratch(K))
         else:
             self.q.qmatmul(out, x, w, bias, self.work, self._scratch(K))
 

@@ -1039,6 +1039,11 @@ def madd16(builder, a, b):
                        builder.shuffle_vector(p, p, cvec(I32, range(1, 16, 2))))
 
 
+def madd32(builder, a, b):
+    """madd16 of 512-bit vectors: <32 x i16> a, b -> <16 x i32> (vpmaddwd zmm; AVX-512 BW only)."""
+    return builder.call(_fn(builder, "llvm.x86.avx512.pmaddw.d.512", vec(I32, 16), [vec(I16, 32), vec(I16, 32)]), [a, b])
+
+
 def _sc_lanes(builder, sc, chunks):
     """The scales of the chunks as int16 lanes of vpmaddubsw's pair sums, 16 a chunk (lane i of a
     chunk: its weights 2i, 2i + 1; per-16 scales: lanes 0-7 its first 16 weights)."""
@@ -1399,3 +1404,190 @@ def rowdot4x4_q(typingctx, w, n0, n1, n2, n3, qx, dx, xs, xo0, xo1, xo2, xo3):
         return None
     return (types.UniTuple(types.float32, 16)(w, n0, n1, n2, n3, qx, dx, xs, xo0, xo1, xo2, xo3),
             _rowdot4_int_codegen(4))
+
+
+# -- prefill: a row quad's groups decoded once for all its tokens ---------------------------------------
+# rowdot4x4_q decodes each group of four rows again for every four tokens: at prefill, where an expert
+# sees 8-64 tokens, the decode (nibble unpacking, the sub-block scales' bit fields) was a third of the
+# tile's instructions (measured on q4_k's AVX-512 tile: ~650 instructions a group for 16 (row, token)
+# pairs, ~140 of them decode). predecode4_q writes the quad's groups once, as the integers the dot
+# takes, into the thread's scratch (PB bytes a row and group, [group][row]):
+#     q      u8/i8 [256]   the 8 chunks' values (group_iscales' chunks: unsigned as stored, or signed)
+#     sc     i16   [16]    at 256: the integer sub-block scales (8 or 16 of them)
+#     mins   i16   [16]    at 288: the per-16 integer mins (q4_k, q5_k, q2_k)
+#     d, dmin f32          at 320, 324
+# and pdot4x4_q takes four tokens against the decoded quad chunk pair by chunk pair (four activation
+# chunks and one row's chunk in registers, 16 int32 accumulators), then each (row, token)'s float
+# update as _int_group does it. The int32 lanes are exact sums, so every order gives the same numbers,
+# and the float ops are _int_group's own: a token's sums are bit for bit rowdot4_q's (batch invariance).
+PB = 384
+
+
+def _pd_fields(fmt):
+    """(signed, has_mins, scales per group) of an INT256 format's decoded groups."""
+    return fmt == "iq4_xs", fmt in ("q4_k", "q5_k", "q2_k"), 16 if fmt in PER16 else 8
+
+
+@intrinsic
+def predecode4_q(typingctx, w, n0, n1, n2, n3, buf, boff):
+    """Rows n0..n3 of w (an INT256 format) decoded into buf's bytes from boff (PB a row and group, [group][row]):
+    what pdot4x4_q reads. Other formats: nothing written (their kernels do not call it)."""
+    if not fmt_of(w):
+        return None
+
+    def codegen(context, builder, sig, args):
+        fmt = fmt_of(sig.args[0])
+        if fmt not in INT256:
+            return context.get_dummy_value()
+        B, nb = BLOCK[fmt]
+        signed, has_mins, nsc = _pd_fields(fmt)
+        w = args[0]
+        rows = [i64(context, builder, sig, args, 1 + r) for r in range(4)]
+        base = builder.add(data_ptr(context, builder, sig.args[5], args[5]), i64(context, builder, sig, args, 6))
+        wbase = data_ptr(context, builder, sig.args[0], w)
+        nblk = builder.extract_value(context.make_array(sig.args[0])(context, builder, w).shape, 1)
+        rstart = [builder.add(wbase, builder.mul(r, builder.mul(nblk, c64(nb)))) for r in rows]
+        with cgutils.for_range(builder, nblk) as loop:          # B == 256: a block is a group
+            g = loop.index
+            for r in range(4):
+                chunks, isc, dw, off, mins, dmin = group_iscales(fmt, builder, builder.add(rstart[r], builder.mul(g, c64(nb))))
+                assert all(s == signed for _, s in chunks) and isc.type.count == nsc and (mins is not None) == has_mins
+                o = builder.add(base, builder.mul(builder.add(builder.mul(g, c64(4)), c64(r)), c64(PB)))
+                for c, (q, _) in enumerate(chunks):
+                    builder.store(q, at(builder, builder.add(o, c64(32 * c)), q.type), align=1)
+                builder.store(isc, at(builder, builder.add(o, c64(256)), isc.type), align=1)
+                if has_mins:
+                    builder.store(mins, at(builder, builder.add(o, c64(288)), mins.type), align=1)
+                    builder.store(dmin, at(builder, builder.add(o, c64(324)), F32), align=1)
+                builder.store(dw, at(builder, builder.add(o, c64(320)), F32), align=1)
+        return context.get_dummy_value()
+    return types.void(w, n0, n1, n2, n3, buf, boff), codegen
+
+
+def _pdot_codegen(ntok):
+    """args: (w, buf, boff, qx, dx, xs, xo_0 .. xo_{ntok-1}) -> 4 ntok sums, row-major (row r, token t at
+    ntok r + t)."""
+    def codegen(context, builder, sig, args):
+        fmt = fmt_of(sig.args[0])
+        zero = ir.Constant(vec(F32, 8), [0.0] * 8)
+        if fmt not in INT256:
+            return context.make_tuple(builder, sig.return_type, [ir.Constant(F32, 0.0)] * (4 * ntok))
+        signed, has_mins, nsc = _pd_fields(fmt)
+        off = {"q3_k": 4, "q6_k": 32}.get(fmt, 0)
+        w = args[0]
+        ngroups = builder.extract_value(context.make_array(sig.args[0])(context, builder, w).shape, 1)
+        base = builder.add(data_ptr(context, builder, sig.args[1], args[1]), i64(context, builder, sig, args, 2))
+        qb, db, sb = (data_ptr(context, builder, sig.args[i], args[i]) for i in (3, 4, 5))
+        xo = [i64(context, builder, sig, args, 6 + t) for t in range(ntok)]
+        xaddr = [builder.add(qb, o) for o in xo]
+        daddr = [builder.add(db, builder.mul(builder.lshr(o, c64(5)), c64(4))) for o in xo]
+        saddr = [builder.add(sb, builder.mul(builder.lshr(o, c64(5)), c64(4))) for o in xo]
+        wide = HAS_VNNI512
+        pairs = ntok // 2 if wide else 0
+        acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(ntok)] for _ in range(4)]
+        acc2 = [[cgutils.alloca_once_value(builder, ir.Constant(vec(F32, 16), [0.0] * 16)) for _ in range(pairs)]
+                for _ in range(4)]
+        ct = ("contract",)
+        with cgutils.for_range(builder, ngroups) as loop:
+            g = loop.index
+            k = builder.mul(g, c64(256))
+            dxs = []
+            bs = []
+            for t in range(ntok):
+                dx = load(builder, builder.add(daddr[t], builder.mul(g, c64(32))), vec(F32, 8), align=4)
+                dxs.append(builder.shuffle_vector(dx, dx, cvec(I32, [0] * 8)))
+                bs.append(load(builder, builder.add(saddr[t], builder.mul(g, c64(32))), vec(I16, 16), align=2))
+            if wide:                # two tokens' scales (8 lanes each) and per-16 sums side by side
+                dx2 = [builder.shuffle_vector(dxs[2 * p], dxs[2 * p + 1], cvec(I32, range(16))) for p in range(pairs)]
+                bs2 = [_cat(builder, [bs[2 * p], bs[2 * p + 1]]) for p in range(pairs)]
+            row = [builder.add(base, builder.mul(builder.add(builder.mul(g, c64(4)), c64(r)), c64(PB))) for r in range(4)]
+            isc = [load(builder, builder.add(row[r], c64(256)), vec(I16, nsc), align=2) for r in range(4)]
+            # the integer sums: chunk (pair) outer, so a chunk's four activations and one row's chunk are
+            # what the registers hold beside the 16 accumulators
+            if wide:
+                s = [[ir.Constant(vec(I32, 16), [0] * 16)] * ntok for _ in range(4)]
+                for c in range(4):
+                    xq = [load(builder, builder.add(xaddr[t], builder.add(k, c64(64 * c))), vec(I8, 64)) for t in range(ntok)]
+                    for r in range(4):
+                        q = load(builder, builder.add(row[r], c64(64 * c)), vec(I8, 64))
+                        sc = _sc_lanes(builder, isc[r], [2 * c, 2 * c + 1])
+                        s[r] = [sdot16(builder, s[r][t], q, signed, xq[t], sc) for t in range(ntok)]
+            else:
+                s8 = [[ir.Constant(vec(I32, 8), [0] * 8)] * ntok for _ in range(4)]
+                for c in range(8):
+                    xq = [load(builder, builder.add(xaddr[t], builder.add(k, c64(32 * c))), vec(I8, 32)) for t in range(ntok)]
+                    for r in range(4):
+                        q = load(builder, builder.add(row[r], c64(32 * c)), vec(I8, 32))
+                        sc = _sc_lanes(builder, isc[r], [c])
+                        s8[r] = [sdot8(builder, s8[r][t], q, signed, xq[t], sc) for t in range(ntok)]
+            # the float update per (row, token): _int_group's ops, in its order, lane for lane; on AVX-512 two
+            # tokens' 8 lanes a zmm (the same IEEE operation in each lane: a token's sums unchanged)
+            for r in range(4):
+                dw = load(builder, builder.add(row[r], c64(320)), F32, align=4)
+                if has_mins:
+                    mins = load(builder, builder.add(row[r], c64(288)), vec(I16, 16), align=2)
+                    dmin = load(builder, builder.add(row[r], c64(324)), F32, align=4)
+                if off:
+                    offsc = builder.mul(isc[r], cvec(I16, [-off] * 16))
+                for p in range(pairs):
+                    a0, a1 = s[r][2 * p], s[r][2 * p + 1]
+                    v = builder.add(builder.shuffle_vector(a0, a1, cvec(I32, list(range(8)) + list(range(16, 24)))),
+                                    builder.shuffle_vector(a0, a1, cvec(I32, list(range(8, 16)) + list(range(24, 32)))))
+                    if off:
+                        v = builder.add(v, madd32(builder, bs2[p], _cat(builder, [offsc, offsc])))
+                    a = builder.fadd(builder.load(acc2[r][p]), builder.fmul(
+                        builder.sitofp(v, vec(F32, 16)), builder.fmul(splat(builder, dw, 16), dx2[p]), flags=ct), flags=ct)
+                    if has_mins:
+                        mn = builder.sitofp(madd32(builder, bs2[p], _cat(builder, [mins, mins])), vec(F32, 16))
+                        a = builder.fsub(a, builder.fmul(mn, builder.fmul(splat(builder, dmin, 16), dx2[p]), flags=ct), flags=ct)
+                    builder.store(a, acc2[r][p])
+                for t in range(2 * pairs, ntok):       # a lone token (or every token, AVX2): ymm
+                    v = s8[r][t] if not wide else builder.add(builder.shuffle_vector(s[r][t], s[r][t], cvec(I32, range(8))),
+                                                             builder.shuffle_vector(s[r][t], s[r][t], cvec(I32, range(8, 16))))
+                    if off:
+                        v = builder.add(v, madd16(builder, bs[t], offsc))
+                    a = builder.fadd(builder.load(acc[r][t]), builder.fmul(
+                        builder.sitofp(v, vec(F32, 8)), builder.fmul(splat(builder, dw, 8), dxs[t]), flags=ct), flags=ct)
+                    if has_mins:
+                        mn = builder.sitofp(madd16(builder, bs[t], mins), vec(F32, 8))
+                        a = builder.fsub(a, builder.fmul(mn, builder.fmul(splat(builder, dmin, 8), dxs[t]), flags=ct), flags=ct)
+                    builder.store(a, acc[r][t])
+        if wide:                    # the zmm accumulators' halves: each token's 8 lanes
+            for r in range(4):
+                for p in range(pairs):
+                    a = builder.load(acc2[r][p])
+                    for h in range(2):
+                        builder.store(builder.shuffle_vector(a, a, cvec(I32, range(8 * h, 8 * h + 8))), acc[r][2 * p + h])
+        sums = []
+        for r in range(4):
+            for t in range(ntok):      # rowdot4_q's end: + the (zero) float-path lanes and tail, as there
+                s = builder.fadd(reduce_add(builder, builder.load(acc[r][t])), reduce_add(builder, zero))
+                sums.append(builder.fadd(s, ir.Constant(F32, 0.0)))
+        return context.make_tuple(builder, sig.return_type, sums)
+    return codegen
+
+
+@intrinsic
+def pdot4_q(typingctx, w, buf, boff, qx, dx, xs, xo):
+    """pdot4x4_q for one token: rowdot4_q's four sums, bit for bit."""
+    if not fmt_of(w):
+        return None
+    return types.UniTuple(types.float32, 4)(w, buf, boff, qx, dx, xs, xo), _pdot_codegen(1)
+
+
+@intrinsic
+def pdot4x2_q(typingctx, w, buf, boff, qx, dx, xs, xoa, xob):
+    """pdot4x4_q for two tokens: rowdot4x2_q's eight sums, bit for bit."""
+    if not fmt_of(w):
+        return None
+    return types.UniTuple(types.float32, 8)(w, buf, boff, qx, dx, xs, xoa, xob), _pdot_codegen(2)
+
+
+@intrinsic
+def pdot4x4_q(typingctx, w, buf, boff, qx, dx, xs, xo0, xo1, xo2, xo3):
+    """rowdot4x4_q of the quad predecode4_q wrote into buf at boff (w gives the format and the group
+    count): four tokens' sums, row-major, each bit for bit rowdot4_q's. Other formats: zeros (their
+    kernels do not call it)."""
+    if not fmt_of(w):
+        return None
+    return types.UniTuple(types.float32, 16)(w, buf, boff, qx, dx, xs, xo0, xo1, xo2, xo3), _pdot_codegen(4)

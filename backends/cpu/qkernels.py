@@ -27,7 +27,7 @@ from colibri_edge.model import quant
 
 from .jitcache import drop_stale
 from .kernels import F0, F1, REDUCE, activate, claim, fdot4, fdot4x2, reset_claims
-from .qir import act_block, rowdeq, rowdot4_q, rowdot4x2_q, rowdot4x4_q, rowdot_q
+from .qir import PB, act_block, pdot4_q, pdot4x2_q, pdot4x4_q, predecode4_q, rowdeq, rowdot4_q, rowdot4x2_q, rowdot4x4_q, rowdot_q
 
 
 
@@ -172,43 +172,68 @@ def quantize_act(qx, dx, xs, dst, x, src, blk):
             dx[dst, k // 32] = d
 
 
+# At prefill (8 or more tokens) a row quad of an INT256 format is decoded once into the thread's scratch
+# (qir.predecode4_q) and every four tokens take it from there (qir.pdot4x4_q): the same sums, bit for bit.
+PREDECODE = 8
+
+
+@njit(error_model="numpy", inline="always")
+def _predecoding(w, T):
+    return act_block(w) == 256 and T >= PREDECODE
+
+
 @njit(parallel=True, nogil=True, cache=True, fastmath=REDUCE, error_model="numpy")
-def qmatmul_i8(out, x, w, bias, work, qx, dx, xs):
+def qmatmul_i8(out, x, w, bias, work, qx, dx, xs, scratch):
     """out[t,n] = deq(w)[n] . x[t] (+ bias[n]), with x quantised to int8 per 32 or 256 (quantize_act) and
     each block's dot product in integers (qir.rowdot4x2_q).
         qx int8 [>= T, >= K], dx, xs float32 [>= T, >= K / 32]: rows 0..T-1 take the activations
-    Rows as kernels.matmul walks them (four interleaved streams a thread), the tokens in pairs
-    (rowdot4x2_q) and an odd last one alone (rowdot4_q: its sums are bit for bit those it would get
-    in a pair, the same IR per token: batch invariance); the last (hi - lo) % 4 rows of a chunk by
-    rowdot_q, token by token."""
+        scratch: float32 [threads, 4, >= K] (its bytes hold a predecoded row quad: qir.predecode4_q)
+    Rows as kernels.matmul walks them (four interleaved streams a thread), the tokens four at a time
+    (rowdot4x4_q, or pdot4x4_q on the quad predecoded once where PREDECODE tokens or more share it),
+    then a pair (rowdot4x2_q) and an odd last one alone (rowdot4_q): every token's sums bit for bit
+    those it gets alone, the same arithmetic per token (batch invariance); the last (hi - lo) % 4 rows
+    of a chunk by rowdot_q, token by token."""
     T, K = x.shape
     blk = act_block(w)
     for t in range(T):                  # serial: a parallel region costs more than a decode row's work
         quantize_act(qx, dx, xs, t, x, t, blk)
     N = w.shape[0]
     S = qx.shape[1]
+    pre = _predecoding(w, T)
     reset_claims(work)
     for c in prange(work.shape[0]):
         while True:
             lo, hi = claim(work, c, N)
             if lo >= hi:
                 break
+            buf = scratch[c]
             q = (hi - lo) // 4
             for i in range(lo, lo + q):                 # rows i, i+q, i+2q, i+3q: four streams side by side
                 T4 = T - T % 4
+                if pre:
+                    predecode4_q(w, i, i + q, i + 2 * q, i + 3 * q, buf, 0)
                 for t in range(0, T4, 4):              # prefill: each group decoded once for four tokens
-                    v = rowdot4x4_q(w, i, i + q, i + 2 * q, i + 3 * q, qx, dx, xs, t * S, (t + 1) * S,
-                                    (t + 2) * S, (t + 3) * S)
+                    if pre:
+                        v = pdot4x4_q(w, buf, 0, qx, dx, xs, t * S, (t + 1) * S, (t + 2) * S, (t + 3) * S)
+                    else:
+                        v = rowdot4x4_q(w, i, i + q, i + 2 * q, i + 3 * q, qx, dx, xs, t * S, (t + 1) * S,
+                                        (t + 2) * S, (t + 3) * S)
                     for u in range(4):
                         _store4q(out, t + u, i, q, v[u], v[4 + u], v[8 + u], v[12 + u], bias)
                 if T - T4 >= 2:
                     t = T4
-                    a0, b0, a1, b1, a2, b2, a3, b3 = rowdot4x2_q(w, i, i + q, i + 2 * q, i + 3 * q, qx, dx, xs,
-                                                                 t * S, (t + 1) * S)
+                    if pre:
+                        a0, b0, a1, b1, a2, b2, a3, b3 = pdot4x2_q(w, buf, 0, qx, dx, xs, t * S, (t + 1) * S)
+                    else:
+                        a0, b0, a1, b1, a2, b2, a3, b3 = rowdot4x2_q(w, i, i + q, i + 2 * q, i + 3 * q, qx, dx, xs,
+                                                                     t * S, (t + 1) * S)
                     _store4q(out, t, i, q, a0, a1, a2, a3, bias)
                     _store4q(out, t + 1, i, q, b0, b1, b2, b3, bias)
                 if T % 2:
-                    a0, a1, a2, a3 = rowdot4_q(w, i, i + q, i + 2 * q, i + 3 * q, qx, dx, xs, (T - 1) * S)
+                    if pre:
+                        a0, a1, a2, a3 = pdot4_q(w, buf, 0, qx, dx, xs, (T - 1) * S)
+                    else:
+                        a0, a1, a2, a3 = rowdot4_q(w, i, i + q, i + 2 * q, i + 3 * q, qx, dx, xs, (T - 1) * S)
                     _store4q(out, T - 1, i, q, a0, a1, a2, a3, bias)
             for n in range(lo + 4 * q, hi):
                 for t in range(T):
@@ -216,42 +241,61 @@ def qmatmul_i8(out, x, w, bias, work, qx, dx, xs):
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=REDUCE, error_model="numpy")
-def qswiglu_gate_up_i8(act, x, order, start, top_k, gate, up, work, qx, dx, xs, ep):
+def qswiglu_gate_up_i8(act, x, order, start, top_k, gate, up, work, qx, dx, xs, scratch, ep):
     """qswiglu_gate_up with int8 activations (the R rows' tokens quantised once into qx rows 0..R-1),
-    gate and up rows four at a time, the rows' tokens in pairs and an odd last one alone (as
-    qmatmul_i8: batch invariant)."""
+    gate and up rows four at a time, the rows' tokens four at a time, then a pair and an odd last one
+    alone (as qmatmul_i8, predecoding the gate and up quads into scratch float32 [threads, 4, >= H]
+    at PREDECODE tokens or more: batch invariant)."""
     R, I = act.shape
     S = qx.shape[1]
     blk = act_block(gate)                # the backend calls this with act_block(up) the same
     for r in range(R):
         quantize_act(qx, dx, xs, r, x, order[start + r] // top_k, blk)
+    pre = _predecoding(gate, R) and _predecoding(up, R)
+    ub = PB * 4 * (x.shape[1] // 256)     # the up quad's bytes after the gate quad's
     reset_claims(work)
     for c in prange(work.shape[0]):
         while True:
             lo, hi = claim(work, c, I)
             if lo >= hi:
                 break
+            buf = scratch[c]
             q = (hi - lo) // 4
             R4 = R - R % 4
             for i in range(lo, lo + q):
+                if pre:
+                    predecode4_q(gate, i, i + q, i + 2 * q, i + 3 * q, buf, 0)
+                    predecode4_q(up, i, i + q, i + 2 * q, i + 3 * q, buf, ub)
                 for r in range(0, R4, 4):
-                    g = rowdot4x4_q(gate, i, i + q, i + 2 * q, i + 3 * q, qx, dx, xs, r * S, (r + 1) * S,
-                                    (r + 2) * S, (r + 3) * S)
-                    u = rowdot4x4_q(up, i, i + q, i + 2 * q, i + 3 * q, qx, dx, xs, r * S, (r + 1) * S,
-                                    (r + 2) * S, (r + 3) * S)
+                    if pre:
+                        g = pdot4x4_q(gate, buf, 0, qx, dx, xs, r * S, (r + 1) * S, (r + 2) * S, (r + 3) * S)
+                        u = pdot4x4_q(up, buf, ub, qx, dx, xs, r * S, (r + 1) * S, (r + 2) * S, (r + 3) * S)
+                    else:
+                        g = rowdot4x4_q(gate, i, i + q, i + 2 * q, i + 3 * q, qx, dx, xs, r * S, (r + 1) * S,
+                                        (r + 2) * S, (r + 3) * S)
+                        u = rowdot4x4_q(up, i, i + q, i + 2 * q, i + 3 * q, qx, dx, xs, r * S, (r + 1) * S,
+                                        (r + 2) * S, (r + 3) * S)
                     for j in range(4):
                         for v in range(4):
                             act[r + v, i + j * q] = _swiglu(g[4 * j + v], u[4 * j + v], r + v, i + j * q, ep)
                 if R - R4 >= 2:
                     r = R4
-                    g = rowdot4x2_q(gate, i, i + q, i + 2 * q, i + 3 * q, qx, dx, xs, r * S, (r + 1) * S)
-                    u = rowdot4x2_q(up, i, i + q, i + 2 * q, i + 3 * q, qx, dx, xs, r * S, (r + 1) * S)
+                    if pre:
+                        g = pdot4x2_q(gate, buf, 0, qx, dx, xs, r * S, (r + 1) * S)
+                        u = pdot4x2_q(up, buf, ub, qx, dx, xs, r * S, (r + 1) * S)
+                    else:
+                        g = rowdot4x2_q(gate, i, i + q, i + 2 * q, i + 3 * q, qx, dx, xs, r * S, (r + 1) * S)
+                        u = rowdot4x2_q(up, i, i + q, i + 2 * q, i + 3 * q, qx, dx, xs, r * S, (r + 1) * S)
                     for j in range(4):
                         act[r, i + j * q] = _swiglu(g[2 * j], u[2 * j], r, i + j * q, ep)
                         act[r + 1, i + j * q] = _swiglu(g[2 * j + 1], u[2 * j + 1], r + 1, i + j * q, ep)
                 if R % 2:
-                    g = rowdot4_q(gate, i, i + q, i + 2 * q, i + 3 * q, qx, dx, xs, (R - 1) * S)
-                    u = rowdot4_q(up, i, i + q, i + 2 * q, i + 3 * q, qx, dx, xs, (R - 1) * S)
+                    if pre:
+                        g = pdot4_q(gate, buf, 0, qx, dx, xs, (R - 1) * S)
+                        u = pdot4_q(up, buf, ub, qx, dx, xs, (R - 1) * S)
+                    else:
+                        g = rowdot4_q(gate, i, i + q, i + 2 * q, i + 3 * q, qx, dx, xs, (R - 1) * S)
+                        u = rowdot4_q(up, i, i + q, i + 2 * q, i + 3 * q, qx, dx, xs, (R - 1) * S)
                     for j in range(4):
                         act[R - 1, i + j * q] = _swiglu(g[j], u[j], R - 1, i + j * q, ep)
             for i in range(lo + 4 * q, hi):
