@@ -209,3 +209,37 @@ def test_numba_cache_follows_the_files_a_kernel_inlines(tmp_path):
     second = subprocess.run(run, env=env, capture_output=True, text=True, check=True).stdout.strip()
     assert (first, second) == ("20", "30")
     assert (pkg / "__pycache__" / "kern.py.deps").is_file()
+
+
+@pytest.mark.parametrize("blk", [32, 256])
+def test_quantize_act_is_the_emulation(blk, rng):
+    """The cpu kernels' int8 activations (qkernels.quantize_act, 16 at a time in qir's vectors) equal
+    quant.quantize_activations bit for bit: q, dx, and per 32 xs (per 256: the int16 sums per 16 in
+    xs's bytes), rows taken from a wider buffer and written at another row; a block holding a
+    non-finite value gets dx NaN and q 0 there, its neighbours untouched."""
+    from colibri_edge.backends.cpu import qkernels as Q
+    from colibri_edge.model.quant import quantize_activations
+    T, K = 3, 1024
+    wide = (rng.standard_normal((T, K + 64)) * rng.choice([1e-3, 1.0, 40.0], (T, 1))).astype(np.float32)
+    wide[1, :300] = 0.0                                             # zero blocks: dx 0, q 0
+    wide[2, 260] = np.inf
+    wide[2, 700] = np.nan
+    x = wide[:, :K]
+    qx, dx, xs = np.zeros((T + 1, K), np.int8), np.zeros((T + 1, K // 32), np.float32), np.zeros((T + 1, K // 32), np.float32)
+    for t in range(T):
+        Q.quantize_act(qx, dx, xs, t + 1, x, t, blk)
+    fin = np.where(np.isfinite(x), x, 0).astype(np.float32)
+    q, d, s = quantize_activations(fin, blk)
+    bad = ~np.isfinite(x).reshape(T, K // blk, blk).all(axis=-1).repeat(blk // 32, axis=1)        # [T, K / 32]
+    assert bad[2].sum() == 2 * blk // 32 and not bad[:2].any()
+    np.testing.assert_array_equal(np.isnan(dx[1:]), bad)
+    np.testing.assert_array_equal(dx[1:][~bad], d[~bad])
+    np.testing.assert_array_equal(qx[1:].reshape(T, K // 32, 32)[bad], 0)
+    np.testing.assert_array_equal(qx[1:].reshape(T, K // 32, 32)[~bad], q.reshape(T, K // 32, 32)[~bad])
+    if blk == 32:
+        np.testing.assert_array_equal(xs[1:][~bad], s[~bad])
+    else:
+        sums16 = q.reshape(T, K // 16, 16).sum(axis=-1, dtype=np.int32).astype(np.int16)
+        np.testing.assert_array_equal(xs[1:].view(np.int16)[:, :K // 16][~bad.repeat(2, axis=1)],
+                                      sums16[~bad.repeat(2, axis=1)])
+    assert not qx[0].any() and not dx[0].any()                        # row 0 never written
