@@ -1427,14 +1427,18 @@ def rowdot4x4_q(typingctx, w, n0, n1, n2, n3, qx, dx, xs, xo0, xo1, xo2, xo3):
 # pairs, ~140 of them decode). predecode4_q writes the quad's groups once, as the integers the dot
 # takes, into the thread's scratch (PB bytes a row and group, [group][row]):
 #     q      u8/i8 [256]   the 8 chunks' values (group_iscales' chunks: unsigned as stored, or signed)
-#     sc     i16   [16]    at 256: the integer sub-block scales (8 or 16 of them)
-#     mins   i16   [16]    at 288: the per-16 integer mins (q4_k, q5_k, q2_k)
-#     d, dmin f32          at 320, 324
-# and pdot4x4_q takes four tokens against the decoded quad chunk pair by chunk pair (four activation
-# chunks and one row's chunk in registers, 16 int32 accumulators), then each (row, token)'s float
-# update as _int_group does it. The int32 lanes are exact sums, so every order gives the same numbers,
-# and the float ops are _int_group's own: a token's sums are bit for bit rowdot4_q's (batch invariance).
-PB = 384
+#     lanes  i16   [8][16] at 256: each chunk's scales as vpmaddubsw's pair sums take them (_sc_lanes)
+#     sc     i16   [16]    at 512: the integer sub-block scales (8 or 16 of them)
+#     mins   i16   [16]    at 544: the per-16 integer mins (q4_k, q5_k, q2_k)
+#     d, dmin f32          at 576, 580
+# and pdot4x4_q takes the tokens two at a time in a zmm ([token a's chunk | token b's chunk], the row's
+# chunk and scale lanes broadcast to both halves from memory), so each int32 lane ends holding what
+# _int_group's chunk pairs hold after their halves are added: no shuffles, no scale permutes, and the
+# pair's float update straight on the accumulator. Then each (row, token)'s float update as _int_group
+# does it. The int32 lanes are exact sums, so every order gives the same numbers, and the float ops are
+# _int_group's own: a token's sums are bit for bit rowdot4_q's (batch invariance). A super-block of 4
+# rows x 4 tokens: 254 -> ~190 vector uops (the int part 128 vpmaddubsw + vpdpwssd).
+PB = 640
 
 
 def _pd_fields(fmt):
@@ -1469,11 +1473,13 @@ def predecode4_q(typingctx, w, n0, n1, n2, n3, buf, boff):
                 o = builder.add(base, builder.mul(builder.add(builder.mul(g, c64(4)), c64(r)), c64(PB)))
                 for c, (q, _) in enumerate(chunks):
                     builder.store(q, at(builder, builder.add(o, c64(32 * c)), q.type), align=1)
-                builder.store(isc, at(builder, builder.add(o, c64(256)), isc.type), align=1)
+                    lanes = _sc_lanes(builder, isc, [c])
+                    builder.store(lanes, at(builder, builder.add(o, c64(256 + 32 * c)), lanes.type), align=1)
+                builder.store(isc, at(builder, builder.add(o, c64(512)), isc.type), align=1)
                 if has_mins:
-                    builder.store(mins, at(builder, builder.add(o, c64(288)), mins.type), align=1)
-                    builder.store(dmin, at(builder, builder.add(o, c64(324)), F32), align=1)
-                builder.store(dw, at(builder, builder.add(o, c64(320)), F32), align=1)
+                    builder.store(mins, at(builder, builder.add(o, c64(544)), mins.type), align=1)
+                    builder.store(dmin, at(builder, builder.add(o, c64(580)), F32), align=1)
+                builder.store(dw, at(builder, builder.add(o, c64(576)), F32), align=1)
         return context.get_dummy_value()
     return types.void(w, n0, n1, n2, n3, buf, boff), codegen
 
@@ -1515,38 +1521,48 @@ def _pdot_codegen(ntok):
                 dx2 = [builder.shuffle_vector(dxs[2 * p], dxs[2 * p + 1], cvec(I32, range(16))) for p in range(pairs)]
                 bs2 = [_cat(builder, [bs[2 * p], bs[2 * p + 1]]) for p in range(pairs)]
             row = [builder.add(base, builder.mul(builder.add(builder.mul(g, c64(4)), c64(r)), c64(PB))) for r in range(4)]
-            isc = [load(builder, builder.add(row[r], c64(256)), vec(I16, nsc), align=2) for r in range(4)]
-            # the integer sums: chunk (pair) outer, so a chunk's four activations and one row's chunk are
-            # what the registers hold beside the 16 accumulators
+            isc = [load(builder, builder.add(row[r], c64(512)), vec(I16, nsc), align=2) for r in range(4)]
+            # the integer sums: chunk outer, so a chunk's activations and one row's chunk are what the
+            # registers hold beside the accumulators
             if wide:
-                s = [[ir.Constant(vec(I32, 16), [0] * 16)] * ntok for _ in range(4)]
-                for c in range(4):
-                    xq = [load(builder, builder.add(xaddr[t], builder.add(k, c64(64 * c))), vec(I8, 64)) for t in range(ntok)]
+                z16 = ir.Constant(vec(I32, 16), [0] * 16)
+                sp = [[z16] * pairs for _ in range(4)]         # token pairs: [a's 8 lanes | b's 8 lanes]
+                s = [[z16] * ntok for _ in range(4)]           # a lone token: chunk pairs, halves added below
+                for c in range(8):
+                    xp = [_cat(builder, [load(builder, builder.add(xaddr[t], builder.add(k, c64(32 * c))), vec(I8, 32))
+                                         for t in (2 * p, 2 * p + 1)]) for p in range(pairs)]
+                    for r in range(4):
+                        q = load(builder, builder.add(row[r], c64(32 * c)), vec(I8, 32))
+                        sc = load(builder, builder.add(row[r], c64(256 + 32 * c)), vec(I16, 16), align=2)
+                        q2, sc2 = _cat(builder, [q, q]), _cat(builder, [sc, sc])
+                        sp[r] = [sdot16(builder, sp[r][p], q2, signed, xp[p], sc2) for p in range(pairs)]
+                for c in range(4) if ntok % 2 else ():
+                    xq = {t: load(builder, builder.add(xaddr[t], builder.add(k, c64(64 * c))), vec(I8, 64))
+                          for t in range(2 * pairs, ntok)}
                     for r in range(4):
                         q = load(builder, builder.add(row[r], c64(64 * c)), vec(I8, 64))
-                        sc = _sc_lanes(builder, isc[r], [2 * c, 2 * c + 1])
-                        s[r] = [sdot16(builder, s[r][t], q, signed, xq[t], sc) for t in range(ntok)]
+                        sc = load(builder, builder.add(row[r], c64(256 + 64 * c)), vec(I16, 32), align=2)
+                        for t in xq:
+                            s[r][t] = sdot16(builder, s[r][t], q, signed, xq[t], sc)
             else:
                 s8 = [[ir.Constant(vec(I32, 8), [0] * 8)] * ntok for _ in range(4)]
                 for c in range(8):
                     xq = [load(builder, builder.add(xaddr[t], builder.add(k, c64(32 * c))), vec(I8, 32)) for t in range(ntok)]
                     for r in range(4):
                         q = load(builder, builder.add(row[r], c64(32 * c)), vec(I8, 32))
-                        sc = _sc_lanes(builder, isc[r], [c])
+                        sc = load(builder, builder.add(row[r], c64(256 + 32 * c)), vec(I16, 16), align=2)
                         s8[r] = [sdot8(builder, s8[r][t], q, signed, xq[t], sc) for t in range(ntok)]
             # the float update per (row, token): _int_group's ops, in its order, lane for lane; on AVX-512 two
             # tokens' 8 lanes a zmm (the same IEEE operation in each lane: a token's sums unchanged)
             for r in range(4):
-                dw = load(builder, builder.add(row[r], c64(320)), F32, align=4)
+                dw = load(builder, builder.add(row[r], c64(576)), F32, align=4)
                 if has_mins:
-                    mins = load(builder, builder.add(row[r], c64(288)), vec(I16, 16), align=2)
-                    dmin = load(builder, builder.add(row[r], c64(324)), F32, align=4)
+                    mins = load(builder, builder.add(row[r], c64(544)), vec(I16, 16), align=2)
+                    dmin = load(builder, builder.add(row[r], c64(580)), F32, align=4)
                 if off:
                     offsc = builder.mul(isc[r], cvec(I16, [-off] * 16))
                 for p in range(pairs):
-                    a0, a1 = s[r][2 * p], s[r][2 * p + 1]
-                    v = builder.add(builder.shuffle_vector(a0, a1, cvec(I32, list(range(8)) + list(range(16, 24)))),
-                                    builder.shuffle_vector(a0, a1, cvec(I32, list(range(8, 16)) + list(range(24, 32)))))
+                    v = sp[r][p]
                     if off:
                         v = builder.add(v, madd32(builder, bs2[p], _cat(builder, [offsc, offsc])))
                     a = builder.fadd(builder.load(acc2[r][p]), builder.fmul(

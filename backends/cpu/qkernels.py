@@ -179,8 +179,11 @@ PREDECODE = 8
 
 
 @njit(error_model="numpy", inline="always")
-def _predecoding(w, T):
-    return act_block(w) == 256 and T >= PREDECODE
+def _predecoding(w, T, scratch, quads):
+    """Whether T tokens take w's rows predecoded: an INT256 format, PREDECODE tokens or more, and room
+    in a thread's scratch for `quads` row quads of w's groups (PB bytes a row and group)."""
+    return act_block(w) == 256 and T >= PREDECODE and \
+        scratch.shape[1] * scratch.shape[2] * 4 >= quads * 4 * PB * w.shape[1]
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=REDUCE, error_model="numpy")
@@ -200,7 +203,7 @@ def qmatmul_i8(out, x, w, bias, work, qx, dx, xs, scratch):
         quantize_act(qx, dx, xs, t, x, t, blk)
     N = w.shape[0]
     S = qx.shape[1]
-    pre = _predecoding(w, T)
+    pre = _predecoding(w, T, scratch, 1)
     reset_claims(work)
     for c in prange(work.shape[0]):
         while True:
@@ -245,14 +248,14 @@ def qmatmul_i8(out, x, w, bias, work, qx, dx, xs, scratch):
 def qswiglu_gate_up_i8(act, x, order, start, top_k, gate, up, work, qx, dx, xs, scratch, ep):
     """qswiglu_gate_up with int8 activations (the R rows' tokens quantised once into qx rows 0..R-1),
     gate and up rows four at a time, the rows' tokens four at a time, then a pair and an odd last one
-    alone (as qmatmul_i8, predecoding the gate and up quads into scratch float32 [threads, 4, >= H]
+    alone (as qmatmul_i8, predecoding the gate and up quads into scratch float32 [threads, 5, >= H]
     at PREDECODE tokens or more: batch invariant)."""
     R, I = act.shape
     S = qx.shape[1]
     blk = act_block(gate)                # the backend calls this with act_block(up) the same
     for r in range(R):
         quantize_act(qx, dx, xs, r, x, order[start + r] // top_k, blk)
-    pre = _predecoding(gate, R) and _predecoding(up, R)
+    pre = _predecoding(gate, R, scratch, 2) and _predecoding(up, R, scratch, 2)
     ub = PB * 4 * (x.shape[1] // 256)     # the up quad's bytes after the gate quad's
     reset_claims(work)
     for c in prange(work.shape[0]):
