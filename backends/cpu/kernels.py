@@ -851,6 +851,22 @@ def _axpy4_rows(acc, p0, p1, p2, p3, r0, r1, r2, r3, scales, s0, s1, s2, s3, h):
     return grouped
 
 
+@njit(inline="always")
+def softmax4(acc, m, l, a0, a1, a2, a3):
+    """One step of the online softmax over four scores a_i (running max m, sum l, acc the weighted sum
+    of value rows so far): where max a_i > m, acc and l are rescaled by exp(m - max) and m moves up;
+    -> (m, l + sum p_i, p0, p1, p2, p3), p_i = exp(a_i - m), the value rows' weights."""
+    top = max(max(a0, a1), max(a2, a3))
+    if top > m:                         # new maximum: rescale what was summed so far
+        c = np.exp(m - top)
+        l *= c
+        for d in range(acc.shape[0]):
+            acc[d] *= c
+        m = top
+    p0, p1, p2, p3 = np.exp(a0 - m), np.exp(a1 - m), np.exp(a2 - m), np.exp(a3 - m)
+    return m, l + ((p0 + p1) + (p2 + p3)), p0, p1, p2, p3
+
+
 @njit(parallel=True, nogil=True, cache=True, fastmath=REDUCE, error_model="numpy")
 def paged_attention(out, q, k_cache, k_scales, v_cache, v_scales, block_tables, seq_index, positions, block_size,
                     scale, window, sinks):
@@ -897,15 +913,7 @@ def paged_attention(out, q, k_cache, k_scales, v_cache, v_scales, block_tables, 
             a1 = a1 * scalef if j + 1 < n else NEG_INF
             a2 = a2 * scalef if j + 2 < n else NEG_INF
             a3 = a3 * scalef if j + 3 < n else NEG_INF
-            top = max(max(a0, a1), max(a2, a3))
-            if top > m:                         # new maximum: rescale what was summed so far
-                c = np.exp(m - top)
-                l *= c
-                for d in range(D):
-                    acc[d] *= c
-                m = top
-            p0, p1, p2, p3 = np.exp(a0 - m), np.exp(a1 - m), np.exp(a2 - m), np.exp(a3 - m)
-            l += (p0 + p1) + (p2 + p3)
+            m, l, p0, p1, p2, p3 = softmax4(acc, m, l, a0, a1, a2, a3)
             axpy4_rows(acc, p0, p1, p2, p3, v_cache[s0, kvh], v_cache[s1, kvh], v_cache[s2, kvh], v_cache[s3, kvh],
                        v_scales, s0, s1, s2, s3, kvh)
         inv = F1 / l
@@ -966,16 +974,8 @@ def latent_attention(out, q, q_rope, c_cache, c_scales, r_cache, r_scales, block
                 a1 = (a1 + b1) * scalef if j + 1 < n else NEG_INF
                 a2 = (a2 + b2) * scalef if j + 2 < n else NEG_INF
                 a3 = (a3 + b3) * scalef if j + 3 < n else NEG_INF
-                m, l = ml[t * Hq + h, 0], ml[t * Hq + h, 1]
-                top = max(max(a0, a1), max(a2, a3))
-                if top > m:                     # new maximum: rescale what was summed so far
-                    c = np.exp(m - top)
-                    l *= c
-                    for d in range(Dc):
-                        acc[d] *= c
-                    m = top
-                p0, p1, p2, p3 = np.exp(a0 - m), np.exp(a1 - m), np.exp(a2 - m), np.exp(a3 - m)
-                ml[t * Hq + h, 0], ml[t * Hq + h, 1] = m, l + ((p0 + p1) + (p2 + p3))
+                m, l, p0, p1, p2, p3 = softmax4(acc, ml[t * Hq + h, 0], ml[t * Hq + h, 1], a0, a1, a2, a3)
+                ml[t * Hq + h, 0], ml[t * Hq + h, 1] = m, l
                 axpy4_rows(acc, p0, p1, p2, p3, c0, c1, c2, c3, c_scales, s0, s1, s2, s3, 0)
         for h in range(h0, h1):
             acc = out[t, h]
