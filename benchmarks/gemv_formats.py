@@ -85,7 +85,7 @@ def main(argv=None):
     x = rng.standard_normal((T, K)).astype(np.float32)
     none = np.zeros(0, np.float32)
     qx, dx, xs = np.zeros((T, K), np.int8), np.zeros((T, K // 32), np.float32), np.zeros((T, K // 32), np.float32)
-    scratch = np.zeros((th, 5, K), np.float32)
+    scratch = np.zeros((th, 6, K), np.float32)
     work = np.zeros((th, 8), np.int64)                  # the claim counters (kernels.claim), one row a thread
     out = np.zeros((T, N), np.float32)
     print(f"BLAS sgemv read bandwidth, {th} threads: {blas_probe(th):.1f} GB/s; int8 dots: {INT8_DOT}, "

@@ -165,8 +165,8 @@ class Backend(BackendBase):
         self.no_pre = np.zeros((0, 0), np.float32)            # no per-row gate/up addend (kernels.expert_act)
         self._silu = (self.none, self.none, np.float32(0), np.float32(0), self.no_pre)   # expert_act's SwiGLU
         self.no_tally = np.zeros(0, np.int32)
-        # block formats' dequantised rows (4), or predecoded gate and up row quads (qir.PB: 5 x 4 bytes a column)
-        self._qscratch = np.zeros((self.num_threads, 5, 0), np.float32)
+        # block formats' dequantised rows (4), or predecoded gate and up row quads (qir.PB: 2 x 4 x 704 / 256 bytes a column)
+        self._qscratch = np.zeros((self.num_threads, 6, 0), np.float32)
         # block formats: activations quantised to int8 per 32 (or 256: quant.act_block), integer dots (qir.py); the
         # float32-activation path stays, int8_activations=False / COLIBRI_INT8_ACTIVATIONS=0
         self.int8_activations = bool(int8_activations)
@@ -192,7 +192,7 @@ class Backend(BackendBase):
         for ops called directly (kernel tests)."""
         t, _, c = self._qscratch.shape
         if c < cols or t < self.num_threads:
-            self._qscratch = np.zeros((max(t, self.num_threads), 5, max(c, cols)), np.float32)
+            self._qscratch = np.zeros((max(t, self.num_threads), 6, max(c, cols)), np.float32)
         return self._qscratch
 
     def _acts(self, cols, rows):

@@ -1431,6 +1431,8 @@ def rowdot4x4_q(typingctx, w, n0, n1, n2, n3, qx, dx, xs, xo0, xo1, xo2, xo3):
 #     sc     i16   [16]    at 512: the integer sub-block scales (8 or 16 of them)
 #     mins   i16   [16]    at 544: the per-16 integer mins (q4_k, q5_k, q2_k)
 #     d, dmin f32          at 576, 580
+#     signs  i64   [8]     at 640 (signed formats: iq4_xs): chunk c's sign bits twice (bit i and 32 + i:
+#                          weight i < 0), and q holds |q|: the tile negates the activations by mask
 # and pdot4x4_q takes the tokens two at a time in a zmm ([token a's chunk | token b's chunk], the row's
 # chunk and scale lanes broadcast to both halves from memory), so each int32 lane ends holding what
 # _int_group's chunk pairs hold after their halves are added: no shuffles, no scale permutes, and the
@@ -1438,7 +1440,7 @@ def rowdot4x4_q(typingctx, w, n0, n1, n2, n3, qx, dx, xs, xo0, xo1, xo2, xo3):
 # does it. The int32 lanes are exact sums, so every order gives the same numbers, and the float ops are
 # _int_group's own: a token's sums are bit for bit rowdot4_q's (batch invariance). A super-block of 4
 # rows x 4 tokens: 254 -> ~190 vector uops (the int part 128 vpmaddubsw + vpdpwssd).
-PB = 640
+PB = 704
 
 
 def _pd_fields(fmt):
@@ -1472,6 +1474,13 @@ def predecode4_q(typingctx, w, n0, n1, n2, n3, buf, boff):
                 assert all(s == signed for _, s in chunks) and isc.type.count == nsc and (mins is not None) == has_mins
                 o = builder.add(base, builder.mul(builder.add(builder.mul(g, c64(4)), c64(r)), c64(PB)))
                 for c, (q, _) in enumerate(chunks):
+                    if signed:
+                        neg = builder.zext(builder.bitcast(builder.icmp_signed("<", q, cvec(I8, [0] * 32)), I32),
+                                           ir.IntType(64))
+                        builder.store(builder.or_(neg, builder.shl(neg, c64(32))),
+                                      at(builder, builder.add(o, c64(640 + 8 * c)), ir.IntType(64)), align=1)
+                        q = builder.call(_fn(builder, "llvm.abs.v32i8", q.type, [q.type, ir.IntType(1)]),
+                                         [q, ir.Constant(ir.IntType(1), 0)])
                     builder.store(q, at(builder, builder.add(o, c64(32 * c)), q.type), align=1)
                     lanes = _sc_lanes(builder, isc, [c])
                     builder.store(lanes, at(builder, builder.add(o, c64(256 + 32 * c)), lanes.type), align=1)
@@ -1482,6 +1491,15 @@ def predecode4_q(typingctx, w, n0, n1, n2, n3, buf, boff):
                 builder.store(dw, at(builder, builder.add(o, c64(576)), F32), align=1)
         return context.get_dummy_value()
     return types.void(w, n0, n1, n2, n3, buf, boff), codegen
+
+
+def _negate(builder, row, c, n, x):
+    """x (n chunks from chunk c, <32 n x i8>) negated where the predecoded row's weights are < 0 (their
+    sign bits at 640: a signed format's q is stored as |q|)."""
+    bits = [builder.trunc(load(builder, builder.add(row, c64(640 + 8 * (c + i))), ir.IntType(64), align=1), I32)
+            for i in range(n)]
+    neg = _cat(builder, [builder.bitcast(b, vec(ir.IntType(1), 32)) for b in bits])
+    return builder.select(neg, builder.sub(cvec(I8, [0] * (32 * n)), x), x)
 
 
 def _pdot_codegen(ntok):
@@ -1535,7 +1553,14 @@ def _pdot_codegen(ntok):
                         q = load(builder, builder.add(row[r], c64(32 * c)), vec(I8, 32))
                         sc = load(builder, builder.add(row[r], c64(256 + 32 * c)), vec(I16, 16), align=2)
                         q2, sc2 = _cat(builder, [q, q]), _cat(builder, [sc, sc])
-                        sp[r] = [sdot16(builder, sp[r][p], q2, signed, xp[p], sc2) for p in range(pairs)]
+                        if signed:      # |q| stored: the activations negated where q < 0 (one masked op)
+                            neg = builder.bitcast(load(builder, builder.add(row[r], c64(640 + 8 * c)), ir.IntType(64),
+                                                       align=1), vec(ir.IntType(1), 64))
+                            sp[r] = [sdot16(builder, sp[r][p], q2, False,
+                                            builder.select(neg, builder.sub(cvec(I8, [0] * 64), xp[p]), xp[p]), sc2)
+                                     for p in range(pairs)]
+                        else:
+                            sp[r] = [sdot16(builder, sp[r][p], q2, False, xp[p], sc2) for p in range(pairs)]
                 for c in range(4) if ntok % 2 else ():
                     xq = {t: load(builder, builder.add(xaddr[t], builder.add(k, c64(64 * c))), vec(I8, 64))
                           for t in range(2 * pairs, ntok)}
@@ -1543,7 +1568,8 @@ def _pdot_codegen(ntok):
                         q = load(builder, builder.add(row[r], c64(64 * c)), vec(I8, 64))
                         sc = load(builder, builder.add(row[r], c64(256 + 64 * c)), vec(I16, 32), align=2)
                         for t in xq:
-                            s[r][t] = sdot16(builder, s[r][t], q, signed, xq[t], sc)
+                            s[r][t] = sdot16(builder, s[r][t], q, False, _negate(builder, row[r], 2 * c, 2, xq[t])
+                                             if signed else xq[t], sc)
             else:
                 s8 = [[ir.Constant(vec(I32, 8), [0] * 8)] * ntok for _ in range(4)]
                 for c in range(8):
@@ -1551,7 +1577,8 @@ def _pdot_codegen(ntok):
                     for r in range(4):
                         q = load(builder, builder.add(row[r], c64(32 * c)), vec(I8, 32))
                         sc = load(builder, builder.add(row[r], c64(256 + 32 * c)), vec(I16, 16), align=2)
-                        s8[r] = [sdot8(builder, s8[r][t], q, signed, xq[t], sc) for t in range(ntok)]
+                        s8[r] = [sdot8(builder, s8[r][t], q, False, _negate(builder, row[r], c, 1, xq[t]) if signed else xq[t],
+                                       sc) for t in range(ntok)]
             # the float update per (row, token): _int_group's ops, in its order, lane for lane; on AVX-512 two
             # tokens' 8 lanes a zmm (the same IEEE operation in each lane: a token's sums unchanged)
             for r in range(4):

@@ -248,7 +248,7 @@ def qmatmul_i8(out, x, w, bias, work, qx, dx, xs, scratch):
 def qswiglu_gate_up_i8(act, x, order, start, top_k, gate, up, work, qx, dx, xs, scratch, ep):
     """qswiglu_gate_up with int8 activations (the R rows' tokens quantised once into qx rows 0..R-1),
     gate and up rows four at a time, the rows' tokens four at a time, then a pair and an odd last one
-    alone (as qmatmul_i8, predecoding the gate and up quads into scratch float32 [threads, 5, >= H]
+    alone (as qmatmul_i8, predecoding the gate and up quads into scratch float32 [threads, 6, >= H]
     at PREDECODE tokens or more: batch invariant)."""
     R, I = act.shape
     S = qx.shape[1]
